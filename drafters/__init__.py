@@ -1,0 +1,1 @@
+"""Drafters: block-parallel models (DFlash, Domino) and test drafters with known distributions."""

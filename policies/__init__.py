@@ -1,0 +1,1 @@
+"""Tree policies: each turns a DraftOutput into a DraftTree (torch and networkx backends)."""

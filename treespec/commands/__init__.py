@@ -1,0 +1,1 @@
+"""Subcommands of the ``treespec`` CLI (one module each, imported lazily)."""

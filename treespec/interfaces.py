@@ -1,0 +1,204 @@
+"""The three swappable parts of speculative decoding and the messages they exchange.
+
+Contract
+--------
+One decoding round is ``draft -> build -> verify -> commit``:
+
+1. ``Drafter.draft(DraftContext) -> DraftOutput``: one block forward of the drafter.  The output
+   holds base log-probs for drafted depths 1..L (row ``d - 1`` is the distribution of the token at
+   depth ``d``) and, for path-dependent drafters, a `ConditionalScorer`.
+2. ``TreePolicy.build(DraftOutput, backend=...) -> DraftTree``: pure; no model calls other than
+   the scorer carried by the draft, no timing, no globals.
+3. ``Verifier.verify(tree, target_logits, ...) -> VerifyResult``: accepted node indices (starting
+   with the root) and the new bonus token, which becomes the next round's root.
+4. The decoder commits the accepted path and calls ``Drafter.observe``.
+
+Optional hooks (``Drafter.bind``, ``reset``, ``observe``) default to no-ops.  Batch size is one
+tree per call; `check_single_batch` is the one place where that is asserted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import attrs
+import torch
+
+from treespec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from treespec.target import TargetModel
+
+__all__ = [
+    "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "SamplingParams",
+    "TreePolicy", "Verifier", "VerifyResult", "check_single_batch", "BACKENDS",
+]
+
+BACKENDS = ("torch", "networkx")
+
+
+def check_single_batch(input_ids: torch.Tensor) -> torch.Tensor:
+    """Return ``input_ids`` as a 1-D tensor; treespec decodes one sequence (one tree) at a time."""
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"treespec decodes a batch of one sequence; got batch size {input_ids.shape[0]}")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape {tuple(input_ids.shape)}")
+    return input_ids
+
+
+# ---------------------------------------------------------------------------- drafting
+@attrs.frozen(eq=False)
+class DraftContext:
+    """What a drafter sees at the start of a round."""
+
+    sequence: torch.Tensor  # [P + 1] int64: every committed token, the anchor (root) last
+    features: torch.Tensor | None  # [n_new, F] target hidden taps of the tokens committed since the last draft
+    feature_start: int = 0  # absolute position of features[0]
+
+    @property
+    def anchor(self) -> int:
+        """The last committed (bonus) token: the tree's root."""
+        return int(self.sequence[-1])
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the anchor (= number of tokens before it)."""
+        return self.sequence.numel() - 1
+
+
+@attrs.frozen(eq=False)
+class Expansion:
+    """Children proposed by a `ConditionalScorer` for a batch of n parent nodes (k per parent)."""
+
+    tokens: torch.Tensor  # [n, k] int64, per row sorted by logprob descending, ties token ascending
+    logprobs: torch.Tensor  # [n, k] float32 log-probs of each child given its parent's path
+    states: torch.Tensor  # [n, k, S] scorer state of each child's own root-to-child path
+
+
+class ConditionalScorer(ABC):
+    """Path-dependent child distributions (Domino's GRU correction), batched over tree nodes."""
+
+    @abstractmethod
+    def root_state(self) -> torch.Tensor:
+        """[S] the state of the root's path (for Domino: the GRU after the anchor's embedding)."""
+
+    @abstractmethod
+    def expand(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
+        """Children of n parents at ``depth`` (their children sit at ``depth + 1``).
+
+        ``states`` is ``[n, S]``.  Candidates are the top-``top_m`` base tokens of row ``depth``;
+        the correction is normalised over those candidates and the best ``k`` are returned.
+        Depths below the scorer's pure-draft prefix use the base log-probs unchanged.
+        """
+
+
+@attrs.frozen(eq=False)
+class DraftOutput:
+    """One drafter forward: per-depth base log-probs and, optionally, a conditional scorer."""
+
+    logprobs: torch.Tensor  # [L, V] float32 base log-probs; row d-1 is the token at depth d
+    root_token: int  # the anchor: the tree's root token
+    position: int = 0  # absolute position of the anchor (the context length seen by cost models)
+    scorer: ConditionalScorer | None = None  # path-dependent correction (None: factorized drafter)
+
+    def __attrs_post_init__(self) -> None:
+        lp = self.logprobs
+        if lp.dim() != 2 or lp.shape[0] < 1:
+            raise ValueError(f"DraftOutput.logprobs must be [L, V] with L >= 1, got {tuple(lp.shape)}")
+        if lp.dtype != torch.float32:
+            raise ValueError(f"DraftOutput.logprobs must be float32, got {lp.dtype}")
+
+    @property
+    def depth(self) -> int:
+        """L, the number of drafted positions (the deepest a tree may go)."""
+        return self.logprobs.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.logprobs.shape[1]
+
+
+class Drafter(ABC):
+    """A block drafter.  Subclasses implement `draft`; the hooks are optional."""
+
+    tap_layers: tuple[int, ...] = ()  # target hidden_states indices the drafter reads (0 = embeddings)
+
+    def bind(self, target: TargetModel) -> None:
+        """Attach to a target (share its embeddings / head, check vocab and hidden sizes)."""
+
+    def reset(self) -> None:
+        """Forget any per-sequence cache before a new generation."""
+
+    @abstractmethod
+    def draft(self, ctx: DraftContext) -> DraftOutput:
+        """One block forward from the committed context."""
+
+    def observe(self, accepted: torch.Tensor) -> None:
+        """Feedback: the accepted node tokens of the last round (root first)."""
+
+
+# ---------------------------------------------------------------------------- policies
+class TreePolicy(ABC):
+    """Turns a `DraftOutput` into a `DraftTree`.  Must be a pure function of its inputs."""
+
+    name: ClassVar[str] = "policy"
+
+    @abstractmethod
+    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+        """Build the round's tree with the given backend ("torch" or "networkx")."""
+
+
+# ---------------------------------------------------------------------------- verification
+@attrs.frozen
+class SamplingParams:
+    """How the target's token is chosen at each tree node."""
+
+    temperature: float = 0.0  # 0: argmax (greedy); > 0: sample softmax(logits / T)
+    top_k: int = 0  # keep the k most likely target tokens before sampling (0: off)
+    top_p: float = 1.0  # nucleus: keep the smallest set with mass >= top_p (1.0: off)
+    position_keyed: bool = True  # draw a position's sample from noise keyed by (seed, position)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@attrs.frozen(eq=False)
+class VerifyResult:
+    """Outcome of verifying one tree."""
+
+    accepted: torch.Tensor  # [a] int64 node indices from the root (accepted[0] == 0) down the accepted path
+    bonus_token: int  # the target's token after the accepted path: the next round's root
+
+    @property
+    def tau(self) -> int:
+        """Acceptance length of the round: accepted draft tokens + 1 (the bonus)."""
+        return self.accepted.numel()
+
+
+class Verifier(ABC):
+    """Chooses the accepted path of a tree from the target's logits at every node."""
+
+    name: ClassVar[str] = "verifier"
+
+    @abstractmethod
+    def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
+               generator: torch.Generator | None, position: int,
+               draft: DraftOutput | None = None) -> VerifyResult:
+        """``target_logits`` is ``[N, V]`` (row i: the target's next-token logits after node i).
+
+        ``position`` is the absolute position of the token that follows the root, so node i's
+        target token sits at ``position + depths[i]``.  ``draft`` is passed for verifiers that
+        need the draft probabilities (rejection sampling on chains).
+        """

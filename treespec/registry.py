@@ -1,0 +1,94 @@
+"""Name -> implementation lookup for policies, drafters and verifiers.
+
+Contract: built-in names map to ``"module:attribute"`` strings that are imported only when the name
+is resolved, so ``treespec`` never imports ``policies``, ``drafters`` or ``verifiers`` at module
+level.  Third-party packages register more names through the entry-point groups
+``treespec.policies``, ``treespec.drafters`` and ``treespec.verifiers`` (value ``"pkg.mod:Class"``),
+or at run time with `register`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+__all__ = ["KINDS", "RegistryError", "available", "create", "register", "resolve"]
+
+KINDS = ("policy", "drafter", "verifier")
+_GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers"}
+
+# Built-ins, resolved lazily.  A new policy is one file in policies/ plus one line here.
+_BUILTIN: dict[str, dict[str, str]] = {
+    "policy": {
+        "chain": "policies.chain:Chain",
+        "ddtree": "policies.ddtree:DDTree",
+        "caddtree": "policies.caddtree:CaDDTree",
+        "dominotree": "policies.dominotree:DominoTree",
+        "static-corrected": "policies.static_corrected:StaticCorrected",
+    },
+    "drafter": {
+        "dflash": "drafters.dflash:DFlashDrafter",
+        "domino": "drafters.domino:DominoDrafter",
+        "marginal": "drafters.toy:MarginalDrafter",
+        "toy-conditional": "drafters.toy:ToyConditionalDrafter",
+    },
+    "verifier": {
+        "match": "verifiers.match:MatchVerifier",
+        "rejection": "verifiers.rejection:RejectionVerifier",
+    },
+}
+_RUNTIME: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+
+
+class RegistryError(LookupError):
+    """An unknown kind or name, or an entry that cannot be imported."""
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise RegistryError(f"unknown kind {kind!r}; expected one of {KINDS}")
+
+
+def register(kind: str, name: str, target: Any) -> None:
+    """Register ``target`` (a class, a factory, or a ``"module:attr"`` string) under ``name``."""
+    _check_kind(kind)
+    _RUNTIME[kind][name] = target
+
+
+def _entry_point_targets(kind: str) -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=_GROUPS[kind])}
+
+
+def available(kind: str) -> list[str]:
+    """Every name that `resolve` accepts for ``kind``, sorted."""
+    _check_kind(kind)
+    return sorted(set(_BUILTIN[kind]) | set(_entry_point_targets(kind)) | set(_RUNTIME[kind]))
+
+
+def _import(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise RegistryError(f"cannot import {spec!r}: {exc}") from exc
+    return obj
+
+
+def resolve(kind: str, name: str) -> Any:
+    """The class or factory registered as ``name``; run-time registrations win, then entry points."""
+    _check_kind(kind)
+    target = _RUNTIME[kind].get(name)
+    if target is None:
+        ep = _entry_point_targets(kind).get(name)
+        target = ep.load() if ep is not None else _BUILTIN[kind].get(name)
+    if target is None:
+        raise RegistryError(f"unknown {kind} {name!r}; available: {', '.join(available(kind))}")
+    return _import(target) if isinstance(target, str) else target
+
+
+def create(kind: str, name: str, /, **kwargs: Any) -> Any:
+    """Instantiate the registered ``name`` with ``kwargs``."""
+    return resolve(kind, name)(**kwargs)

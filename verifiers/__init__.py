@@ -1,0 +1,1 @@
+"""Verifiers: lossless match verification and chain rejection sampling."""
