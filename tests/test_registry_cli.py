@@ -1,0 +1,48 @@
+"""The registry resolves names lazily and accepts run-time and entry-point registrations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from treespec import registry
+from treespec.cli import main
+
+
+def test_importing_treespec_does_not_import_implementations():
+    code = ("import sys, treespec, treespec.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('policies', 'drafters', 'verifiers')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_unknown_names_and_kinds_are_clear_errors():
+    with pytest.raises(registry.RegistryError, match="unknown policy 'nope'.*ddtree"):
+        registry.resolve("policy", "nope")
+    with pytest.raises(registry.RegistryError, match="unknown kind"):
+        registry.resolve("planner", "ddtree")
+
+
+def test_runtime_registration_wins(monkeypatch):
+    monkeypatch.setitem(registry._RUNTIME["policy"], "mine", "collections:OrderedDict")
+    assert "mine" in registry.available("policy")
+    assert registry.create("policy", "mine") == {}
+
+
+def test_entry_point_registration(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    ep = EntryPoint(name="third-party", value="collections:Counter", group="treespec.policies")
+    monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == "treespec.policies" else [])
+    from collections import Counter
+
+    assert registry.resolve("policy", "third-party") is Counter
+
+
+def test_cli_list_and_example(capsys):
+    assert main(["list", "policy"]) == 0
+    assert "ddtree" in capsys.readouterr().out
+    assert main(["example"]) == 0
+    assert "ancestor mask" in capsys.readouterr().out
