@@ -12,6 +12,7 @@ import sys
 # name -> (module, one-line help).  Modules are imported lazily so ``treespec --help`` stays fast.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "example": ("treespec.commands.example", "a small end-to-end example on a tiny random model"),
+    "draw": ("treespec.commands.draw", "render a draft tree as SVG/PNG, DOT or Mermaid"),
     "list": ("treespec.commands.listing", "list the registered policies, drafters and verifiers"),
 }
 

@@ -350,6 +350,19 @@ class DraftTree:
         """Export EAGLE/Medusa/vLLM ``choices``: the rank path of every non-root node, in node order."""
         return list(self.rank_paths[1:])
 
+    def to_dict(self) -> dict[str, list]:
+        """JSON-ready fields (scores as Python floats: float32 values round-trip exactly)."""
+        return {"tokens": self.tokens.tolist(), "parents": self.parents.tolist(),
+                "depths": self.depths.tolist(), "scores": self.scores.tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict, *, device=None) -> DraftTree:
+        """Inverse of `to_dict`; ``depths`` and ``scores`` are optional."""
+        missing = {"tokens", "parents"} - set(data)
+        if missing:
+            raise TreeError(f"tree record lacks {sorted(missing)}")
+        return cls.build(data["tokens"], data["parents"], data.get("depths"), data.get("scores"), device=device)
+
     def to_networkx(self) -> nx.DiGraph:
         """A DiGraph with integer nodes 0..N-1, attributes token/depth/score, edges parent -> child."""
         import networkx as nx

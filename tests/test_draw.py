@@ -1,0 +1,58 @@
+"""Tree drawing: DOT/Mermaid text structure, reproducible figures, accepted-path checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treespec import DraftTree
+from treespec.cli import main
+from treespec.draw import to_dot, to_mermaid, tree_layout, write_figure
+
+
+@pytest.fixture
+def tree():
+    return DraftTree.build([1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 1, 3], None, [0, -0.1, -0.5, -0.3, -0.9, -0.6])
+
+
+def test_dot_has_every_node_and_edge_and_highlights_the_path(tree):
+    dot = to_dot(tree, accepted=[0, 1, 3])
+    assert dot.count(" -> ") == tree.budget
+    assert dot.count("penwidth") == 2  # two accepted edges
+    assert 'n2 [label="3\\n-0.50", fillcolor="#90a4ae"]' in dot
+
+
+def test_mermaid_marks_accepted_nodes(tree):
+    text = to_mermaid(tree, labels=lambda t: f"tok{t}", accepted=[0, 2])
+    assert text.startswith("flowchart TD")
+    assert "class n0,n2 accepted" in text and 'n5["tok6<br/>-0.60"]' in text
+
+
+def test_layout_centres_parents_over_children(tree):
+    pos = tree_layout(tree)
+    for node, kids in enumerate(tree.children):
+        if kids:
+            assert pos[node][0] == pytest.approx((pos[kids[0]][0] + pos[kids[-1]][0]) / 2)
+        assert pos[node][1] == -int(tree.depths[node])
+
+
+def test_accepted_must_be_a_path(tree):
+    with pytest.raises(ValueError, match="not a root-to-node path"):
+        to_dot(tree, accepted=[0, 2, 3])
+
+
+def test_svg_is_reproducible(tree, tmp_path):
+    a = write_figure(tree, tmp_path / "a.svg", accepted=[0, 1]).read_bytes()
+    b = write_figure(tree, tmp_path / "b.svg", accepted=[0, 1]).read_bytes()
+    assert a == b and b"<svg" in a
+
+
+def test_draw_command_writes_each_format(tree, tmp_path):
+    record = tree.to_dict() | {"accepted": [0, 1, 3, 5]}
+    src = tmp_path / "tree.json"
+    src.write_text(json.dumps(record))
+    for suffix in (".dot", ".mmd", ".png"):
+        out = tmp_path / f"t{suffix}"
+        assert main(["draw", "--tree", str(src), "--out", str(out)]) == 0
+        assert out.stat().st_size > 0
