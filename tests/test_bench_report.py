@@ -1,0 +1,64 @@
+"""Bench tables: speedup arithmetic, paired intervals, byte-for-byte reproducibility."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treespec.bench.records import BenchRecord, read_records, write_records
+from treespec.bench.report import compare_pairs, markdown_table, summarize, write_csv
+
+
+def make_records(n_prompts=12, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for p in range(n_prompts):
+        toks = [rng.randrange(100) for _ in range(20)]
+        for method, tpt, taus in (("ar", 0.04, [1, 1]), ("ddtree@16", 0.02, [2, 3]), ("chain", 0.03, [1, 2])):
+            jitter = 1 + 0.1 * rng.random()
+            out.append(BenchRecord(method=method, policy=method.split("@")[0], budget=16 if "@" in method else 0,
+                                   temperature=0.0, dataset="toy", prompt_id=str(p), turn=0, seed=0,
+                                   tokens=toks if method != "chain" or p else toks[:-1] + [999],
+                                   taus=taus * 4, decode_time=tpt * jitter * 20, prefill_time=0.1,
+                                   stage_times={"draft": 0.0}))
+    return out
+
+
+def test_speedup_is_ar_time_per_token_over_method_time_per_token():
+    summary = {s.method: s for s in summarize(make_records())}
+    assert summary["ar"].speedup == pytest.approx(1.0)
+    assert 1.7 < summary["ddtree@16"].speedup < 2.3
+    s = summary["ddtree@16"]
+    assert s.speedup_lo <= s.speedup <= s.speedup_hi
+    assert summary["chain"].lossless == pytest.approx(11 / 12)  # prompt 0 differs from AR
+    assert summary["ddtree@16"].lossless == 1.0
+
+
+def test_pairs_are_paired_by_prompt():
+    pairs = {(c.a, c.b): c for c in compare_pairs(make_records())}
+    c = pairs[("chain", "ddtree@16")]
+    assert c.tau_diff == pytest.approx(1.5 - 2.5)
+    assert c.tau_diff_lo == pytest.approx(-1.0) and c.tau_diff_hi == pytest.approx(-1.0)
+    assert c.speed_ratio_lo <= c.speed_ratio <= c.speed_ratio_hi
+    assert c.speed_ratio < 1  # ddtree (b) is faster than chain (a)
+
+
+def test_tables_are_reproducible_from_jsonl(tmp_path):
+    path = tmp_path / "r.jsonl"
+    write_records(path, make_records())
+    texts = []
+    for _ in range(2):
+        recs = list(read_records(path))
+        texts.append(write_csv(summarize(recs)) + write_csv(compare_pairs(recs)) + markdown_table(summarize(recs)))
+    assert texts[0] == texts[1]
+    assert "| ddtree@16 | 12 |" in texts[0]
+
+
+def test_missing_ar_and_malformed_lines_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="no 'ar' records"):
+        summarize([r for r in make_records() if r.method != "ar"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"method": "ar"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: malformed"):
+        list(read_records(bad))

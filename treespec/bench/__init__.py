@@ -1,0 +1,1 @@
+"""A/B benchmarking of methods: raw JSONL records, derived tables with paired intervals, plots."""

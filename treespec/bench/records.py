@@ -1,0 +1,79 @@
+"""Raw benchmark records: one JSON line per (method, config, prompt turn).
+
+Contract: records are the single source of truth of a bench run; every table and plot is derived
+from them, byte for byte reproducibly.  A record holds the generated tokens and a hash of them, so
+losslessness (equality with the autoregressive output) is checkable offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import attrs
+
+__all__ = ["BenchRecord", "output_hash", "read_records", "write_records"]
+
+
+def output_hash(tokens: Iterable[int]) -> str:
+    """Short stable hash of a token sequence."""
+    data = ",".join(str(int(t)) for t in tokens).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@attrs.frozen
+class BenchRecord:
+    """One measured response."""
+
+    method: str  # display name, e.g. "ddtree@16" or "ar"
+    policy: str  # registry name of the policy ("ar" for autoregressive)
+    budget: int  # tree budget B (0 for AR)
+    temperature: float  # sampling temperature
+    dataset: str  # benchmark name
+    prompt_id: str  # prompt identifier within the dataset
+    turn: int  # 0-based turn (MT-Bench has two, measured separately)
+    seed: int  # seed of the sampling stream (shared by every method: paired)
+    tokens: list[int]  # generated tokens
+    taus: list[int]  # acceptance length per round
+    decode_time: float  # seconds, prefill excluded
+    prefill_time: float  # seconds
+    stage_times: dict[str, float]  # seconds per stage, summed over rounds
+    hash: str = ""  # output_hash(tokens); filled in when empty
+
+    def __attrs_post_init__(self) -> None:
+        if not self.hash:
+            object.__setattr__(self, "hash", output_hash(self.tokens))
+
+    @property
+    def key(self) -> tuple[str, float, str, int]:
+        """What pairs records across methods: dataset, temperature, prompt, turn."""
+        return (self.dataset, self.temperature, self.prompt_id, self.turn)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.taus) / len(self.taus) if self.taus else 0.0
+
+
+def write_records(path: str | Path, records: Iterable[BenchRecord], *, append: bool = False) -> None:
+    """Write records as JSON lines with sorted keys."""
+    with open(path, "a" if append else "w") as fh:
+        for r in records:
+            fh.write(json.dumps(attrs.asdict(r), sort_keys=True) + "\n")
+
+
+def read_records(*paths: str | Path) -> Iterator[BenchRecord]:
+    """Read the records of one or more JSONL files (e.g. shards to merge), in file order."""
+    for path in paths:
+        with open(path) as fh:
+            for n, line in enumerate(fh, start=1):
+                if line.strip():
+                    try:
+                        yield BenchRecord(**json.loads(line))
+                    except (TypeError, json.JSONDecodeError) as exc:
+                        raise ValueError(f"{path}:{n}: malformed bench record: {exc}") from exc
