@@ -62,3 +62,13 @@ def test_missing_ar_and_malformed_lines_are_errors(tmp_path):
     bad.write_text('{"method": "ar"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: malformed"):
         list(read_records(bad))
+
+
+def test_plots_are_written_reproducibly(tmp_path):
+    from treespec.bench.plots import plot_budget_curves, plot_tau_histograms
+
+    recs = make_records()
+    a = plot_tau_histograms(recs, tmp_path / "a.svg").read_bytes()
+    b = plot_tau_histograms(recs, tmp_path / "b.svg").read_bytes()
+    assert a == b and b"<svg" in a
+    assert plot_budget_curves(summarize(recs), tmp_path / "c.png").stat().st_size > 1000
