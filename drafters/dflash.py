@@ -1,0 +1,208 @@
+"""The DFlash block drafter: one forward of a small bidirectional block model per round.
+
+Contract
+--------
+``DFlashDrafter(config)`` builds a model with fresh weights; ``DFlashDrafter(path=dir)`` or
+``DFlashDrafter.from_pretrained(dir)`` loads a released z-lab checkpoint (config.json +
+safetensors, strict key matching) and `save_pretrained` writes the same layout.
+
+``bind(target)`` must precede ``draft``.  It reads only ``embed_tokens``, ``lm_head``,
+``hidden_size``, ``vocab_size``, ``num_hidden_layers``, ``dtype`` and ``device`` of the target
+(the embedding table and head are used, never copied) and raises a clear error when the
+checkpoint does not fit the target.  ``tap_layers`` = ``target_layer_ids + 1`` (indices into
+Hugging Face's ``hidden_states``).
+
+Each ``draft(ctx)``:
+
+1. appends the context keys/values of the newly committed positions ``ctx.feature_start ..``
+   (``ctx.features`` rows) to the drafter's own cache; afterwards the cache must cover exactly
+   positions ``0 .. P-1`` where P is the anchor's position;
+2. runs the block ``[anchor, mask x (B-1)]`` at positions ``P .. P+B-1`` (its keys/values are
+   never cached);
+3. returns ``DraftOutput(logprobs [L, V] float32, root_token=anchor, position=P)`` where row
+   d-1 = log_softmax(lm_head(z)) at the block position predicting depth d: L = B-1 and rows from
+   block position 1 (``shift_label = false``), or L = B from position 0 (``shift_label = true``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from drafters._checkpoint import check_state, load_weights, save_weights
+from drafters._layers import ContextCache, DFlashModel
+from drafters.config import ConfigError, DFlashConfig, read_config
+from treespec.interfaces import ConditionalScorer, DraftContext, Drafter, DraftOutput
+
+if TYPE_CHECKING:
+    from treespec.target import TargetModel
+
+__all__ = ["DFlashDrafter", "DrafterMismatchError"]
+
+
+class DrafterMismatchError(ValueError):
+    """The drafter does not fit the target it is bound to, or the context it is given."""
+
+
+class DFlashDrafter(Drafter):
+    """DFlash: block diffusion drafting from the target's hidden-state taps (see module docstring)."""
+
+    kind: ClassVar[str] = "DFlash"  # name used in error messages
+
+    def __init__(self, config: DFlashConfig | None = None, *, path: str | Path | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        if (config is None) == (path is None):
+            raise ValueError(f"{type(self).__name__} takes exactly one of config= or path=")
+        config = read_config(path) if path is not None else config
+        self._check_kind(config)
+        self.config = config
+        if path is None:
+            self.model = self._build_model(config)
+        else:  # built without storage, then the checkpoint's own tensors are assigned (stored dtype, bits)
+            with torch.device("meta"):
+                self.model = self._build_model(config)
+            self._load_state(load_weights(path), source=str(path))
+        self.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self._dtype = dtype  # explicit compute dtype; None: the target's, set at bind
+        self.tap_layers = config.tap_layers
+        self.cache = ContextCache(config.num_hidden_layers)
+        self._target: Any = None
+
+    # ------------------------------------------------------------------ construction and I/O
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> DFlashDrafter:
+        """Load ``path/config.json`` and its safetensors weights (strict key matching)."""
+        return cls(path=path, **kwargs)
+
+    @classmethod
+    def random(cls, config: DFlashConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+               **kwargs: Any) -> DFlashDrafter:
+        """Random weights for tests and benchmarks: N(0, 1/fan_in) matrices, norms near one."""
+        drafter = cls(config, dtype=dtype, **kwargs)
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in drafter.model.named_parameters():
+            param.copy_(_random_like(name, param, generator))
+        return drafter
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` in the released layout."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory)
+        save_weights(directory, self.model.state_dict())
+        return directory
+
+    def _build_model(self, config: DFlashConfig) -> nn.Module:
+        return DFlashModel(config)
+
+    def _check_kind(self, config: DFlashConfig) -> None:
+        if config.is_domino:
+            raise ConfigError(
+                f"this is a Domino checkpoint (dflash_config.projector_type = {config.domino.projector_type!r}); "
+                "load it with DominoDrafter (registry name 'domino'), not DFlashDrafter")
+
+    def _load_state(self, state: dict[str, torch.Tensor], *, source: str) -> None:
+        check_state(self.model.state_dict(), state, source=source)
+        self.model.load_state_dict(state, strict=True, assign=True)
+
+    # ------------------------------------------------------------------ Drafter hooks
+    def bind(self, target: TargetModel) -> None:
+        _check_target(self.config, target, self.kind)
+        self._target = target
+        self.model.to(device=target.device, dtype=self._dtype or target.dtype)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @torch.no_grad()
+    def draft(self, ctx: DraftContext) -> DraftOutput:
+        if self._target is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(target) must be called before draft()")
+        position = self._extend_context(ctx)
+        z = self._block_states(ctx.anchor, position)  # [B, H]
+        rows = z[self.config.first_drafted_position:]  # [L, H]
+        logits = self._head_logits(rows)  # [L, V] float32
+        return DraftOutput(logprobs=torch.log_softmax(logits, dim=-1), root_token=ctx.anchor,
+                           position=position, scorer=self._scorer(ctx.anchor, rows, logits))
+
+    def _scorer(self, anchor: int, rows: torch.Tensor, logits: torch.Tensor) -> ConditionalScorer | None:
+        return None
+
+    # ------------------------------------------------------------------ one round
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    def _extend_context(self, ctx: DraftContext) -> int:
+        """Append the new positions' context keys/values; returns the anchor's position P."""
+        position = ctx.position
+        if ctx.features is not None and ctx.features.shape[0] > 0:
+            self._append_features(ctx.features, ctx.feature_start)
+        if self.cache.length != position:
+            raise DrafterMismatchError(
+                f"the drafter's context covers positions 0..{self.cache.length - 1} but the anchor sits at "
+                f"position {position}; features must cover every committed token before the anchor")
+        return position
+
+    def _append_features(self, features: torch.Tensor, start: int) -> None:
+        width = len(self.tap_layers) * self.config.hidden_size
+        if features.dim() != 2 or features.shape[1] != width:
+            raise DrafterMismatchError(f"features must be [n, {width}] ({len(self.tap_layers)} taps x hidden "
+                                       f"{self.config.hidden_size}), got {tuple(features.shape)}")
+        if not 0 <= start <= self.cache.length:
+            raise DrafterMismatchError(f"features start at position {start} but the drafter's context ends at "
+                                       f"{self.cache.length}; positions in between would be missing")
+        self.cache.truncate(start)  # a restart from an earlier position overwrites what follows
+        positions = torch.arange(start, start + features.shape[0], device=self.device)
+        self.cache.append(self.model.context_kv(features.to(self.device, self.dtype), positions))
+
+    def _block_states(self, anchor: int, position: int) -> torch.Tensor:
+        """Normed hidden states [B, H] of the block [anchor, mask, ...] at positions P..P+B-1."""
+        size = self.config.block_size
+        ids = torch.full((size,), self.config.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[0] = anchor
+        block = self._target.embed_tokens(ids).to(self.dtype)  # [B, H]
+        positions = torch.arange(position, position + size, device=self.device)
+        return self.model(block, positions, self.cache.layers())
+
+    def _head_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on ``rows`` [L, H], as float32 logits [L, V]."""
+        head = self._target.lm_head
+        head_dtype = next(head.parameters(), rows).dtype
+        return head(rows.to(head_dtype)).float()
+
+
+def _random_like(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+    if param.dim() == 1:  # RMSNorm gains (and biases): near one / near zero
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        return (base + 0.1 * noise).to(param.dtype)
+    return (noise / param.shape[-1] ** 0.5).to(param.dtype)
+
+
+def _check_target(config: DFlashConfig, target: Any, kind: str) -> None:
+    """Raise `DrafterMismatchError` naming the first way the checkpoint does not fit the target."""
+    if config.hidden_size != target.hidden_size:
+        raise DrafterMismatchError(f"{kind} drafter hidden size {config.hidden_size} does not match the "
+                                   f"target's hidden size {target.hidden_size}")
+    if config.mask_token_id >= target.vocab_size:
+        raise DrafterMismatchError(f"mask token {config.mask_token_id} is outside the target's vocabulary "
+                                   f"({target.vocab_size} tokens)")
+    if config.vocab_size != target.vocab_size:
+        raise DrafterMismatchError(f"{kind} drafter vocabulary {config.vocab_size} does not match the "
+                                   f"target's vocabulary {target.vocab_size}")
+    beyond = [i for i in config.target_layer_ids if i >= target.num_hidden_layers]
+    if beyond:
+        raise DrafterMismatchError(f"target_layer_ids {beyond} are beyond the target's {target.num_hidden_layers} "
+                                   f"layers (valid: 0..{target.num_hidden_layers - 1})")
+    if config.num_target_layers != target.num_hidden_layers:
+        raise DrafterMismatchError(f"{kind} drafter was trained on a {config.num_target_layers}-layer target, "
+                                   f"the target has {target.num_hidden_layers} layers")

@@ -1,0 +1,257 @@
+"""Domino: the DFlash backbone plus a GRU over the drafted path that corrects each depth's logits.
+
+Contract
+--------
+`DominoDrafter` loads Domino checkpoints (``Huang2020/Qwen3-4B-Domino-b16`` layout: the DFlash keys
+plus ``prefix_gru.weight_ih_l0`` [3G, H], ``prefix_gru.weight_hh_l0`` [3G, G],
+``embed_proj.0.weight`` [E, H+G], ``embed_proj.2.weight`` [V, E]; no biases) and drafts like
+`DFlashDrafter`; its `DraftOutput` additionally carries a `DominoScorer`.
+
+The maths (s_i = GRU state after reading the target embeddings of anchor, d_1 .. d_i; z_i = the
+drafted hidden state for depth i+1, i.e. ``DraftOutput`` row i):
+
+    logits(d_{i+1} | path) = lm_head(z_i) + W2 silu(W1 [z_i ; s_i])        (W1 = [W1_z | W1_s])
+    s_0 = GRU(0, e(anchor)),   s_{i+1} = GRU(s_i, e(d_{i+1}))
+
+`DominoScorer.expand(states, depth, top_m=M, k=k)` scores the children (depth+1) of n parents at
+``depth`` at once.  Children within the pure-draft prefix (depth + 1 <= pure_draft_prefix_len)
+take the base log_softmax over the full vocabulary.  Otherwise the candidates are the top-M base
+tokens of row ``depth``; once per round and depth the scorer gathers their base logits, their M
+rows of W2 and W1_z z_i, so a node costs O(G E + M E) for the correction plus the GRU update of
+its k children, not O(V).  The log-softmax is over the M candidates.  Rows are sorted by
+log-prob descending, ties by token id ascending.  `expand_reference` is the plain full-vocabulary
+evaluation through the ``nn`` modules themselves (``M = V``), for tests.
+
+The GRU input projection W_ih e(t) is precomputed for every vocabulary token at bind time
+(``gru_input_table=True``, the default: a [V, 3G] table) so a child's update is a gather; per
+node it measured 2-7x faster at SmolLM2 sizes and 5-14x at Qwen3-4B sizes (benchmarks/
+bench_expand.py, docs/drafters.md).  ``gru_input_table=False`` projects each child's embedding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters._layers import DFlashModel
+from drafters.config import ConfigError, DFlashConfig
+from drafters.dflash import DFlashDrafter
+from treespec.interfaces import ConditionalScorer, Expansion
+
+if TYPE_CHECKING:
+    from treespec.target import TargetModel
+
+__all__ = ["DominoDrafter", "DominoModel", "DominoScorer", "gru_step"]
+
+
+class DominoModel(DFlashModel):
+    """DFlash backbone plus ``prefix_gru`` and ``embed_proj`` under their checkpoint names."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__(cfg)
+        head, hidden = cfg.domino, cfg.hidden_size
+        self.prefix_gru = nn.GRU(hidden, head.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
+        self.embed_proj = nn.Sequential(
+            nn.Linear(hidden + head.gru_hidden_dim, head.emb_dim, bias=False),
+            nn.SiLU(),
+            nn.Linear(head.emb_dim, cfg.vocab_size, bias=False),
+        )
+
+
+def gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """One bias-free GRU update from input gates ``gi`` = W_ih x and hidden gates ``gh`` = W_hh h.
+
+    PyTorch's gate order (r, z, n):  r = sigmoid(gi_r + gh_r),  z = sigmoid(gi_z + gh_z),
+    n = tanh(gi_n + r * gh_n),  h' = (1 - z) * n + z * h = lerp(n, h, z).  Shapes broadcast:
+    gates [..., 3G], state [..., G]; r and z come from one fused slice to keep the op count low.
+    """
+    size = h.shape[-1]
+    rz = torch.sigmoid(gi[..., :2 * size] + gh[..., :2 * size])  # [..., 2G]
+    n = torch.tanh(torch.addcmul(gi[..., 2 * size:], rz[..., :size], gh[..., 2 * size:]))  # [..., G]
+    return torch.lerp(n, h.expand_as(n), rz[..., size:])
+
+
+def _top_set(values: torch.Tensor, m: int) -> torch.Tensor:
+    """Ids of the m largest ``values`` [V] (ties: lower id first), in ascending id order."""
+    kth = torch.topk(values, m).values[-1]
+    above = (values > kth).nonzero().squeeze(-1)
+    tied = (values == kth).nonzero().squeeze(-1)[: m - above.numel()]
+    return torch.cat([above, tied]).sort().values
+
+
+def _best_k(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best k columns of ``logprobs`` [n, C] whose columns are ``tokens`` [C] in ascending order.
+
+    A stable descending sort keeps tied columns in token order, as the tree contract requires.
+    """
+    order = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :k]  # [n, k]
+    return tokens[order], logprobs.gather(-1, order)
+
+
+class DominoScorer(ConditionalScorer):
+    """Path-dependent child distributions of one round (see the module docstring)."""
+
+    def __init__(self, *, rows: torch.Tensor, base_logits: torch.Tensor, prefix_gru: nn.GRU,
+                 embed_proj: nn.Sequential, embed: nn.Embedding, anchor: int, pure_draft_prefix_len: int,
+                 gru_table: torch.Tensor | None = None) -> None:
+        self.rows = rows  # [L, H] drafted hidden states z
+        self.base_logits = base_logits  # [L, V] float32 lm_head(z)
+        self.prefix_gru, self.embed_proj, self.embed = prefix_gru, embed_proj, embed
+        self.anchor = anchor
+        self.prefix_len = pure_draft_prefix_len
+        self.gru_table = gru_table  # [V, 3G] W_ih e(t) for every token, or None
+        hidden = rows.shape[-1]
+        self.w_ih, self.w_hh = prefix_gru.weight_ih_l0, prefix_gru.weight_hh_l0  # [3G, H], [3G, G]
+        w1 = embed_proj[0].weight  # [E, H + G]
+        self.w1_z, self.w1_s = w1[:, :hidden], w1[:, hidden:]  # [E, H], [E, G]
+        self.w2 = embed_proj[2].weight  # [V, E]
+        self._prefix: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gathered: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    @property
+    def depth(self) -> int:
+        """L, the number of drafted depths."""
+        return self.rows.shape[0]
+
+    @property
+    def state_size(self) -> int:
+        return self.w_hh.shape[1]
+
+    # ------------------------------------------------------------------ ConditionalScorer
+    @torch.no_grad()
+    def root_state(self) -> torch.Tensor:
+        gi = self._input_gates(torch.tensor([self.anchor], device=self.rows.device))[0]  # [3G]
+        return gru_step(gi, torch.zeros_like(gi), gi.new_zeros(self.state_size))  # from h = 0: W_hh h = 0
+
+    @torch.no_grad()
+    def expand(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
+        self._check(states, depth, k)
+        if self._is_pure_draft(depth):
+            tokens, logprobs = self._prefix_children(depth, k)  # [k], [k], cached for the round
+            n = states.shape[0]
+            tokens, logprobs = tokens.repeat(n, 1), logprobs.repeat(n, 1)  # copies: callers may write to them
+        else:
+            tokens, logprobs = self._corrected_children(states, depth, top_m, k)
+        return Expansion(tokens=tokens, logprobs=logprobs, states=self._child_states(states, tokens))
+
+    @torch.no_grad()
+    def expand_reference(self, states: torch.Tensor, depth: int, *, k: int) -> Expansion:
+        """Full-vocabulary evaluation through the modules themselves (M = V), node batch at once."""
+        self._check(states, depth, k)
+        n, vocab = states.shape[0], self.base_logits.shape[1]
+        logits = self.base_logits[depth].expand(n, -1)  # [n, V]
+        if not self._is_pure_draft(depth):
+            z = self.rows[depth].expand(n, -1)  # [n, H]
+            correction = self.embed_proj(torch.cat([z, states], dim=-1))  # [n, V]
+            logits = logits.to(self._score_dtype(correction)) + correction
+        logprobs = torch.log_softmax(logits.to(self._score_dtype(logits)), dim=-1)
+        tokens, chosen = _best_k(logprobs, torch.arange(vocab, device=logits.device), k)
+        x = self.embed(tokens).to(states.dtype).reshape(n * k, 1, -1)  # [n*k, 1, H]
+        _, h = self.prefix_gru(x, states.repeat_interleave(k, dim=0)[None])  # [1, n*k, G]
+        return Expansion(tokens=tokens, logprobs=chosen.float(), states=h[0].view(n, k, -1))
+
+    # ------------------------------------------------------------------ pieces
+    def _check(self, states: torch.Tensor, depth: int, k: int) -> None:
+        if not 0 <= depth < self.depth:
+            raise ValueError(f"depth {depth} out of range: children exist for depths 0..{self.depth - 1}")
+        if states.dim() != 2 or states.shape[1] != self.state_size:
+            raise ValueError(f"states must be [n, {self.state_size}], got {tuple(states.shape)}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+
+    def _is_pure_draft(self, depth: int) -> bool:
+        return depth + 1 <= self.prefix_len
+
+    @staticmethod
+    def _score_dtype(t: torch.Tensor) -> torch.dtype:
+        return torch.promote_types(t.dtype, torch.float32)
+
+    def _input_gates(self, tokens: torch.Tensor) -> torch.Tensor:
+        """W_ih e(t) [..., 3G] for token ids ``tokens`` [...]."""
+        if self.gru_table is not None:
+            return self.gru_table[tokens]
+        return self.embed(tokens).to(self.w_ih.dtype) @ self.w_ih.T
+
+    def _child_states(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """GRU states [n, k, G] of each parent's path extended by each of its child tokens [n, k]."""
+        gh = states @ self.w_hh.T  # [n, 3G], shared by a parent's k children
+        return gru_step(self._input_gates(tokens), gh[:, None], states[:, None])
+
+    def _prefix_children(self, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best k tokens of the base distribution at ``depth`` (identical for every parent)."""
+        key = (depth, k)
+        if key not in self._prefix:
+            logprobs = torch.log_softmax(self.base_logits[depth], dim=-1)  # [V]
+            k = min(k, logprobs.numel())
+            top = _top_set(logprobs, k)
+            tokens, chosen = _best_k(logprobs[top][None], top, k)
+            self._prefix[key] = (tokens[0], chosen[0])
+        return self._prefix[key]
+
+    def _candidates(self, depth: int, top_m: int) -> tuple[torch.Tensor, ...]:
+        """Once per round and depth: top-M ids [M], their base logits [M], W2 rows [M, E], W1_z z [E]."""
+        m = min(top_m, self.base_logits.shape[1])
+        key = (depth, m)
+        if key not in self._gathered:
+            row = self.base_logits[depth]  # [V]
+            ids = _top_set(row, m)
+            self._gathered[key] = (ids, row[ids], self.w2[ids], self.w1_z @ self.rows[depth])
+        return self._gathered[key]
+
+    def _corrected_children(self, states: torch.Tensor, depth: int, top_m: int,
+                            k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if top_m < 1:
+            raise ValueError(f"top_m must be >= 1, got {top_m}")
+        ids, base, w2_rows, z_part = self._candidates(depth, top_m)
+        if k > ids.numel():
+            raise ValueError(f"k = {k} children requested but only top_m = {ids.numel()} candidates exist")
+        hidden = F.silu(z_part + states @ self.w1_s.T)  # [n, E]
+        correction = hidden @ w2_rows.T  # [n, M]
+        dtype = self._score_dtype(correction)
+        logprobs = torch.log_softmax(base.to(dtype) + correction.to(dtype), dim=-1)  # [n, M]
+        tokens, chosen = _best_k(logprobs, ids, k)
+        return tokens, chosen.float()
+
+
+class DominoDrafter(DFlashDrafter):
+    """A DFlash drafter whose output carries the Domino `DominoScorer` (see module docstring)."""
+
+    kind: ClassVar[str] = "Domino"
+
+    def __init__(self, config: DFlashConfig | None = None, *, path: str | Path | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 gru_input_table: bool = True) -> None:
+        super().__init__(config, path=path, dtype=dtype, device=device)
+        self.gru_input_table = gru_input_table  # precompute W_ih e(t) for the whole vocabulary at bind
+        self._gru_table: torch.Tensor | None = None
+
+    def _build_model(self, config: DFlashConfig) -> nn.Module:
+        return DominoModel(config)
+
+    def _check_kind(self, config: DFlashConfig) -> None:
+        if not config.is_domino:
+            raise ConfigError("not a Domino checkpoint: dflash_config.projector_type is absent; load it with "
+                              "DFlashDrafter (registry name 'dflash'), not DominoDrafter")
+
+    def bind(self, target: TargetModel) -> None:
+        super().bind(target)
+        self._gru_table = self._build_gru_table() if self.gru_input_table else None
+
+    @torch.no_grad()
+    def _build_gru_table(self, chunk: int = 8192) -> torch.Tensor:
+        """[V, 3G] = E_target W_ih^T, computed in vocabulary chunks to bound the peak memory."""
+        embed, w_ih = self._target.embed_tokens.weight, self.model.prefix_gru.weight_ih_l0
+        table = w_ih.new_empty((embed.shape[0], w_ih.shape[0]))
+        for start in range(0, embed.shape[0], chunk):
+            table[start:start + chunk] = embed[start:start + chunk].to(w_ih.dtype) @ w_ih.T
+        return table
+
+    def _scorer(self, anchor: int, rows: torch.Tensor, logits: torch.Tensor) -> DominoScorer:
+        return DominoScorer(rows=rows, base_logits=logits, prefix_gru=self.model.prefix_gru,
+                            embed_proj=self.model.embed_proj, embed=self._target.embed_tokens, anchor=anchor,
+                            pure_draft_prefix_len=self.config.domino.pure_draft_prefix_len,
+                            gru_table=self._gru_table)
