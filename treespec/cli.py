@@ -14,6 +14,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "example": ("treespec.commands.example", "a small end-to-end example on a tiny random model"),
     "draw": ("treespec.commands.draw", "render a draft tree as SVG/PNG, DOT or Mermaid"),
     "list": ("treespec.commands.listing", "list the registered policies, drafters and verifiers"),
+    "generate": ("treespec.commands.generate", "generate text from a local model, optionally speculatively"),
+    "fetch-model": ("treespec.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
+    "distill-data": ("treespec.commands.distill_data", "generate self-distillation data with the target"),
+    "train-drafter": ("treespec.commands.train_drafter", "train a DFlash or Domino drafter (resumable)"),
 }
 
 

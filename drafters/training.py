@@ -1,0 +1,347 @@
+"""Training recipe for block drafters (DFlash and Domino) on any Hugging Face causal-LM target.
+
+Contract
+--------
+`DrafterTrainer` trains a `DFlashDrafter` / `DominoDrafter` against a frozen target on token
+sequences (the target's own responses: self-distillation).  One step takes one sequence:
+
+1. The target runs once over the sequence (no grad): its hidden-state taps give the drafter's
+   context features, its logits give soft labels (the target's next-token distribution).
+2. ``anchors_per_sequence`` anchors a are drawn in the response.  Block j is
+   ``[token_a, mask, ..., mask]`` at positions ``a .. a+B-1``; it sees the context features of
+   positions ``< a`` and itself (bidirectionally), as at inference.  All blocks of a sequence run
+   in one forward under one boolean mask.
+3. Drafted depth d of block j predicts the token at ``a + d``.  Its loss is
+   ``w_d * [(1 - s) CE(hard label) + s CE(target distribution)]`` with the position-decayed weight
+   ``w_d = exp(-(d - 1) / gamma)`` of the published recipe (gamma 7 / 5 / 4 for blocks 16 / 10 / 8)
+   and soft-label share s.
+4. Domino adds its GRU, teacher-forced on the true path: s_0 = GRU(e(token_a)),
+   s_i = GRU(s_{i-1}, e(token_{a+i})); corrected logits = base + embed_proj([z ; s]) beyond the
+   pure-draft prefix; loss ``(1 - lam) L(corrected) + lam L(base)`` with lam decayed linearly from
+   1 to 0 over the run.
+
+Checkpoints are safetensors only: the drafter in its released layout (``drafter/``) and the
+optimizer moments under parameter names plus a JSON record of the step (``trainer_state.json``).
+Resuming restores both and continues the same data order (a seeded permutation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from drafters.config import DFlashConfig, DominoHeadConfig
+from drafters.dflash import DFlashDrafter
+from drafters.domino import DominoDrafter
+
+__all__ = ["DrafterTrainer", "TRAIN_PRESETS", "TrainConfig", "decay_weights", "draft_config_for", "init_from_target", "new_drafter"]
+
+_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@attrs.frozen
+class TrainConfig:
+    """Hyper-parameters of one drafter training run."""
+
+    kind: str = attrs.field(default="dflash", validator=attrs.validators.in_(("dflash", "domino")))  # drafter type
+    block_size: int = 8  # B: block positions per forward
+    num_layers: int = 2  # draft decoder layers
+    target_layer_ids: tuple[int, ...] | None = None  # target layers tapped; None: spread evenly
+    init_from_target: bool = True  # start draft layers as copies of the target's top layers
+    anchors_per_sequence: int = 24  # blocks trained per sequence and step
+    max_seq_len: int = 384  # longer sequences are cut
+    steps: int = 2000  # optimizer steps (one sequence each)
+    lr: float = 1e-3  # AdamW peak learning rate
+    warmup_steps: int = 50  # linear warm-up, then cosine decay to 10% of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip
+    soft_label_share: float = 0.5  # s: weight of CE against the target's distribution
+    loss_decay_gamma: float | None = None  # gamma of w_d; None: the published value for the block size
+    gru_hidden_dim: int = 256  # Domino: G
+    emb_dim: int = 64  # Domino: embed_proj bottleneck E
+    pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
+    seed: int = 0  # data order, anchors and fresh weights
+    save_every: int = 200  # steps between checkpoints
+
+    @property
+    def gamma(self) -> float:
+        return self.loss_decay_gamma or _GAMMA_BY_BLOCK.get(self.block_size, self.block_size / 2)
+
+
+# Named presets: the embedded SmolLM2 drafters (CPU budget).
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    "smollm2-dflash": TrainConfig(kind="dflash", block_size=8, num_layers=2),
+    "smollm2-domino": TrainConfig(kind="domino", block_size=8, num_layers=2),
+}
+
+
+def decay_weights(depths: int, gamma: float) -> torch.Tensor:
+    """[L] w_d = exp(-(d - 1) / gamma) for d = 1..L: early depths matter most for acceptance."""
+    return torch.exp(-torch.arange(depths, dtype=torch.float32) / gamma)
+
+
+def _spread_layers(num_target_layers: int, taps: int = 4) -> tuple[int, ...]:
+    """Evenly spread tap layers from layer 1 to the second-to-last (like the released drafters)."""
+    last = num_target_layers - 2
+    return tuple(sorted({round(1 + i * (last - 1) / (taps - 1)) for i in range(taps)}))
+
+
+def draft_config_for(target_config, cfg: TrainConfig, mask_token_id: int) -> DFlashConfig:
+    """A drafter config that fits ``target_config`` (an HF config) with the run's shape choices."""
+    n_layers = target_config.num_hidden_layers
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    rope = getattr(target_config, "rope_theta", None) or (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    domino = None
+    if cfg.kind == "domino":
+        domino = DominoHeadConfig(emb_dim=cfg.emb_dim, gru_hidden_dim=cfg.gru_hidden_dim,
+                                  pure_draft_prefix_len=cfg.pure_draft_prefix_len)
+    return DFlashConfig(
+        hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=target_config.num_key_value_heads, head_dim=head_dim,
+        vocab_size=target_config.vocab_size, num_target_layers=n_layers,
+        target_layer_ids=cfg.target_layer_ids or _spread_layers(n_layers), mask_token_id=mask_token_id,
+        block_size=cfg.block_size, shift_label=cfg.kind == "domino", rms_norm_eps=target_config.rms_norm_eps,
+        rope_theta=float(rope), hidden_act=target_config.hidden_act, domino=domino)
+
+
+@torch.no_grad()
+def init_from_target(drafter: DFlashDrafter, target) -> list[str]:
+    """Copy the target's top decoder layers (and final norm) into the draft layers where shapes match.
+
+    Returns the names of the drafter parameters that were copied.
+    """
+    layers = target.model.layers
+    offset = len(layers) - len(drafter.model.layers)
+    source = {f"layers.{i - offset}.{k}": v for i in range(offset, len(layers))
+              for k, v in layers[i].state_dict().items()}
+    source["norm.weight"] = target.model.norm.weight
+    copied = []
+    for name, param in drafter.model.named_parameters():
+        if name in source and source[name].shape == param.shape:
+            param.copy_(source[name].to(param.dtype))
+            copied.append(name)
+    return copied
+
+
+@attrs.frozen(eq=False)
+class Batch:
+    """One sequence's training blocks."""
+
+    features: torch.Tensor  # [T, k*H] target taps
+    target_logits: torch.Tensor  # [T, V] float32 target logits (row t predicts token t+1)
+    tokens: torch.Tensor  # [T] int64
+    anchors: torch.Tensor  # [n] int64 anchor positions
+
+
+class DrafterTrainer:
+    """Runs the recipe of the module docstring; see `train`."""
+
+    def __init__(self, target, drafter: DFlashDrafter, cfg: TrainConfig, *, out_dir: str | Path) -> None:
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.out_dir = Path(out_dir)
+        self.embed, self.head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.params = [p for p in drafter.model.parameters()]
+        for p in self.params:
+            p.requires_grad_(True)
+        drafter.model.train()
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+
+    # ------------------------------------------------------------------ schedule
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to 10% of the peak."""
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def base_share(self, step: int) -> float:
+        """Domino's lam: the base-logit loss share, decayed linearly from 1 to 0."""
+        return max(0.0, 1.0 - step / max(1, self.cfg.steps))
+
+    # ------------------------------------------------------------------ data
+    @torch.no_grad()
+    def make_batch(self, tokens: torch.Tensor, response_start: int, generator: torch.Generator) -> Batch | None:
+        """Target forward over one sequence and the anchors to train on (None when too short)."""
+        tokens = tokens[: self.cfg.max_seq_len].to(self.embed.weight.device)
+        first, last = max(response_start - 1, 0), tokens.numel() - 2  # an anchor needs >= 1 label
+        if last < first:
+            return None
+        out = self.target(input_ids=tokens[None], output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[t][0] for t in self.drafter.tap_layers], dim=-1)  # [T, k*H]
+        count = min(self.cfg.anchors_per_sequence, last - first + 1)
+        anchors = first + torch.randperm(last - first + 1, generator=generator)[:count].sort().values
+        return Batch(feats.float(), out.logits[0].float(), tokens, anchors.to(tokens.device))
+
+    # ------------------------------------------------------------------ forward and loss
+    def block_mask(self, anchors: torch.Tensor, context_len: int) -> torch.Tensor:
+        """[n*B, T + n*B] bool: block j sees context positions < a_j and its own B positions."""
+        size, n = self.drafter.config.block_size, anchors.numel()
+        ctx = torch.arange(context_len, device=anchors.device)[None, :] < anchors[:, None]  # [n, T]
+        own = torch.eye(n, dtype=torch.bool, device=anchors.device)  # [n, n]
+        ctx = ctx.repeat_interleave(size, dim=0)  # [n*B, T]
+        blk = own.repeat_interleave(size, dim=0).repeat_interleave(size, dim=1)  # [n*B, n*B]
+        return torch.cat([ctx, blk], dim=1)
+
+    def drafted_states(self, batch: Batch) -> torch.Tensor:
+        """[n, L, H] hidden states of every drafted depth of every block."""
+        cfg, model = self.drafter.config, self.drafter.model
+        size, n = cfg.block_size, batch.anchors.numel()
+        positions = torch.arange(batch.tokens.numel(), device=batch.tokens.device)
+        context = model.context_kv(batch.features.to(self.dtype), positions)
+        ids = torch.full((n, size), cfg.mask_token_id, dtype=torch.int64, device=batch.tokens.device)
+        ids[:, 0] = batch.tokens[batch.anchors]
+        block = self.embed(ids).to(self.dtype).flatten(0, 1)  # [n*B, H]
+        block_pos = (batch.anchors[:, None] + torch.arange(size, device=ids.device)).flatten()
+        z = model(block, block_pos, context, attn_mask=self.block_mask(batch.anchors, positions.numel()))
+        return z.view(n, size, -1)[:, cfg.first_drafted_position:cfg.first_drafted_position + cfg.num_drafted]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.drafter.model.fc.weight.dtype
+
+    def labels(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hard labels [n, L], soft labels [n, L, V] and validity [n, L] of every drafted depth."""
+        depth = torch.arange(1, self.drafter.config.num_drafted + 1, device=batch.anchors.device)
+        pos = batch.anchors[:, None] + depth[None, :]  # [n, L] position of the predicted token
+        valid = pos < batch.tokens.numel()
+        pos = pos.clamp(max=batch.tokens.numel() - 1)
+        soft = torch.softmax(batch.target_logits[pos - 1], dim=-1)  # target's distribution for that token
+        return batch.tokens[pos], soft, valid
+
+    def position_loss(self, logits: torch.Tensor, hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        """[n, L] per-position (1 - s) CE(hard) + s CE(soft)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [n, L, V]
+        ce_hard = -logp.gather(-1, hard[..., None])[..., 0]
+        ce_soft = -(soft * logp).sum(-1)
+        s = self.cfg.soft_label_share
+        return (1 - s) * ce_hard + s * ce_soft
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Weighted block loss (Domino: mixed base / corrected) and per-depth top-1 accuracy."""
+        z = self.drafted_states(batch)  # [n, L, H]
+        base = self.head(z.to(self.head.weight.dtype)).float()  # [n, L, V]
+        hard, soft, valid = self.labels(batch)
+        weights = decay_weights(z.shape[1], self.cfg.gamma).to(z.device)[None] * valid  # [n, L]
+        per_pos = self.position_loss(base, hard, soft)
+        logits = base
+        if self.drafter.config.is_domino:
+            corrected = self.corrected_logits(z, base, batch)
+            lam = self.base_share(self.step)
+            per_pos = lam * per_pos + (1 - lam) * self.position_loss(corrected, hard, soft)
+            logits = corrected
+        loss = (per_pos * weights).sum() / weights.sum().clamp(min=1e-6)
+        acc = ((logits.argmax(-1) == hard) & valid).float().sum(0) / valid.float().sum(0).clamp(min=1)
+        return loss, {"loss": float(loss.detach()), **{f"acc{d + 1}": float(a) for d, a in enumerate(acc)}}
+
+    def corrected_logits(self, z: torch.Tensor, base: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Domino: base + embed_proj([z_i ; s_i]) with the GRU teacher-forced on the true path."""
+        model, cfg = self.drafter.model, self.drafter.config
+        n, depth = z.shape[:2]
+        path = batch.anchors[:, None] + torch.arange(depth, device=z.device)[None, :]  # anchor, t_{a+1}, ...
+        path_tokens = batch.tokens[path.clamp(max=batch.tokens.numel() - 1)]  # [n, L]
+        states, _ = model.prefix_gru(self.embed(path_tokens).to(self.dtype))  # [n, L, G]: s_0 .. s_{L-1}
+        correction = model.embed_proj(torch.cat([z, states], dim=-1)).float()  # [n, L, V]
+        pure = torch.arange(depth, device=z.device) < cfg.domino.pure_draft_prefix_len  # [L]
+        return torch.where(pure[None, :, None], base, base + correction)
+
+    # ------------------------------------------------------------------ loop
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.step)
+        loss, logs = self.loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        self.optimizer.step()
+        self.step += 1
+        return logs
+
+    def train(self, sequences: Sequence[tuple[torch.Tensor, int]], *, until: int | None = None,
+              progress: bool = True) -> list[dict[str, float]]:
+        """Run to step ``until`` (default ``cfg.steps``), one sequence per step in a seeded order.
+
+        Checkpoints every ``save_every`` steps and at the end; stopping early keeps the schedule of
+        the full run, so a later call (after `resume`) continues it exactly.
+        """
+        stop = min(self.cfg.steps, until if until is not None else self.cfg.steps)
+        from tqdm import tqdm
+
+        if not sequences:
+            raise ValueError("no training sequences")
+        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(self.cfg.seed)).tolist()
+        history: list[dict[str, float]] = []
+        bar = tqdm(total=stop, initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
+        start, tokens_seen = time.perf_counter(), 0
+        while self.step < stop:
+            tokens, response_start = sequences[order[self.step % len(order)]]
+            batch = self.make_batch(tokens, response_start, torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step))
+            if batch is None:
+                self.step += 1
+                continue
+            logs = self.train_step(batch) | {"step": self.step}
+            history.append(logs)
+            tokens_seen += batch.anchors.numel() * self.drafter.config.num_drafted
+            bar.set_postfix(loss=f"{logs['loss']:.3f}", acc1=f"{logs.get('acc1', 0):.2f}",
+                            tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}", refresh=False)
+            bar.update(1)
+            if self.step % self.cfg.save_every == 0:
+                self.save(history)
+        self.save(history)
+        bar.close()
+        return history
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, history: Sequence[dict[str, float]] = ()) -> Path:
+        """Write ``drafter/`` (released layout), optimizer moments and the trainer state."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.drafter.save_pretrained(self.out_dir / "drafter")
+        names = {id(p): n for n, p in self.drafter.model.named_parameters()}
+        moments = {}
+        for p, st in self.optimizer.state.items():
+            moments[f"{names[id(p)]}::exp_avg"] = st["exp_avg"].contiguous()
+            moments[f"{names[id(p)]}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+        save_file(moments, str(self.out_dir / "optimizer.safetensors"))
+        state = {"step": self.step, "config": attrs.asdict(self.cfg), "recent": list(history[-50:])}
+        (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        return self.out_dir
+
+    def resume(self) -> bool:
+        """Restore weights, optimizer moments and step from ``out_dir``; False when there is none."""
+        state_file = self.out_dir / "trainer_state.json"
+        if not state_file.exists():
+            return False
+        state = json.loads(state_file.read_text())
+        loaded = type(self.drafter).from_pretrained(self.out_dir / "drafter", dtype=self.dtype)
+        with torch.no_grad():
+            for p, q in zip(self.drafter.model.parameters(), loaded.model.parameters(), strict=True):
+                p.copy_(q)
+        moments = load_file(str(self.out_dir / "optimizer.safetensors"))
+        for name, p in self.drafter.model.named_parameters():
+            if f"{name}::exp_avg" in moments:
+                self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
+                                           "exp_avg": moments[f"{name}::exp_avg"],
+                                           "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
+        self.step = int(state["step"])
+        return True
+
+
+def new_drafter(target, cfg: TrainConfig, mask_token_id: int) -> DFlashDrafter:
+    """A fresh drafter for ``target`` (random weights; top layers copied from the target if asked)."""
+    dcfg = draft_config_for(target.config, cfg, mask_token_id)
+    cls = DominoDrafter if cfg.kind == "domino" else DFlashDrafter
+    drafter = cls.random(dcfg, seed=cfg.seed, dtype=torch.float32)
+    if cfg.init_from_target:
+        init_from_target(drafter, target)
+    return drafter
