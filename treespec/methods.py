@@ -1,0 +1,92 @@
+"""Named decoding methods for A/B runs: which drafter feeds which policy at which budget.
+
+Contract
+--------
+A method string is ``POLICY[@BUDGET]`` or one of the aliases below; `parse_method` turns it into a
+`Method`.  Each method names the kind of drafter it needs ("dflash" for factorized policies,
+"domino" for conditional ones, None for autoregressive decoding), so one harness can run every
+method of a comparison over the same target with the same two drafters:
+
+* ``ar``: autoregressive decoding (a root-only tree each round).
+* ``dflash``: the chain over the DFlash drafter (the DFlash decoder).
+* ``domino``: the chain over the Domino drafter (greedy GRU rollout: the Domino decoder).
+* ``ddtree@B``, ``caddtree@B``: over DFlash.  ``dominotree@B``, ``static-corrected@B``: over Domino.
+* ``cost-aware-dominotree@B``: DominoTree with CaDDTree's cost-aware stop rule.
+* any other registered policy name: over DFlash, or over Domino with ``POLICY@B:domino``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from treespec import registry
+from treespec.interfaces import Drafter, TreePolicy
+
+__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "parse_method"]
+
+_CONDITIONAL = {"dominotree", "static-corrected", "cost-aware-dominotree"}
+
+# The comparison of the README's demo: the published systems on the embedded default.
+DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16")
+
+
+@attrs.frozen
+class Method:
+    """One decoding method of a comparison."""
+
+    name: str  # display name, as given
+    policy: str | None  # registry policy name (None: autoregressive)
+    drafter: str | None  # "dflash" or "domino" (None: autoregressive)
+    budget: int | None = None  # tree budget (None: the policy's default)
+    options: Mapping[str, Any] = attrs.field(factory=dict)  # extra policy keyword arguments
+
+    @property
+    def autoregressive(self) -> bool:
+        return self.policy is None
+
+
+def parse_method(text: str) -> Method:
+    """``ar`` | ``dflash`` | ``domino`` | ``POLICY[@BUDGET][:DRAFTER]`` -> `Method`."""
+    text = text.strip()
+    if text == "ar":
+        return Method(text, None, None)
+    if text in ("dflash", "domino"):
+        return Method(text, "chain", text)
+    spec, _, drafter = text.partition(":")
+    policy, _, budget = spec.partition("@")
+    if budget and not budget.isdigit():
+        raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
+    if drafter not in ("", "dflash", "domino"):
+        raise ValueError(f"method {text!r}: drafter must be 'dflash' or 'domino', got {drafter!r}")
+    kind = drafter or ("domino" if policy in _CONDITIONAL else "dflash")
+    if policy != "cost-aware-dominotree" and policy not in registry.available("policy"):
+        raise ValueError(f"method {text!r}: unknown policy {policy!r}; available: "
+                         f"{', '.join(registry.available('policy'))}")
+    return Method(text, policy, kind, int(budget) if budget else None)
+
+
+def build_policy(method: Method, drafter: Drafter | None = None) -> TreePolicy | None:
+    """The method's policy instance (None for AR); the cost-aware DominoTree is one composition."""
+    if method.autoregressive:
+        return None
+    kwargs = dict(method.options)
+    if method.budget is not None:
+        kwargs["budget"] = method.budget
+    if method.policy == "cost-aware-dominotree":
+        from policies.cost import COST_PRESETS, CostAwareStop  # imported only for this method
+
+        cost = kwargs.pop("cost_model", None) or COST_PRESETS["smollm2-cpu-bf16"]
+        return registry.create("policy", "dominotree", stop=CostAwareStop(cost), **kwargs)
+    return registry.create("policy", method.policy, **kwargs)
+
+
+def embedded_drafter_dir(kind: str) -> "Path":
+    """Directory of the drafter shipped for the embedded SmolLM2 target ("dflash" or "domino")."""
+    from pathlib import Path
+
+    if kind not in ("dflash", "domino"):
+        raise ValueError(f"embedded drafters are 'dflash' and 'domino', got {kind!r}")
+    return Path(__file__).parent / "assets" / f"smollm2-135m-instruct-{kind}"
