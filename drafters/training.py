@@ -17,8 +17,9 @@ sequences (the target's own responses: self-distillation).  One step takes one s
    and soft-label share s.
 4. Domino adds its GRU, teacher-forced on the true path: s_0 = GRU(e(token_a)),
    s_i = GRU(s_{i-1}, e(token_{a+i})); corrected logits = base + embed_proj([z ; s]) beyond the
-   pure-draft prefix; loss ``(1 - lam) L(corrected) + lam L(base)`` with lam decayed linearly from
-   1 to 0 over the run.
+   pure-draft prefix, normalised over the top-M base candidates as DominoTree does at inference
+   (a label outside them falls back to the base loss); loss ``(1 - lam) L(corrected) + lam L(base)``
+   with lam decayed linearly from 1 to 0 over the run.
 
 Checkpoints are safetensors only: the drafter in its released layout (``drafter/``) and the
 optimizer moments under parameter names plus a JSON record of the step (``trainer_state.json``).
@@ -68,6 +69,7 @@ class TrainConfig:
     gru_hidden_dim: int = 256  # Domino: G
     emb_dim: int = 64  # Domino: embed_proj bottleneck E
     pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
+    top_m: int = 64  # Domino: base candidates the correction is normalised over (as DominoTree's M)
     seed: int = 0  # data order, anchors and fresh weights
     save_every: int = 200  # steps between checkpoints
 
@@ -235,26 +237,44 @@ class DrafterTrainer:
         hard, soft, valid = self.labels(batch)
         weights = decay_weights(z.shape[1], self.cfg.gamma).to(z.device)[None] * valid  # [n, L]
         per_pos = self.position_loss(base, hard, soft)
-        logits = base
+        pred = base.argmax(-1)  # [n, L]
         if self.drafter.config.is_domino:
-            corrected = self.corrected_logits(z, base, batch)
+            corrected, pred = self.corrected_loss(z, base, hard, soft, batch)
             lam = self.base_share(self.step)
-            per_pos = lam * per_pos + (1 - lam) * self.position_loss(corrected, hard, soft)
-            logits = corrected
+            per_pos = lam * per_pos + (1 - lam) * corrected
         loss = (per_pos * weights).sum() / weights.sum().clamp(min=1e-6)
-        acc = ((logits.argmax(-1) == hard) & valid).float().sum(0) / valid.float().sum(0).clamp(min=1)
+        acc = ((pred == hard) & valid).float().sum(0) / valid.float().sum(0).clamp(min=1)
         return loss, {"loss": float(loss.detach()), **{f"acc{d + 1}": float(a) for d, a in enumerate(acc)}}
 
-    def corrected_logits(self, z: torch.Tensor, base: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Domino: base + embed_proj([z_i ; s_i]) with the GRU teacher-forced on the true path."""
+    def corrected_loss(self, z: torch.Tensor, base: torch.Tensor, hard: torch.Tensor, soft: torch.Tensor,
+                       batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Domino's per-position loss [n, L] and prediction [n, L] under the corrected distribution.
+
+        As at inference, the correction is normalised over the top-M base candidates of each
+        position (M = ``top_m``); a label outside them costs the base loss instead.  Depths in the
+        pure-draft prefix use the base distribution.  The GRU is teacher-forced on the true path.
+        """
         model, cfg = self.drafter.model, self.drafter.config
         n, depth = z.shape[:2]
         path = batch.anchors[:, None] + torch.arange(depth, device=z.device)[None, :]  # anchor, t_{a+1}, ...
         path_tokens = batch.tokens[path.clamp(max=batch.tokens.numel() - 1)]  # [n, L]
         states, _ = model.prefix_gru(self.embed(path_tokens).to(self.dtype))  # [n, L, G]: s_0 .. s_{L-1}
-        correction = model.embed_proj(torch.cat([z, states], dim=-1)).float()  # [n, L, V]
-        pure = torch.arange(depth, device=z.device) < cfg.domino.pure_draft_prefix_len  # [L]
-        return torch.where(pure[None, :, None], base, base + correction)
+        hidden = model.embed_proj[1](model.embed_proj[0](torch.cat([z, states], dim=-1)))  # [n, L, E]
+        cand = base.detach().topk(self.cfg.top_m, dim=-1).indices  # [n, L, M]
+        w2 = model.embed_proj[2].weight[cand]  # [n, L, M, E]
+        logits = base.gather(-1, cand) + (w2 @ hidden[..., None])[..., 0].float()  # [n, L, M]
+        logp = torch.log_softmax(logits, dim=-1)
+        found = cand == hard[..., None]  # [n, L, M]
+        ce_hard = -(logp * found).sum(-1)
+        target = soft.gather(-1, cand)
+        ce_soft = -(target / target.sum(-1, keepdim=True).clamp(min=1e-12) * logp).sum(-1)
+        s = self.cfg.soft_label_share
+        corrected = (1 - s) * ce_hard + s * ce_soft
+        pure = torch.arange(depth, device=z.device)[None, :] < cfg.domino.pure_draft_prefix_len  # [1, L]
+        fallback = self.position_loss(base, hard, soft)
+        use_base = pure | ~found.any(-1)
+        pred = torch.where(pure, base.argmax(-1), cand.gather(-1, logits.argmax(-1, keepdim=True))[..., 0])
+        return torch.where(use_base, fallback, corrected), pred
 
     # ------------------------------------------------------------------ loop
     def train_step(self, batch: Batch) -> dict[str, float]:
