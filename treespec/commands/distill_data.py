@@ -1,0 +1,112 @@
+"""``treespec distill-data``: the target's greedy responses to training prompts, as safetensors shards.
+
+Resumable: rerunning the same command skips the shards already written.  Multi-turn records
+contribute their first turn only (later turns would need the target's earlier answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import attrs
+import torch
+
+from treespec.datasets import DatasetError, encode_chat, load_prompts
+from treespec.embedded import EmbeddedError
+from treespec.selfdistill import (
+    SMOLLM2_CPU,
+    DistillConfig,
+    iter_sequences,
+    write_shards,
+)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SMOLLM2_CPU
+    parser.add_argument("--out", type=Path, default=Path("runs/distill"), help="output directory of the shards")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a local Hugging Face model directory (default: the embedded SmolLM2)")
+    parser.add_argument("--dataset", default=d.dataset, help="benchmark name or local prompt file")
+    parser.add_argument("--split", default=d.split, choices=["train", "all"], help="prompt split to answer")
+    parser.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--shard-size", type=int, default=d.shard_size)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+def _config(args: argparse.Namespace) -> DistillConfig:
+    return DistillConfig(dataset=args.dataset, split=args.split, num_prompts=args.num_prompts,
+                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                         batch_size=args.batch_size, shard_size=args.shard_size)
+
+
+def _load_target(model_dir: Path | None, dtype: torch.dtype):
+    """(model, tokenizer, description) of the target."""
+    if model_dir is None:
+        from treespec.embedded import SMOLLM2_135M_INSTRUCT, load_embedded
+
+        model, tokenizer = load_embedded(dtype)
+        return model, tokenizer, f"{SMOLLM2_135M_INSTRUCT.requirement} sha256:{SMOLLM2_135M_INSTRUCT.wheel_sha256}"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    return model.eval(), tokenizer, str(model_dir)
+
+
+def _stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
+    """Stop tokens (the tokenizer's and the model's end-of-turn ids) and the padding id."""
+    configured = model.generation_config.eos_token_id
+    stops = {tokenizer.eos_token_id} | set(configured if isinstance(configured, list) else [configured])
+    stops.discard(None)
+    if not stops:
+        raise ValueError("the target defines no end-of-sequence token to stop generation at")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    return sorted(stops), pad
+
+
+def _encoded_prompts(cfg: DistillConfig, tokenizer) -> tuple[list[tuple[str, list[int]]], int]:
+    """(prompt id, chat-templated ids) for the run's prompts, and how many were too long to keep."""
+    records = load_prompts(cfg.dataset, split=cfg.split, limit=cfg.num_prompts)
+    encoded = [(r.id, encode_chat(tokenizer, r.turns[:1])) for r in records]
+    kept = [(pid, ids) for pid, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+    return kept, len(encoded) - len(kept)
+
+
+def _summary(out_dir: Path) -> str:
+    sequences = list(iter_sequences(out_dir))
+    responses = sum(len(s.tokens) - s.response_start for s in sequences)
+    finished = sum(s.finished for s in sequences)
+    return (f"{len(sequences)} sequences, {responses} response tokens, "
+            f"{finished / max(len(sequences), 1):.0%} ended with a stop token")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = _config(args)
+        model, tokenizer, description = _load_target(args.model_dir, _DTYPES[args.dtype])
+        prompts, skipped = _encoded_prompts(cfg, tokenizer)
+        stops, pad = _stop_and_pad(model, tokenizer)
+    except (DatasetError, EmbeddedError, ValueError, OSError) as exc:
+        print(f"treespec distill-data: {exc}", file=sys.stderr)
+        return 1
+    print(f"{len(prompts)} prompts from {cfg.dataset} ({cfg.split}), {skipped} left out as longer than "
+          f"{cfg.max_prompt_tokens} tokens; stop ids {stops}; shards in {args.out}", flush=True)
+    metadata = {"model": description, "dtype": args.dtype, "stop_ids": json.dumps(stops)}
+    try:
+        write_shards(model, prompts, args.out, cfg, stop_ids=stops, pad_id=pad, metadata=metadata)
+    except ValueError as exc:  # shards left by a run with other settings
+        print(f"treespec distill-data: {exc}", file=sys.stderr)
+        return 1
+    print(f"done: {_summary(args.out)}; settings {json.dumps(attrs.asdict(cfg))}")
+    return 0
