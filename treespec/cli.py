@@ -17,7 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("treespec.commands.generate", "generate text from a local model, optionally speculatively"),
     "fetch-model": ("treespec.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
     "distill-data": ("treespec.commands.distill_data", "generate self-distillation data with the target"),
+    "profile-cost": ("treespec.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),
     "train-drafter": ("treespec.commands.train_drafter", "train a DFlash or Domino drafter (resumable)"),
+    "bench": ("treespec.commands.bench", "A/B comparison of methods: paired runs, tables with CIs, plots"),
 }
 
 

@@ -1,0 +1,31 @@
+"""`treespec profile-cost` on a tiny random target: timings, cache restored, a loadable convex model."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from treespec.commands.profile_cost import time_verify
+from treespec.target import TargetModel
+
+
+def test_time_verify_leaves_the_cache_as_it_found_it():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    target = TargetModel(Qwen3ForCausalLM(cfg))
+    seconds = time_verify(target, n=8, ctx=20, repeats=2, generator=torch.Generator().manual_seed(0))
+    assert seconds > 0
+    assert target.length == 20 and target.cache_length() == 20
+
+
+def test_fitted_model_round_trips(tmp_path):
+    from policies.cost import ConvexCost, load_cost_model
+
+    samples = [(1, 64, 0.020), (8, 64, 0.022), (16, 64, 0.026), (64, 64, 0.060), (1, 512, 0.025), (16, 512, 0.031)]
+    model = ConvexCost.fit(samples, draft=0.007)
+    model.save(tmp_path / "cost.json")
+    again = load_cost_model(tmp_path / "cost.json")
+    assert torch.equal(again.verify_costs(64, 300), model.verify_costs(64, 300))
+    costs = model.verify_costs(64, 64)[1:]
+    assert bool((costs[1:] >= costs[:-1]).all())  # monotone
