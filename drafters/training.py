@@ -70,6 +70,7 @@ class TrainConfig:
     emb_dim: int = 64  # Domino: embed_proj bottleneck E
     pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
     top_m: int = 64  # Domino: base candidates the correction is normalised over (as DominoTree's M)
+    autocast_bf16: bool = True  # drafter forward/backward in bf16 autocast (fp32 master weights)
     seed: int = 0  # data order, anchors and fresh weights
     save_every: int = 200  # steps between checkpoints
 
@@ -280,7 +281,9 @@ class DrafterTrainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)
-        loss, logs = self.loss(batch)
+        device = self.drafter.model.fc.weight.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
+            loss, logs = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
