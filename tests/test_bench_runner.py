@@ -1,0 +1,274 @@
+"""The bench runner on a tiny float64 Qwen3 target with random DFlash and Domino drafters.
+
+One unsharded run (module fixture) over a single-turn and a two-turn (MT-Bench-shaped) local prompt
+file at T = 0 and T = 1 is checked for completeness, equality with AR, pairing and the MT-Bench turn
+chaining; its report is re-derived byte for byte; a two-rank run merged equals it (times aside);
+an injected wrong token is caught by the losslessness check with the AR logits' top-two gap.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from test_drafters_support import tiny_config
+from test_target import tiny_model
+
+from drafters.dflash import DFlashDrafter
+from drafters.domino import DominoDrafter
+from treespec.bench import runner
+from treespec.bench.records import read_records
+from treespec.cli import main
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import SamplingParams
+from treespec.sampling import gumbel_noise
+from treespec.target import TargetModel
+
+VOCAB, EOS = 128, 0
+METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree")
+EXPANDED = ("ar", "dflash", "domino", "ddtree@4", "caddtree@4", "dominotree@4")
+TEMPERATURES = (0.0, 1.0)
+TIMES = ("decode_time", "prefill_time", "stage_times")
+
+
+class CharTokenizer:
+    """The slice of a Hugging Face tokenizer the runner uses: a character-level chat template."""
+
+    chat_template = "role:content|"
+    eos_token_id = EOS
+
+    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, **kwargs):
+        return "".join(f"{m['role']}:{m['content']}|" for m in messages) + "assistant:"
+
+    def __call__(self, text, add_special_tokens):
+        return type("Encoding", (), {"input_ids": [1 + ord(c) % (VOCAB - 2) for c in text]})()
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i == EOS))
+
+
+def make_harness() -> runner.Harness:
+    target = TargetModel(tiny_model("qwen3", vocab=VOCAB, hidden=32, layers=4))
+    config = {"vocab": VOCAB, "hidden": 32, "num_target_layers": 4, "layer_ids": (0, 2), "block_size": 4}
+    drafters = {"dflash": DFlashDrafter.random(tiny_config(**config), dtype=torch.float64, seed=1),
+                "domino": DominoDrafter.random(tiny_config(domino=True, **config), dtype=torch.float64, seed=2)}
+    return runner.Harness(target, runner.Chat(CharTokenizer()), drafters)
+
+
+def prompt_files(folder: Path) -> tuple[str, str]:
+    single = folder / "qa.jsonl"
+    single.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("one", "two", "three")))
+    chat = folder / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"question_id": 7 + i, "turns": [f"hi {i}", f"more {i}"]}) + "\n"
+                            for i in range(2)))
+    return str(single), str(chat)
+
+
+CONFIG = runner.BenchConfig(methods=METHODS, budgets=(4,), temperatures=TEMPERATURES, prompts=2,
+                            max_new_tokens=8, warmup_tokens=2, datasets=("unset",))
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """(config, harness, output folder) of one unsharded run, merged and reported."""
+    folder = tmp_path_factory.mktemp("bench")
+    config = attrs.evolve(CONFIG, datasets=prompt_files(folder))
+    harness = make_harness()
+    runner.run_shard(config, harness, folder / "out", progress=False)
+    runner.merge_shards(folder / "out")
+    runner.write_report(folder / "out", resamples=50)
+    return config, harness, folder / "out"
+
+
+def by_key(records) -> dict[tuple, dict[str, runner.BenchRecord]]:
+    cells: dict = {}
+    for r in records:
+        cells.setdefault(r.key, {})[r.method] = r
+    return cells
+
+
+def without_times(record) -> dict:
+    return {k: v for k, v in attrs.asdict(record).items() if k not in TIMES}
+
+
+# ---------------------------------------------------------------------------- methods, seeds, config
+def test_methods_expand_over_budgets_with_ar_first():
+    names = [m.name for m in runner.expand_methods(["dflash", "ddtree", "ar", "ddtree@4", "dominotree:dflash",
+                                                    "domino", "chain"], [4, 8])]
+    assert names == ["ar", "dflash", "ddtree@4", "ddtree@8", "dominotree@4:dflash", "dominotree@8:dflash",
+                     "domino", "chain"]
+    assert [m.budget for m in runner.expand_methods(["ddtree@32"], [4])] == [None, 32]
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        runner.expand_methods(["nope"], [4])
+
+
+def test_pair_seed_depends_on_the_turn_not_on_the_method():
+    seeds = {runner.pair_seed(0, "d", p, t, temp) for p in ("a", "b") for t in (0, 1) for temp in (0.0, 1.0)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert runner.pair_seed(0, "d", "a", 0, 1.0) == runner.pair_seed(0, "d", "a", 0, 1.0)
+    assert runner.pair_seed(1, "d", "a", 0, 1.0) != runner.pair_seed(0, "d", "a", 0, 1.0)
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="prompts must be >= 1"):
+        runner.BenchConfig(prompts=0)
+    with pytest.raises(ValueError, match="temperatures must be >= 0"):
+        runner.BenchConfig(temperatures=(-1,))
+    with pytest.raises(ValueError, match="rank 2 outside a world of 2"):
+        runner.Shard(2, 2)
+    with pytest.raises(ValueError, match="needs a domino drafter"):
+        runner.Harness(make_harness().target, runner.Chat(CharTokenizer())).decoders(
+            runner.expand_methods(["domino"], []))
+
+
+def test_command_line_options_override_the_preset(tmp_path, capsys):
+    from treespec.commands import bench as command
+
+    parser = __import__("argparse").ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--preset", "smoke", "--methods", "ar,ddtree", "--budgets", "16,64",
+                              "--temperatures", "0,0.7", "--no-stop", "--out", str(tmp_path)])
+    config = command.config_from_args(args)
+    assert (config.methods, config.budgets, config.temperatures) == (("ar", "ddtree"), (16, 64), (0.0, 0.7))
+    assert config.prompts == runner.BENCH_PRESETS["smoke"].prompts and config.stop_at_eos is False
+    assert main(["bench", "--methods", "ar"]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
+    assert main(["bench", "report", str(tmp_path)]) == 2
+    assert "no records.jsonl" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the run
+def test_every_method_prompt_turn_and_temperature_is_recorded_with_ar(bench):
+    _, _, out = bench
+    records = list(read_records(out / runner.RECORDS))
+    turns = 2 * 1 + 2 * 2  # two single-turn prompts, two two-turn prompts
+    assert len(records) == turns * len(TEMPERATURES) * len(EXPANDED)
+    cells = by_key(records)
+    assert len(cells) == turns * len(TEMPERATURES)
+    canonical = ("ar", *sorted(EXPANDED[1:]))  # AR first, then by name
+    assert all(tuple(methods) == canonical for methods in cells.values())
+    assert Counter(r.turn for r in records if r.dataset == "chat") == {0: 24, 1: 24}
+    assert not list(out.glob("*-rank*.jsonl"))  # shards merged away
+    budgets = {(r.method, r.budget) for r in records}
+    assert budgets == {(m, 4 if "@" in m else 0) for m in EXPANDED}
+
+
+def test_outputs_equal_ar_at_both_temperatures_with_paired_seeds(bench):
+    _, _, out = bench
+    cells = by_key(read_records(out / runner.RECORDS))
+    for methods in cells.values():
+        ar = methods["ar"]
+        assert all(r.tokens == ar.tokens and r.seed == ar.seed for r in methods.values())
+        assert all(sum(r.taus) == len(r.tokens) for r in methods.values())
+    assert (out / runner.DIVERGENCES).read_text() == ""
+    greedy = {k[2:]: m["ar"].tokens for k, m in cells.items() if k[1] == 0.0}
+    sampled = {k[2:]: m["ar"].tokens for k, m in cells.items() if k[1] == 1.0}
+    assert greedy != sampled  # T = 1 really samples, so its equality with AR is not the greedy one
+    assert len({m["ar"].seed for m in cells.values()}) == len(cells)
+
+
+def test_second_turn_is_asked_after_ar_answer_to_the_first(bench):
+    _, harness, out = bench
+    cells = by_key(read_records(out / runner.RECORDS))
+    prompt = next(p for p in runner.bench_prompts(attrs.evolve(CONFIG, datasets=(str(out.parent / "chat.jsonl"),))))
+    for temperature in TEMPERATURES:
+        first, second = (cells[("chat", temperature, prompt.id, t)]["ar"] for t in (0, 1))
+        ids = harness.chat.encode(prompt.turns, [harness.chat.decode(first.tokens)])
+        again = SpeculativeDecoder(harness.target).generate(
+            ids, max_new_tokens=CONFIG.max_new_tokens, temperature=temperature, stop_token_ids=[EOS],
+            generator=torch.Generator().manual_seed(second.seed))
+        assert again.tokens.tolist() == second.tokens
+
+
+def test_report_is_reproducible_byte_for_byte(bench):
+    _, _, out = bench
+    names = ("summary.csv", "pairs.csv", "summary.md", "lossless.md", "tau_hist.svg", "tau_hist.png",
+             "budget_curves.svg", "budget_curves.png")
+    before = {n: (out / n).read_bytes() for n in names}
+    for n in names:
+        (out / n).unlink()
+    assert main(["bench", "report", str(out), "--resamples", "50"]) == 0
+    assert {n: (out / n).read_bytes() for n in names} == before
+    assert "| dominotree@4 | 4 |" in before["summary.md"].decode()
+    lossless = before["lossless.md"].decode()
+    assert lossless.count("0 of 30 responses differ from AR's; 0 within the stated tolerance, 0 not.") == 2
+
+
+def test_sharded_runs_merge_to_the_unsharded_records(bench, tmp_path):
+    config, harness, out = bench
+    for rank in (1, 0):  # finishing order does not matter
+        runner.run_shard(config, harness, tmp_path, runner.Shard(rank, 2), progress=False)
+    parts = [list(read_records(runner.shard_paths(tmp_path, r)[0])) for r in (0, 1)]
+    assert {r.prompt_id for r in parts[0]}.isdisjoint({r.prompt_id for r in parts[1]}) and all(parts)
+    merged = list(read_records(runner.merge_shards(tmp_path)))
+    assert [without_times(r) for r in merged] == [without_times(r) for r in read_records(out / runner.RECORDS)]
+    runner.run_shard(config, harness, tmp_path, runner.Shard(0, 2), progress=False)
+    (tmp_path / "records-rank1.jsonl").write_text((tmp_path / "records-rank0.jsonl").read_text())
+    with pytest.raises(ValueError, match="duplicate record"):
+        runner.merge_shards(tmp_path)
+
+
+# ---------------------------------------------------------------------------- losslessness check
+class Corrupt:
+    """A decoder whose answers change one token: what a lossy method would do."""
+
+    def __init__(self, inner: SpeculativeDecoder, position: int) -> None:
+        self.inner, self.position = inner, position
+
+    def generate(self, ids, **kwargs):
+        out = self.inner.generate(ids, **kwargs)
+        if out.tokens.numel() > self.position:  # the warm-up is shorter
+            out.tokens[self.position] = (out.tokens[self.position] + 1) % VOCAB
+        return out
+
+
+class CorruptHarness(runner.Harness):
+    def _decoder(self, method):
+        decoder = super()._decoder(method)
+        return Corrupt(decoder, 3) if method.name == "dflash" else decoder
+
+
+def ar_scores(harness, prompt: torch.Tensor, ar, k: int) -> torch.Tensor:
+    """[V] what AR's token k was chosen by: logits, plus T x the Gumbel noise of its position at T > 0."""
+    with torch.inference_mode():
+        logits = harness.target.model(torch.cat([prompt, torch.tensor(ar.tokens[:k])])[None]).logits[0, -1]
+    if ar.temperature == 0:
+        return logits
+    noise = gumbel_noise(torch.tensor([prompt.numel() + k]), VOCAB, SamplingParams(ar.temperature),
+                         torch.Generator().manual_seed(ar.seed), logits.device, torch.float64)[0]
+    return logits + ar.temperature * noise
+
+
+def test_a_divergence_from_ar_is_listed_with_the_ar_decision_margin(tmp_path):
+    single, _ = prompt_files(tmp_path)
+    base = make_harness()
+    harness = CorruptHarness(base.target, base.chat, base.drafters)
+    config = attrs.evolve(CONFIG, methods=("ar", "dflash"), temperatures=(0.0, 0.5), datasets=(single,),
+                          prompts=1, stop_at_eos=False)
+    runner.run_shard(config, harness, tmp_path / "out", progress=False)
+    runner.merge_shards(tmp_path / "out")
+    divergences = runner.read_divergences(tmp_path / "out" / runner.DIVERGENCES)
+    ars = {r.temperature: r for r in read_records(tmp_path / "out" / runner.RECORDS) if r.method == "ar"}
+    prompt = harness.chat.encode(runner.bench_prompts(config)[0].turns, [])
+    assert [d.temperature for d in divergences] == [0.0, 0.5]
+    for div in divergences:
+        ar = ars[div.temperature]
+        top = ar_scores(harness, prompt, ar, 3).topk(2)
+        assert int(top.indices[0]) == ar.tokens[3]  # the scores of the right position: AR's pick is their argmax
+        assert (div.method, div.position, div.ar_token) == ("dflash", 3, ar.tokens[3])
+        assert div.gap == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-9)
+        assert div.tolerance == runner.GAP_TOLERANCE[torch.float64] and not div.acceptable
+        assert attrs.evolve(div, tolerance=div.gap).acceptable
+    assert main(["bench", "report", str(tmp_path / "out"), "--resamples", "20"]) == 1  # flagged
+    text = (tmp_path / "out" / "lossless.md").read_text()
+    assert text.count("BEYOND TOLERANCE") == 2 and text.count("1 of 1 responses differ from AR's") == 2
+
+
+def test_first_difference_counts_a_shorter_answer():
+    assert runner.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert runner.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert runner.first_difference([1, 2], [1, 2, 0]) == 2
