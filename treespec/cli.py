@@ -11,6 +11,7 @@ import sys
 
 # name -> (module, one-line help).  Modules are imported lazily so ``treespec --help`` stays fast.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("treespec.commands.demo", "every published method on the embedded SmolLM2 default, checked against AR"),
     "example": ("treespec.commands.example", "a small end-to-end example on a tiny random model"),
     "draw": ("treespec.commands.draw", "render a draft tree as SVG/PNG, DOT or Mermaid"),
     "list": ("treespec.commands.listing", "list the registered policies, drafters and verifiers"),
@@ -19,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "distill-data": ("treespec.commands.distill_data", "generate self-distillation data with the target"),
     "profile-cost": ("treespec.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),
     "train-drafter": ("treespec.commands.train_drafter", "train a DFlash or Domino drafter (resumable)"),
+    "replay": ("treespec.commands.replay", "record drafter traces once, then replay policies' tau without the target"),
     "bench": ("treespec.commands.bench", "A/B comparison of methods: paired runs, tables with CIs, plots"),
 }
 

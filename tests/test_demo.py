@@ -1,0 +1,28 @@
+"""The demo's pooled table and equality verdict, from synthetic bench records."""
+
+from __future__ import annotations
+
+from treespec.bench.records import BenchRecord
+from treespec.commands.demo import lossless_verdict, pooled_table
+
+
+def rec(method, prompt, tokens, time, taus):
+    return BenchRecord(method=method, policy=method, budget=0, temperature=0.0, dataset="d", prompt_id=prompt, turn=0,
+                       seed=0, tokens=tokens, taus=taus, decode_time=time, prefill_time=0.0, stage_times={})
+
+
+def test_table_pools_prompts_and_orders_methods():
+    records = [rec("ar", "1", [1, 2, 3, 4], 0.4, [1] * 4), rec("ar", "2", [5, 6], 0.2, [1, 1]),
+               rec("ddtree@16", "1", [1, 2, 3, 4], 0.2, [2, 2]), rec("ddtree@16", "2", [5, 7], 0.1, [2])]
+    table = pooled_table(records, ["ar", "ddtree@16", "absent"]).splitlines()
+    assert table[2].split()[:4] == ["ar", "1.00", "10.0", "1.00x"]
+    assert table[3].split() == ["ddtree@16", "2.00", "20.0", "2.00x", "1/2"]  # prompt 2 differs from AR
+    assert len(table) == 4
+
+
+def test_verdict_names_equality_near_ties_and_failures():
+    same = [rec("ar", "1", [1], 1.0, [1]), rec("dflash", "1", [1], 1.0, [1])]
+    assert "all 1 speculative outputs equal AR's" in lossless_verdict(same, 0)
+    diff = [rec("ar", "1", [1], 1.0, [1]), rec("dflash", "1", [2], 1.0, [1])]
+    assert "near-tie" in lossless_verdict(diff, 0)
+    assert "FAILED" in lossless_verdict(diff, 1)

@@ -1,0 +1,93 @@
+"""``treespec demo``: every published method on the embedded default, in one table, checked against AR.
+
+Runs AR, the DFlash chain, the Domino chain, DDTree, CaDDTree and DominoTree (budget 16) at T = 0 on
+a few chat, math and code prompts with SmolLM2-135M-Instruct (fetched and converted once) and the
+drafters shipped with treespec.  It is a small `treespec bench` run: the raw records and the full
+report land in ``--out``; the printed table pools every prompt per method.  The exit status is 1
+when a method's output differs from AR's beyond the stated floating-point tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from treespec.bench.records import BenchRecord
+
+_DATASETS = ("alpaca", "gsm8k", "humaneval")  # chat, math, code
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per response")
+    parser.add_argument("--methods", default=None, help="comma-separated methods (default: the published six)")
+    parser.add_argument("--out", type=Path, default=None, help="where the records and report go "
+                        "(default: the treespec cache's demo/ folder)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def pooled_table(records: Sequence[BenchRecord], order: Sequence[str]) -> str:
+    """One row per method (in ``order``) over every prompt: mean tau, tokens/s, speedup, equality with AR."""
+    by_method: dict[str, list[BenchRecord]] = defaultdict(list)
+    for r in records:
+        by_method[r.method].append(r)
+    ar = {r.key: r for r in by_method["ar"]}
+    ar_tpt = _time_per_token(by_method["ar"])
+    lines = [f"{'method':<16}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}", "-" * 49]
+    for method in (m for m in order if m in by_method):
+        rows = by_method[method]
+        tpt = _time_per_token(rows)
+        taus = [t for r in rows for t in r.taus]
+        equal = sum(r.hash == ar[r.key].hash for r in rows)
+        lines.append(f"{method:<16}{sum(taus) / len(taus):>7.2f}{1 / tpt:>9.1f}{ar_tpt / tpt:>8.2f}x"
+                     f"{equal:>5}/{len(rows)}")
+    return "\n".join(lines)
+
+
+def _time_per_token(rows: Sequence[BenchRecord]) -> float:
+    return sum(r.decode_time for r in rows) / max(1, sum(r.new_tokens for r in rows))
+
+
+def run(args: argparse.Namespace) -> int:
+    from treespec.bench import runner
+    from treespec.bench.records import read_records
+    from treespec.embedded import cache_root, embedded_model_dir
+    from treespec.methods import DEMO_METHODS, embedded_drafter_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = tuple(args.methods.split(",")) if args.methods else DEMO_METHODS
+    config = runner.BenchConfig(methods=methods, temperatures=(0.0,), datasets=_DATASETS, prompts=args.prompts,
+                                max_new_tokens=args.max_new_tokens)
+    expanded = runner.expand_methods(config.methods, config.budgets)
+    kinds = sorted({m.drafter for m in expanded if m.drafter})
+    harness = runner.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
+                                  dtype=torch.bfloat16)
+    out = args.out or cache_root() / "demo"
+    runner.run_shard(config, harness, out)
+    runner.merge_shards(out)
+    report = runner.write_report(out, resamples=200)
+    print(f"\nSmolLM2-135M-Instruct (bf16, CPU), T = 0, {args.prompts} prompts x {len(_DATASETS)} domains, "
+          f"{args.max_new_tokens} new tokens\n")
+    records = list(read_records(out / runner.RECORDS))
+    print(pooled_table(records, [m.name for m in expanded]))
+    print("\n" + lossless_verdict(records, report.unacceptable))
+    print(f"records and full report (with confidence intervals): {out}")
+    return 1 if report.unacceptable else 0
+
+
+def lossless_verdict(records: Sequence[BenchRecord], unacceptable: int) -> str:
+    """One line: do the speculative outputs equal AR's (and are any differences bf16 near-ties)?"""
+    ar = {r.key: r.hash for r in records if r.method == "ar"}
+    others = [r for r in records if r.method != "ar"]
+    differ = sum(r.hash != ar[r.key] for r in others)
+    if not differ:
+        return f"equality check: all {len(others)} speculative outputs equal AR's token for token"
+    if not unacceptable:
+        return (f"equality check: {differ} of {len(others)} outputs differ from AR's, each at a bf16 near-tie of "
+                "AR's top two logits within the stated tolerance (listed in lossless.md)")
+    return f"equality check FAILED: {unacceptable} outputs differ from AR's beyond the tolerance (see lossless.md)"
