@@ -17,6 +17,7 @@ from treespec.interfaces import (
     Verifier,
     VerifyResult,
 )
+from treespec.api import generate
 from treespec.registry import available, create, register, resolve
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.tree import DraftTree, TreeError
@@ -26,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS", "ConditionalScorer", "DraftContext", "DraftOutput", "DraftTree", "Drafter", "Expansion",
     "GenerationResult", "GenerationStats", "RoundStats", "SamplingParams", "TreeError", "TreePolicy",
-    "Verifier", "VerifyResult", "available", "create", "register", "resolve",
+    "Verifier", "VerifyResult", "available", "create", "generate", "register", "resolve",
 ]

@@ -32,6 +32,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "domino": "drafters.domino:DominoDrafter",
         "marginal": "drafters.toy:MarginalDrafter",
         "toy-conditional": "drafters.toy:ToyConditionalDrafter",
+        "oracle": "drafters.oracle:OracleDrafter",
     },
     "verifier": {
         "match": "verifiers.match:MatchVerifier",

@@ -1,0 +1,69 @@
+"""``treespec generate``: generate from a local model directory (optionally with a drafter), print text and stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from treespec import registry
+
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="local Hugging Face model directory (see `treespec fetch-model`)")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--drafter", default=None,
+                        help="DFlash/Domino checkpoint directory or registered drafter name (default: none, AR)")
+    parser.add_argument("--policy", default="ddtree", choices=registry.available("policy"), help="tree policy")
+    parser.add_argument("--budget", type=int, default=None, help="tree budget (non-root nodes)")
+    parser.add_argument("--verifier", default="match", choices=registry.available("verifier"))
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; > 0 samples")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=None,
+                        help="stop at this id (repeatable; default: the tokenizer's EOS)")
+    parser.add_argument("--dtype", default="auto", choices=sorted(_DTYPES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="torch", choices=("torch", "networkx"))
+    parser.add_argument("--json", action="store_true", help="print the stats as JSON instead of a summary")
+
+
+def _prompt_ids(tokenizer, text: str, chat: bool) -> torch.Tensor:
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return torch.tensor(tokenizer(text)["input_ids"])
+
+
+def _summary(stats) -> str:
+    stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.stage_totals().items())
+    return (f"{stats.new_tokens} tokens, {len(stats.rounds)} rounds, mean tau {stats.mean_tau:.2f}, "
+            f"{stats.tokens_per_second:.1f} tok/s (prefill {stats.prefill_time * 1e3:.1f} ms; {stages})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from treespec.api import generate, load_target, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+        target = load_target(args.model, dtype=_DTYPES[args.dtype], device=args.device)
+    except (OSError, ValueError) as exc:
+        print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
+        return 1
+    out = generate(target, _prompt_ids(tokenizer, args.prompt, args.chat), tokenizer=tokenizer,
+                   drafter=args.drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
+                   max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                   temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                   stop_token_ids=args.stop_token_id, seed=args.seed, backend=args.backend)
+    print(out.text)
+    print(json.dumps(out.stats.as_dict()) if args.json else _summary(out.stats), file=sys.stderr)
+    return 0

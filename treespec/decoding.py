@@ -1,0 +1,231 @@
+"""The speculative decoding loop: draft -> build -> verify -> commit, until the answer is complete.
+
+Contract
+--------
+``SpeculativeDecoder(target, drafter, policy, verifier).generate(input_ids, ...)`` returns exactly
+``max_new_tokens`` new tokens, or fewer when a stop token is produced (the stop token is included,
+as in Hugging Face ``generate``).  ``drafter=None, policy=None`` is autoregressive decoding: the
+same loop with a root-only tree, so AR and every policy run in one harness.
+
+Sequence bookkeeping: the prompt's last token is the first round's root (anchor); everything before
+it is prefilled.  Each round the root is the last committed token and is not yet in the target's
+KV cache; the round commits the accepted draft tokens plus the bonus (tau tokens).  The drafter's
+`DraftContext` holds every committed token (anchor last) and the taps of the tokens committed since
+its previous draft, so ``feature_start + len(features) == anchor position`` always: the prompt's
+taps (all but the anchor) in the first round, the accepted nodes' taps (root first) afterwards.
+
+Trees are pruned to the depth that can still be used (remaining tokens, context window) before the
+target sees them; pruning a tree to a depth keeps it a tree and changes no accepted token.
+Stage times are wall-clock seconds around each stage, synchronised on CUDA; the prefill is timed
+separately.  A clear error is raised before the context window would overflow, on a vocabulary
+mismatch between draft and target, and on NaN target logits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+from treespec import registry
+from treespec.interfaces import (
+    BACKENDS,
+    DraftContext,
+    Drafter,
+    DraftOutput,
+    SamplingParams,
+    TreePolicy,
+    Verifier,
+    VerifyResult,
+    check_single_batch,
+)
+from treespec.stats import GenerationResult, GenerationStats, RoundStats
+from treespec.target import ContextOverflowError, TargetModel, TargetOutput
+from treespec.tree import DraftTree
+
+__all__ = ["SpeculativeDecoder", "limit_depth"]
+
+
+@attrs.define
+class _Sequence:
+    """The mutable state of one generation."""
+
+    tokens: torch.Tensor  # [P + max_new] int64 buffer; the committed tokens are tokens[:length]
+    length: int  # committed tokens; the root (anchor) is tokens[length - 1]
+    prompt_len: int  # P
+    stops: frozenset[int]  # stop token ids
+    features: torch.Tensor | None = None  # [n, F] taps of the tokens committed since the last draft
+    feature_start: int = 0  # absolute position of features[0]
+    done: bool = False
+
+    @property
+    def anchor_position(self) -> int:
+        return self.length - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.tokens.numel() - self.length
+
+    def append(self, new: list[int]) -> None:
+        """Commit ``new`` tokens, cut at the first stop token or at the budget."""
+        cut = min(len(new), self.remaining)
+        stop_at = next((i for i, t in enumerate(new[:cut]) if t in self.stops), None)
+        if stop_at is not None:
+            cut, self.done = stop_at + 1, True
+        self.tokens[self.length:self.length + cut] = torch.tensor(new[:cut], dtype=torch.int64)
+        self.length += cut
+        self.done = self.done or self.remaining == 0
+
+
+class _Stopwatch:
+    """Wall-clock stage timer; synchronises CUDA so that queued kernels count in their stage."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.times: dict[str, float] = {}
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def run(self, stage: str, fn, *args):
+        start = self.now()
+        out = fn(*args)
+        self.times[stage] = self.now() - start
+        return out
+
+
+def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The subtree of nodes at depth <= ``max_depth`` (node order kept, parents re-indexed)."""
+    if tree.max_depth <= max_depth:
+        return tree
+    keep = tree.depths <= max_depth  # closed under ancestors: depths grow along every path
+    new_index = torch.cumsum(keep.to(torch.int64), 0) - 1  # [N] old -> new index for kept nodes
+    parents = tree.parents[keep]
+    parents = torch.where(parents >= 0, new_index[parents.clamp_min(0)], parents)
+    return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep])
+
+
+class SpeculativeDecoder:
+    """One harness for autoregressive and speculative decoding over a `TargetModel`."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
+                 verifier: Verifier | None = None) -> None:
+        if (drafter is None) != (policy is None):
+            raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
+        self.target = target
+        self.drafter = drafter
+        self.policy = policy
+        self.verifier = verifier if verifier is not None else registry.create("verifier", "match")
+        self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
+        if drafter is not None:
+            drafter.bind(target)
+
+    @property
+    def autoregressive(self) -> bool:
+        return self.drafter is None
+
+    # ------------------------------------------------------------------ public entry
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, stop_token_ids: Iterable[int] | None = None,
+                 generator: torch.Generator | None = None, backend: str = "torch",
+                 position_keyed: bool = True) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([P] or [1, P])."""
+        sampling = SamplingParams(temperature, top_k, top_p, position_keyed)
+        prompt = check_single_batch(input_ids).to(self.target.device)
+        self._check_request(prompt, max_new_tokens, backend)
+        generator = _generator_for(sampling, generator)
+        stats = GenerationStats()
+        seq = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), stats)
+        clock = _Stopwatch(self.target.device)
+        start = clock.now()
+        while not seq.done:
+            stats.rounds.append(self._round(seq, sampling, generator, backend))
+        stats.decode_time = clock.now() - start
+        stats.new_tokens = seq.length - seq.prompt_len
+        return GenerationResult(seq.tokens[seq.prompt_len:seq.length].clone(), stats)
+
+    # ------------------------------------------------------------------ set-up
+    def _check_request(self, prompt: torch.Tensor, max_new_tokens: int, backend: str) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if int(prompt.max()) >= self.target.vocab_size or int(prompt.min()) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        total = prompt.numel() + max_new_tokens
+        if total > self.target.max_positions:
+            raise ContextOverflowError(
+                f"prompt of {prompt.numel()} tokens + max_new_tokens={max_new_tokens} = {total} exceeds the "
+                f"target's context of {self.target.max_positions} positions")
+
+    def _start(self, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int],
+               stats: GenerationStats) -> _Sequence:
+        buffer = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.int64, device=prompt.device)
+        buffer[:prompt.numel()] = prompt
+        if self.drafter is not None:
+            self.drafter.reset()
+        clock = _Stopwatch(self.target.device)
+        prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
+        stats.prefill_time = clock.times["prefill"]
+        return _Sequence(buffer, prompt.numel(), prompt.numel(), stops, features=prefill.features)
+
+    # ------------------------------------------------------------------ one round
+    def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,
+               backend: str) -> RoundStats:
+        clock = _Stopwatch(self.target.device)  # "verify" = the target's tree forward + the verifier's walk
+        draft = clock.run("draft", self._draft, seq)
+        tree = clock.run("build", self._build, draft, seq, backend)
+        result, verified = clock.run("verify", self._verify, tree, draft, seq, sampling, generator)
+        clock.run("commit", self._commit, tree, result, verified, seq)
+        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times)
+
+    def _draft(self, seq: _Sequence) -> DraftOutput | None:
+        if self.autoregressive:
+            return None
+        ctx = DraftContext(seq.tokens[:seq.length], seq.features, seq.feature_start)
+        draft = self.drafter.draft(ctx)
+        if draft.vocab_size != self.target.vocab_size:
+            raise ValueError(f"the drafter's vocabulary ({draft.vocab_size}) differs from the target's "
+                             f"({self.target.vocab_size})")
+        return draft
+
+    def _build(self, draft: DraftOutput | None, seq: _Sequence, backend: str) -> DraftTree:
+        anchor = int(seq.tokens[seq.length - 1])
+        if draft is None:
+            return DraftTree.root_only(anchor, device=self.target.device)
+        tree = self.policy.build(draft, backend=backend)
+        if tree.root_token != anchor:
+            raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {anchor}")
+        room = self.target.max_positions - 1 - seq.anchor_position  # deepest position still in the window
+        return limit_depth(tree, min(seq.remaining - 1, room))
+
+    def _verify(self, tree: DraftTree, draft: DraftOutput | None, seq: _Sequence, sampling: SamplingParams,
+                generator: torch.Generator | None) -> tuple[VerifyResult, TargetOutput]:
+        out = self.target.forward_tree(tree, self.taps)
+        result = self.verifier.verify(tree, out.logits, sampling=sampling, generator=generator,
+                                      position=seq.anchor_position + 1, draft=draft)
+        return result, out
+
+    def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: _Sequence) -> None:
+        accepted = result.accepted.to(tree.device)
+        self.target.commit(accepted)
+        if verified.features is not None:
+            seq.features = verified.features[accepted.to(verified.features.device)]  # [tau, F], root first
+        seq.feature_start = seq.anchor_position
+        path_tokens = tree.tokens[accepted]
+        seq.append(path_tokens[1:].tolist() + [result.bonus_token])
+        if self.drafter is not None:
+            self.drafter.observe(path_tokens)
+
+
+def _generator_for(sampling: SamplingParams, generator: torch.Generator | None) -> torch.Generator | None:
+    """The caller's generator, or a fresh non-deterministically seeded one when sampling without one."""
+    if generator is not None or sampling.greedy:
+        return generator
+    fresh = torch.Generator()
+    fresh.seed()
+    return fresh

@@ -1,0 +1,105 @@
+"""How the target's token is chosen at a tree node, for every verifier.
+
+Contract
+--------
+`target_tokens(logits, positions, sampling, generator)` returns one token per row of ``logits``:
+
+* ``T = 0``: the argmax (first index on exact ties).
+* ``T > 0``: a sample of softmax(filter(logits) / T), where the filter keeps the top-k tokens and /
+  or the top-p nucleus of the target's own distribution.  Sampling is Gumbel-max:
+  argmax(logits / T + G) with G i.i.d. standard Gumbel, which is a draw from that softmax.
+
+Where the noise comes from:
+
+* ``position_keyed=True``: the noise of absolute position p comes from a fresh generator seeded by
+  ``mix_seed(generator.initial_seed(), p)``.  Every node at the same position gets the same noise,
+  so a tree verifies against exactly the draws autoregressive decoding would make, and speculative
+  output equals AR output for a given seed, whatever the tree.
+* ``position_keyed=False``: fresh noise for every row from ``generator`` itself (a stream).
+
+The caller's generator is never replaced by a global one; ``generator=None`` at ``T > 0`` is an
+error here (the decoder makes one when the user gives none).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treespec.interfaces import SamplingParams
+
+__all__ = ["filter_logits", "gumbel_noise", "mix_seed", "sample_from_probs", "target_tokens", "work_dtype"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 63-bit seed from (seed, position): splitmix64 finaliser of their combination."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E5B) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # non-negative, fits torch's manual_seed
+
+
+def work_dtype(logits: torch.Tensor) -> torch.dtype:
+    """Sampling arithmetic runs in float32 at least (float64 stays float64)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """[n, V] logits with the tokens outside top-k / top-p set to -inf (top-k applied first)."""
+    out = logits
+    if 0 < top_k < logits.shape[-1]:
+        kth = out.topk(top_k, dim=-1).values[..., -1:]  # [n, 1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        out = _nucleus(out, top_p)
+    return out
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    # keep token j iff the mass strictly above it (sorted descending) is < top_p: the smallest set
+    # whose mass reaches top_p; the top token is always kept.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # [n, V]
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def gumbel_noise(positions: torch.Tensor, vocab: int, sampling: SamplingParams,
+                 generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[n, V] standard Gumbel noise, keyed by position or drawn from the generator's stream."""
+    n = positions.numel()
+    if not sampling.position_keyed:
+        exp = torch.empty(n, vocab, dtype=dtype, device=generator.device).exponential_(generator=generator)
+        return -exp.log().to(device)
+    uniq, inverse = torch.unique(positions.cpu(), return_inverse=True)  # one draw per position
+    seed = generator.initial_seed()
+    rows = [_keyed_exponential(seed, int(p), vocab, dtype, device) for p in uniq.tolist()]
+    return -torch.stack(rows).log()[inverse.to(device)]
+
+
+def _keyed_exponential(seed: int, position: int, vocab: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(mix_seed(seed, position))
+    return torch.empty(vocab, dtype=dtype, device=device).exponential_(generator=gen)  # [V]
+
+
+def target_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: SamplingParams,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """[n] int64: the target's token for each row of ``logits`` [n, V]; row i sits at ``positions[i]``."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    if generator is None:
+        raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator")
+    dtype = work_dtype(logits)
+    scaled = filter_logits(logits.to(dtype) / sampling.temperature, sampling.top_k, sampling.top_p)
+    noise = gumbel_noise(positions, logits.shape[-1], sampling, generator, logits.device, dtype)
+    return (scaled + noise).argmax(-1)  # Gumbel-max: a draw from softmax(scaled)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from a [V] probability vector (need not be normalised), from the generator's stream."""
+    exp = torch.empty(probs.shape, dtype=probs.dtype, device=generator.device).exponential_(generator=generator)
+    return int((probs.log() - exp.log().to(probs.device)).argmax())  # Gumbel-max on log-probs

@@ -1,0 +1,209 @@
+"""The target model: any Hugging Face causal LM, driven as a tree verifier over a KV cache.
+
+Contract
+--------
+`TargetModel` owns one sequence's KV cache (a transformers `DynamicCache`).  ``length`` is the
+number of committed tokens whose keys/values are cached; the decoder keeps exactly one committed
+token, the tree's root, outside the cache.
+
+* ``prefill(input_ids, taps)`` starts a new sequence: it runs the tokens and caches them.
+* ``forward_tree(tree, taps)`` runs every node of a `DraftTree` in one forward on top of the cache,
+  with the tree's 4D additive mask (each node sees the cached prefix, its ancestors and itself) and
+  position ids ``length + depth``, both passed as arguments to the model call.  Row i of the
+  logits is the target's next-token distribution after node i's root-to-node path.
+* ``commit(accepted)`` keeps the K/V rows of the accepted nodes (root first, a root-to-node path),
+  moves them into place right after the prefix and drops the rest of the tree's rows, so the cache
+  again equals a plain prefill of the committed tokens.
+
+Hidden-state taps: tap t is ``hidden_states[t]`` of the model (0 = embedding output, t = output of
+decoder layer t, the last one after the final norm, as transformers returns it); the taps are
+concatenated on the last dim, giving features of shape ``[n, len(taps) * hidden_size]``.
+
+Attention: the custom 4D mask needs the ``eager`` or ``sdpa`` implementation (``from_local``
+loads with sdpa); sliding-window layers are refused because one mask serves every layer.
+Overflowing ``max_positions`` raises `ContextOverflowError` before the model is called.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import attrs
+import torch
+
+from treespec.tree import DraftTree
+
+__all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "TargetModel", "TargetOutput", "crop_cache"]
+
+SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
+
+
+class ContextOverflowError(ValueError):
+    """The sequence would not fit in the target's context window."""
+
+
+@attrs.frozen(eq=False)
+class TargetOutput:
+    """Logits and tap features of one target forward."""
+
+    logits: torch.Tensor  # [n, V] next-token logits (prefill: the last position only, n = 1)
+    features: torch.Tensor | None  # [n, len(taps) * H] tap features, None when no taps were asked for
+
+
+class TargetModel:
+    """A Hugging Face causal LM with a KV cache, tree forwards and accepted-path compaction."""
+
+    def __init__(self, model: torch.nn.Module, *, max_positions: int | None = None) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        _check_attention(self.config)
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        self.vocab_size = int(self.lm_head.weight.shape[0])  # the logits' width (may exceed the tokenizer's)
+        self.hidden_size = int(self.config.hidden_size)
+        self.num_hidden_layers = int(self.config.num_hidden_layers)
+        window = getattr(self.config, "max_position_embeddings", None)
+        self.max_positions = int(max_positions or window or 0)
+        if self.max_positions < 1:
+            raise ValueError("the target's context size is unknown: pass max_positions")
+        # the cache keyword of the model call ("past_key_values" before transformers 5)
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache = None
+        self.length = 0
+
+    @classmethod
+    def from_local(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
+                   attn_implementation: str = "sdpa", max_positions: int | None = None) -> TargetModel:
+        """Load a causal LM from a local directory (safetensors; never remote code)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+            trust_remote_code=False, use_safetensors=True)
+        return cls(model.to(device), max_positions=max_positions)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # ------------------------------------------------------------------ forwards
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, taps: tuple[int, ...] = ()) -> TargetOutput:
+        """Start a new sequence with ``input_ids`` [P] (or [1, P]); returns the last position's logits [1, V]."""
+        ids = _prompt_ids(input_ids).to(self.device)
+        self._check_room(ids.numel() - 1)
+        self._check_taps(taps)
+        self.reset()
+        if ids.numel() == 0:  # nothing to run: a one-token prompt leaves only the root
+            width = len(taps) * self.hidden_size
+            features = torch.empty(0, width, dtype=self.dtype, device=self.device) if taps else None
+            return TargetOutput(torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device), features)
+        out = self._call(ids[None], None, None, taps, logits_to_keep=1)
+        self.length = ids.numel()
+        return TargetOutput(out.logits[0].clone(), self._features(out, taps))
+
+    @torch.inference_mode()
+    def forward_tree(self, tree: DraftTree, taps: tuple[int, ...] = ()) -> TargetOutput:
+        """One forward over every tree node on top of the cache: logits [N, V] and features [N, F]."""
+        if self.cache is None:
+            raise RuntimeError("forward_tree before prefill: start a sequence first")
+        self._check_room(self.length + tree.max_depth)
+        self._check_taps(taps)
+        if int(tree.tokens.max()) >= self.vocab_size:
+            raise ValueError(f"tree token {int(tree.tokens.max())} is outside the target's vocabulary of {self.vocab_size}")
+        tree = tree if tree.device == self.device else tree.to(self.device)
+        mask = tree.attention_mask(self.length, self.dtype)  # [1, 1, N, length + N]
+        out = self._call(tree.tokens[None], mask, tree.position_ids(self.length), taps)
+        return TargetOutput(out.logits[0], self._features(out, taps))
+
+    @torch.inference_mode()
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Keep the accepted nodes' K/V rows (node indices, root first) and crop the rest of the tree."""
+        start = self.length
+        accepted = accepted.to(self.device)
+        n_kept = accepted.numel()
+        if n_kept == 0 or int(accepted[0]) != 0:
+            raise ValueError("accepted node indices must start with the root (node 0)")
+        if int(accepted.max()) >= self.cache_length() - start:
+            raise ValueError(f"accepted node {int(accepted.max())} was not in the last tree forward "
+                             f"({self.cache_length() - start} nodes)")
+        for layer in self.cache.layers:
+            rows = layer.keys.index_select(-2, start + accepted), layer.values.index_select(-2, start + accepted)
+            layer.keys[..., start:start + n_kept, :] = rows[0]  # [B, H, a, D] moved after the prefix
+            layer.values[..., start:start + n_kept, :] = rows[1]
+        crop_cache(self.cache, start + n_kept)
+        self.length = start + n_kept
+
+    def reset(self) -> None:
+        """Drop the sequence: an empty cache, length 0."""
+        self.cache = self._new_cache()
+        self.length = 0
+
+    def cache_length(self) -> int:
+        """Rows held by the KV cache (equals ``length`` between rounds)."""
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    # ------------------------------------------------------------------ helpers
+    def _new_cache(self):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=self.config)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            kinds = sorted({type(layer).__name__ for layer in cache.layers})
+            raise ValueError(f"only full-attention dynamic cache layers are supported, got {kinds}")
+        return cache
+
+    def _call(self, ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+              taps: tuple[int, ...], logits_to_keep: int = 0):
+        kwargs = {self.cache_kwarg: self.cache}
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                          output_hidden_states=bool(taps), logits_to_keep=logits_to_keep, **kwargs)
+
+    @staticmethod
+    def _features(out, taps: tuple[int, ...]) -> torch.Tensor | None:
+        if not taps:
+            return None
+        return torch.cat([out.hidden_states[t][0] for t in taps], dim=-1)  # [n, len(taps) * H]
+
+    def _check_taps(self, taps: tuple[int, ...]) -> None:
+        bad = [t for t in taps if not 0 <= t <= self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"tap layers {bad} out of range: hidden_states has indices 0..{self.num_hidden_layers}")
+
+    def _check_room(self, last_position: int) -> None:
+        if last_position >= self.max_positions:
+            raise ContextOverflowError(
+                f"position {last_position} would overflow the target's context of {self.max_positions} positions")
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` rows of every layer of a dynamic cache (views, no copy)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def _prompt_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    """[P] int64 from [P] or [1, P]; P may be 0 here (a one-token prompt prefills nothing)."""
+    ids = torch.as_tensor(input_ids, dtype=torch.int64)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"prefill takes a [P] or [1, P] tensor, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _check_attention(config) -> None:
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(f"attention implementation {impl!r} cannot take a custom 4D tree mask; "
+                         f"load the model with attn_implementation in {SUPPORTED_ATTENTION}")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError("sliding-window attention layers are not supported (one tree mask serves every layer)")
