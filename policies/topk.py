@@ -1,0 +1,85 @@
+"""Exact per-row top-k of log-probabilities, with the tree contract's tie rule.
+
+Contract
+--------
+``exact_topk(values, k)`` returns, for every row of ``values`` [R, V] (float32, every entry <= 0,
+no NaN), the k largest entries ordered by value descending, ties by column index ascending, and
+their column indices.  The result is fully determined (``torch.topk`` alone leaves ties in an
+unspecified order) and uses fixed shapes only, so it can run inside a captured CUDA graph.
+
+``order_key`` turns such values into int64 keys whose ascending order is the value-descending
+order with ties by a given index: for x <= 0 the IEEE bits of |x| grow as x falls, and -0.0 and
++0.0 share one key.  ``reference_topk`` is the obviously-correct version (one stable sort), used
+by the networkx reference backend and by tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["exact_topk", "order_key", "reference_topk"]
+
+_ABS_BITS = 0x7FFFFFFF  # clears the float32 sign bit
+_CHUNK = 64  # tokens per chunk in the two-stage selection
+_CHUNK_FACTOR = 8  # use chunks only when V >= _CHUNK_FACTOR * _CHUNK * k (else one dense pass)
+
+
+def order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 keys: ascending = ``values`` descending, ties by ``index`` ascending (index < 2**32).
+
+    ``values`` must be float32 and <= 0 (log-probabilities or path scores), never NaN.
+    """
+    key = values.view(torch.int32).to(torch.int64)
+    key &= _ABS_BITS  # |x| bits: monotone in -x for x <= 0, and -0.0 meets +0.0
+    key <<= 32
+    key |= index
+    return key
+
+
+def _dense_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = torch.arange(values.shape[-1], device=values.device)
+    top = order_key(values, index).topk(k, dim=-1, largest=False, sorted=True).indices  # [R, k]
+    return values.gather(-1, top), top
+
+
+def _chunked_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two stages: the k best chunks by (chunk max desc, chunk index asc), then the k best of those.
+
+    Why it is exact: if an entry e is outside the k selected chunks, each selected chunk's best
+    entry beats e (a larger value, or an equal value in a chunk of smaller token ids), so k entries
+    beat e and e is not in the top k.  A last partial chunk is masked past the row's end.
+    """
+    rows, vocab = values.shape
+    n_full = vocab // _CHUNK
+    maxima = values[:, : n_full * _CHUNK].reshape(rows, n_full, _CHUNK).amax(-1)  # [R, n_full]
+    if n_full * _CHUNK < vocab:
+        maxima = torch.cat([maxima, values[:, n_full * _CHUNK:].amax(-1, keepdim=True)], dim=-1)
+    chunk_ids = torch.arange(maxima.shape[-1], device=values.device)
+    chunks = order_key(maxima, chunk_ids).topk(k, dim=-1, largest=False, sorted=False).indices  # [R, k]
+    ids = (chunks[:, :, None] * _CHUNK + torch.arange(_CHUNK, device=values.device)).reshape(rows, -1)
+    if n_full * _CHUNK == vocab:
+        cand = values.gather(-1, ids)  # [R, k * CHUNK]
+        key = order_key(cand, ids)
+    else:
+        valid = ids < vocab  # the last chunk is partial
+        cand = values.gather(-1, ids.clamp_max(vocab - 1))
+        key = order_key(cand, ids).masked_fill_(~valid, torch.iinfo(torch.int64).max)
+    top = key.topk(k, dim=-1, largest=False, sorted=True).indices  # [R, k]
+    return cand.gather(-1, top), ids.gather(-1, top)
+
+
+def exact_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k per row of ``values`` [R, V]: (values [R, k], column ids [R, k]); see module docstring."""
+    if values.dim() != 2:
+        raise ValueError(f"exact_topk expects a [R, V] tensor, got shape {tuple(values.shape)}")
+    if not 1 <= k <= values.shape[-1]:
+        raise ValueError(f"k must be in 1..{values.shape[-1]}, got {k}")
+    if values.shape[-1] >= _CHUNK_FACTOR * _CHUNK * k:
+        return _chunked_topk(values, k)
+    return _dense_topk(values, k)
+
+
+def reference_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same result by one stable descending sort (ties keep ascending column order)."""
+    order = torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]  # +0.0: -0 -> +0
+    return values.gather(-1, order), order

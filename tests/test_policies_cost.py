@@ -1,0 +1,175 @@
+"""Cost models and the cost-aware stop rule.
+
+* CaDDTree stops exactly at the brute-force argmax over n of θ(n) = (1 + Σ_{j<=n} exp(s_j)) /
+  (C_d + C_v(n + 1; ctx)) along DDTree's order, for linear and for fitted convex cost models.
+* The convex fit is non-decreasing and convex, reproduces convex data, interpolates between
+  profiled context lengths, and survives a JSON round trip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from drafters.toy import MarginalDrafter, ToyConditionalDrafter
+from policies.caddtree import CaDDTree
+from policies.cost import (
+    COST_PRESETS,
+    ConvexCost,
+    CostAwareStop,
+    LinearCost,
+    fit_convex_curve,
+    load_cost_model,
+)
+from policies.ddtree import DDTree
+from policies.dominotree import DominoTree
+from treespec.interfaces import DraftContext
+
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+
+
+def draft_at(position: int, depth: int, vocab: int, seed: int, scale: float, quantum: float | None = None):
+    ctx = DraftContext(sequence=torch.full((position + 1,), 5), features=None)
+    return MarginalDrafter.random(depth, vocab, scale=scale, quantum=quantum, seed=seed).draft(ctx)
+
+
+def brute_force_best_size(scores: list[float], cost, ctx: int) -> int:
+    """argmax over n = 0..len(scores) of θ(n), the first maximiser (every θ computed from scratch)."""
+    deltas = [float(torch.tensor(s, dtype=torch.float64).exp()) for s in scores]
+    best_n, best_theta = 0, -math.inf
+    for n in range(len(scores) + 1):
+        gain = 1.0
+        for delta in deltas[:n]:
+            gain += delta
+        theta = gain / (cost.draft_cost + float(cost.verify_cost(torch.tensor(float(n + 1)), ctx)))
+        if theta > best_theta:
+            best_n, best_theta = n, theta
+    return best_n
+
+
+def convex_samples(rng: np.random.Generator, contexts: list[int]) -> list[tuple[float, int, float]]:
+    """Noisy latencies of a convex, increasing verify cost that also grows with the context."""
+    samples = []
+    for ctx in contexts:
+        base, lin, quad = rng.uniform(0.01, 0.03), rng.uniform(1e-5, 1e-3), rng.uniform(0, 2e-5)
+        for n in (1, 2, 4, 8, 16, 32, 64, 128):
+            for _ in range(3):
+                clean = base + lin * n + quad * n * n + 2e-6 * ctx
+                samples.append((n, ctx, clean * rng.uniform(0.97, 1.03)))
+    return samples
+
+
+@st.composite
+def cost_models(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    draft = float(rng.uniform(0.001, 0.02))
+    if draw(st.booleans()):
+        return LinearCost(draft=draft, base=float(rng.uniform(0.01, 0.05)),
+                          per_token=float(rng.uniform(1e-5, 3e-3)), per_context=float(rng.uniform(0, 1e-5)))
+    return ConvexCost.fit(convex_samples(rng, [128, 512, 2048]), draft=draft)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(cost_models(), st.integers(1, 16), st.sampled_from([5, 50, 1000]), st.integers(1, 300),
+       st.sampled_from([0.5, 2.0, 5.0]), st.sampled_from([None, 1.0]), st.integers(0, 4000), st.integers(0, 2**31))
+def test_caddtree_stops_at_the_brute_force_argmax(cost, depth, vocab, budget, scale, quantum, position, seed):
+    draft = draft_at(position, depth, vocab, seed, scale, quantum)
+    order = DDTree(budget=budget).build(draft, backend="networkx")
+    expected = brute_force_best_size(order.scores[1:].tolist(), cost, position)
+    policy = CaDDTree(budget=budget, cost_model=cost)
+    for tree in (policy.build(draft), policy.build(draft, backend="networkx")):
+        assert tree.budget == expected
+        assert tree.equal(DDTree(budget=max(expected, 1)).build(draft)) or expected == 0
+
+
+def test_stop_rule_reaches_interior_optima():
+    """The property above is not vacuous: optima strictly inside (0, B) occur."""
+    cost = COST_PRESETS["smollm2-cpu-bf16"]
+    sizes = {CaDDTree(budget=256, cost_model=cost).build(draft_at(300, 16, 200, seed, 4.0)).budget
+             for seed in range(12)}
+    assert any(0 < s < 256 for s in sizes), sizes
+
+
+def test_cost_aware_stop_composes_with_dominotree():
+    draft = ToyConditionalDrafter(seed=3, vocab_size=60, depth=8, logit_scale=4.0).draft(
+        DraftContext(sequence=torch.full((301,), 2), features=None))
+    cost = LinearCost(draft=0.005, base=0.02, per_token=0.002)
+    full = DominoTree(budget=64).build(draft, backend="networkx")
+    tree = DominoTree(budget=64, stop=CostAwareStop(cost)).build(draft)
+    expected = brute_force_best_size(full.scores[1:].tolist(), cost, draft.position)
+    assert tree.budget == expected and 0 < expected < 64
+    assert tree.equal(DominoTree(budget=64, stop=CostAwareStop(cost)).build(draft, backend="networkx"))
+
+
+# ---------------------------------------------------------------------------- the models
+def test_linear_cost_values_and_round_trip(tmp_path):
+    cost = LinearCost(draft=0.01, base=0.02, per_token=0.001, per_context=1e-6)
+    n = torch.tensor([1.0, 10.0])
+    assert torch.allclose(cost.verify_cost(n, 1000), torch.tensor([0.022, 0.031], dtype=torch.float64))
+    cost.save(tmp_path / "linear.json")
+    assert load_cost_model(tmp_path / "linear.json") == cost
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(st.integers(0, 2**31))
+def test_convex_fit_is_monotone_and_convex(seed):
+    rng = np.random.default_rng(seed)
+    points = [(int(n), float(y)) for n, y in zip(rng.integers(1, 200, 40), rng.uniform(0.01, 0.1, 40))]
+    knots, values = fit_convex_curve(points)
+    slopes = np.diff(values) / np.diff(knots)
+    assert (slopes >= 0).all()
+    assert (np.diff(slopes) >= -1e-12).all()
+
+
+def test_convex_fit_reproduces_convex_data_and_averages_repeats():
+    knots = [1, 2, 4, 8, 16, 64]
+    truth = [0.02 + 1e-4 * n + 1e-5 * n * n for n in knots]
+    fitted_knots, fitted = fit_convex_curve(list(zip(knots, truth)) + list(zip(knots, truth)))
+    assert list(fitted_knots) == knots
+    assert np.allclose(fitted, truth, rtol=0, atol=1e-12)
+
+
+def test_convex_fit_repairs_a_non_convex_bump():
+    _, values = fit_convex_curve([(1, 1.0), (2, 3.0), (3, 3.5), (4, 6.0)])
+    slopes = np.diff(values)
+    assert (np.diff(slopes) >= -1e-12).all() and (slopes >= 0).all()
+    assert abs(sum(values) - (1.0 + 3.0 + 3.5 + 6.0)) < 1e-9  # least-squares intercept keeps the mean
+
+
+def test_convex_cost_interpolates_between_contexts_and_clamps_outside(tmp_path):
+    cost = ConvexCost.fit([(1, 100, 1.0), (9, 100, 2.0), (1, 300, 3.0), (9, 300, 6.0)], draft=0.5)
+    n = torch.tensor([1.0, 5.0, 9.0, 17.0])
+    low, high = cost.verify_cost(n, 100), cost.verify_cost(n, 300)
+    assert torch.allclose(cost.verify_cost(n, 200), (low + high) / 2)
+    assert torch.equal(cost.verify_cost(n, 50), low) and torch.equal(cost.verify_cost(n, 900), high)
+    assert high[3] == 6.0 + 3.0  # past the last knot the last slope continues
+    cost.save(tmp_path / "convex.json")
+    again = load_cost_model(tmp_path / "convex.json")
+    assert again == cost and torch.equal(again.verify_costs(40, 250), cost.verify_costs(40, 250))
+
+
+def test_bad_cost_inputs_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="per_token"):
+        LinearCost(draft=0.01, base=0.01, per_token=-1.0)
+    with pytest.raises(ValueError, match="zero samples"):
+        ConvexCost.fit([], draft=0.01)
+    (tmp_path / "x.json").write_text('{"kind": "quadratic"}')
+    with pytest.raises(ValueError, match="unknown cost model kind 'quadratic'"):
+        load_cost_model(tmp_path / "x.json")
+    with pytest.raises(TypeError, match="cost_model"):
+        CaDDTree(cost_model="fast")
+    zero = LinearCost(draft=0.0, base=0.0, per_token=0.0)
+    with pytest.raises(ValueError, match="> 0"):
+        CaDDTree(cost_model=zero).build(draft_at(10, 4, 20, 0, 1.0))
+
+
+def test_preset_is_convex_and_matches_the_profiled_points():
+    cost = COST_PRESETS["smollm2-cpu-bf16"]
+    measured = {1: 0.0233, 8: 0.0253, 16: 0.0292, 65: 0.0602}
+    for n, seconds in measured.items():
+        assert abs(float(cost.verify_cost(torch.tensor(float(n)), 300)) - seconds) < 1e-9
