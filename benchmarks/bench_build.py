@@ -4,7 +4,8 @@ For L = 16, each vocabulary size and each budget, it prints the median build tim
 the torch backend (and its best round, the figure least disturbed by other load on a shared
 machine), the networkx backend's median, their ratio and the tree size; next to DDTree it times a
 published-style heap builder (torch.topk of min(B, V) tokens per depth, then a Python heap), so
-that ratio is measured here too.  Published figures quoted by the issue (2 quiet cores) are
+that ratio is measured here too; next to DominoTree it times a published-style DominoTree builder
+(one Python heap, one ``scorer.expand`` call per popped node, `heap_dominotree`), interleaved.  Published figures quoted by the issue (2 quiet cores) are
 printed for reference, not measured.
 
 Drafts: marginal policies get N(0, scale^2) logits per row.  DominoTree and the static-corrected
@@ -44,8 +45,8 @@ SIZES = {  # V -> Domino part sizes: hidden H, GRU G, correction rank E
 PUBLISHED = {  # the issue's figures (ms), measured by its author on 2 quiet cores
     ("ddtree-heap", 49152): {16: 1.2, 64: 0.8, 256: 1.7, 1024: 5.4},
     ("ddtree-heap", 151936): {16: 2.0, 64: 2.1, 256: 3.1, 1024: 6.8},
-    ("dominotree", 49152): {16: 5.4, 64: 16, 256: 61},
-    ("dominotree", 151936): {16: 77, 64: 282, 256: 1204},
+    ("dominotree-heap", 49152): {16: 5.4, 64: 16, 256: 61},
+    ("dominotree-heap", 151936): {16: 77, 64: 282, 256: 1204},
 }
 
 
@@ -133,6 +134,36 @@ def heap_ddtree(logprobs: torch.Tensor, budget: int) -> list[tuple[int, int, flo
     return nodes
 
 
+def heap_dominotree(draft: DraftOutput, budget: int, top_m: int, node_topk: int) -> list[tuple[int, int, float]]:
+    """A published-style DominoTree builder: one Python heap, one scorer call per popped node.
+
+    Each popped node's children (its own path's top node_topk of the top-M candidates, with their
+    GRU states) come from ``scorer.expand`` on that node alone and all go on the heap.  Returns
+    (token, parent, score) per node in pop order; a timing baseline only (float64 scores).
+    """
+    scorer, depth_limit = draft.scorer, draft.depth
+    top_m = min(top_m, draft.vocab_size)
+    k = min(node_topk, top_m)
+    heap: list[tuple] = []  # (-score, tie counter, parent node, depth, token, state)
+    counter = 0
+
+    def push_children(node: int, depth: int, score: float, state: torch.Tensor) -> None:
+        nonlocal counter
+        out = scorer.expand(state[None], depth, top_m=top_m, k=k)
+        for token, logp, child in zip(out.tokens[0].tolist(), out.logprobs[0].tolist(), out.states[0]):
+            heapq.heappush(heap, (-(score + logp), counter, node, depth + 1, token, child))
+            counter += 1
+
+    push_children(0, 0, 0.0, scorer.root_state())
+    nodes: list[tuple[int, int, float]] = []
+    while heap and len(nodes) < budget:
+        neg, _, parent, depth, token, state = heapq.heappop(heap)
+        nodes.append((token, parent, -neg))
+        if depth < depth_limit:
+            push_children(len(nodes), depth, -neg, state)
+    return nodes
+
+
 # ---------------------------------------------------------------------------- timing
 def interleaved_ms(builds: dict, make_draft, seeds: range) -> dict[str, tuple[float, int]]:
     """Median and best ms per build and the last tree size; each round runs every build on one
@@ -170,6 +201,13 @@ def arms(budget: int) -> dict[str, tuple]:
             "static-corrected": (StaticCorrected(budget=budget), "domino")}
 
 
+def print_heap_ratios(timed: dict[str, tuple[float, float, int]]) -> None:
+    """Published-style heap builder time / torch time, medians of the same interleaved rounds."""
+    for name in ("ddtree", "dominotree"):
+        if name in timed and f"{name}-heap" in timed:
+            print(f"  {name}-heap / {name} torch: {timed[f'{name}-heap'][0] / timed[name][0]:.1f}x", flush=True)
+
+
 def run_vocab(vocab: int, args: argparse.Namespace) -> None:
     sizes = SIZES[vocab]
     parts = DominoParts(vocab, **sizes, scale=args.scale)
@@ -190,16 +228,19 @@ def run_vocab(vocab: int, args: argparse.Namespace) -> None:
             builds = {name: (lambda d, p=policy: p.build(d)) for name, policy in chosen.items()}
             if kind == "marginal":
                 builds["ddtree-heap"] = lambda d, b=budget: heap_ddtree(d.logprobs, b)
+            if kind == "domino":
+                builds["dominotree-heap"] = lambda d, b=budget: heap_dominotree(d, b, top_m=64, node_topk=8)
             interleaved_ms(builds, sources[kind], range(10_000, 10_001))  # warm-up
             timed = interleaved_ms(builds, sources[kind], range(args.rounds if kind == "marginal" else args.scorer_rounds))
             for name, (torch_ms, best_ms, size) in timed.items():
-                nx_ms = None if name == "ddtree-heap" else networkx_ms(
+                nx_ms = None if name.endswith("-heap") else networkx_ms(
                     chosen[name], sources[kind], args.nx_rounds, args.nx_seconds)
                 ratio = "" if nx_ms is None else f"{nx_ms / torch_ms:.1f}x"
                 published = PUBLISHED.get((name, vocab), {}).get(budget, "")
-                shown = "" if name == "ddtree-heap" else fmt(nx_ms)
+                shown = "" if name.endswith("-heap") else fmt(nx_ms)
                 print(f"{name:<18}{budget:>6}{torch_ms:>11.2f}{best_ms:>8.2f}{shown:>13}{ratio:>10}{size:>7}"
                       f"{published:>14}", flush=True)
+            print_heap_ratios(timed)
 
 
 def main() -> None:

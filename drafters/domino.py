@@ -20,7 +20,14 @@ tokens of row ``depth``; once per round and depth the scorer gathers their base 
 rows of W2 and W1_z z_i, so a node costs O(G E + M E) for the correction plus the GRU update of
 its k children, not O(V).  The log-softmax is over the M candidates.  Rows are sorted by
 log-prob descending, ties by token id ascending.  `expand_reference` is the plain full-vocabulary
-evaluation through the ``nn`` modules themselves (``M = V``), for tests.
+evaluation through the ``nn`` modules themselves (``M = V``), for tests.  The top-M set of a row
+comes from one two-stage top-(M+1) selection; only a tie across the M-th place falls back to the
+per-row tie rule.
+
+`expand_deferred` scores children like `expand` but leaves their GRU steps pending (states
+[n, k, G + 1]: the parent's state and the child's token id); `advance(pending)` [n, G + 1] -> [n, G]
+completes them.  A tree policy expands few of the children it scores, so it pays the GRU update
+only for those (policies/sources.py drives a scorer this way when it offers both methods).
 
 The GRU input projection W_ih e(t) is precomputed for every vocabulary token at bind time
 (``gru_input_table=True``, the default: a [V, 3G] table) so a child's update is a gather; per
@@ -46,6 +53,8 @@ if TYPE_CHECKING:
     from treespec.target import TargetModel
 
 __all__ = ["DominoDrafter", "DominoModel", "DominoScorer", "gru_step"]
+
+_CHUNK = 64  # vocabulary entries per chunk in the two-stage top-M selection
 
 
 class DominoModel(DFlashModel):
@@ -83,6 +92,40 @@ def _top_set(values: torch.Tensor, m: int) -> torch.Tensor:
     return torch.cat([above, tied]).sort().values
 
 
+def _top_sets(values: torch.Tensor, m: int) -> torch.Tensor:
+    """`_top_set` of every row of ``values`` [R, V] as ids [R, m], from one top-(m+1) selection.
+
+    A row's top-m set is unambiguous when its m-th largest value beats its (m+1)-th; only rows
+    with a tie across that boundary (or a NaN) take `_top_set`'s path with its token-id tie rule.
+    """
+    rows, vocab = values.shape
+    if m >= vocab:
+        return torch.arange(vocab, device=values.device).expand(rows, -1).contiguous()
+    top, ids = _largest(values, m + 1)  # [R, m + 1] each, values descending
+    ids = ids[:, :m].sort(dim=-1).values  # [R, m]
+    clear = top[:, m - 1] > top[:, m]  # [R]
+    if not bool(clear.all()):
+        for row in (~clear).nonzero().flatten().tolist():
+            ids[row] = _top_set(values[row], m)
+    return ids
+
+
+def _largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values per row of ``values`` [R, V] (descending) and their ids, ties in any order.
+
+    Over a large vocabulary: the k chunks with the largest maxima hold the k largest values (an
+    entry outside them is matched or beaten by all k chosen maxima), so topk runs on k chunks only.
+    """
+    rows, vocab = values.shape
+    if vocab % _CHUNK or vocab < 4 * _CHUNK * k:
+        return values.topk(k, dim=-1)
+    maxima = values.view(rows, vocab // _CHUNK, _CHUNK).amax(-1)  # [R, V / C]
+    chunks = maxima.topk(k, dim=-1, sorted=False).indices  # [R, k]
+    ids = (chunks[:, :, None] * _CHUNK + torch.arange(_CHUNK, device=values.device)).view(rows, -1)  # [R, k C]
+    top = values.gather(1, ids).topk(k, dim=-1)
+    return top.values, ids.gather(1, top.indices)
+
+
 def _best_k(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best k columns of ``logprobs`` [n, C] whose columns are ``tokens`` [C] in ascending order.
 
@@ -97,9 +140,10 @@ class DominoScorer(ConditionalScorer):
 
     def __init__(self, *, rows: torch.Tensor, base_logits: torch.Tensor, prefix_gru: nn.GRU,
                  embed_proj: nn.Sequential, embed: nn.Embedding, anchor: int, pure_draft_prefix_len: int,
-                 gru_table: torch.Tensor | None = None) -> None:
+                 gru_table: torch.Tensor | None = None, prefix_logprobs: torch.Tensor | None = None) -> None:
         self.rows = rows  # [L, H] drafted hidden states z
         self.base_logits = base_logits  # [L, V] float32 lm_head(z)
+        self.prefix_logprobs = prefix_logprobs  # [prefix_len, V] float32 base log-probs given (None: computed)
         self.prefix_gru, self.embed_proj, self.embed = prefix_gru, embed_proj, embed
         self.anchor = anchor
         self.prefix_len = pure_draft_prefix_len
@@ -121,6 +165,10 @@ class DominoScorer(ConditionalScorer):
     def state_size(self) -> int:
         return self.w_hh.shape[1]
 
+    @property
+    def vocab_size(self) -> int:
+        return self.base_logits.shape[1]
+
     # ------------------------------------------------------------------ ConditionalScorer
     @torch.no_grad()
     def root_state(self) -> torch.Tensor:
@@ -129,14 +177,25 @@ class DominoScorer(ConditionalScorer):
 
     @torch.no_grad()
     def expand(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
-        self._check(states, depth, k)
-        if self._is_pure_draft(depth):
-            tokens, logprobs = self._prefix_children(depth, k)  # [k], [k], cached for the round
-            n = states.shape[0]
-            tokens, logprobs = tokens.repeat(n, 1), logprobs.repeat(n, 1)  # copies: callers may write to them
-        else:
-            tokens, logprobs = self._corrected_children(states, depth, top_m, k)
+        tokens, logprobs = self._children(states, depth, top_m, k)
         return Expansion(tokens=tokens, logprobs=logprobs, states=self._child_states(states, tokens))
+
+    @torch.no_grad()
+    def expand_deferred(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
+        """`expand` with every child's GRU step left pending: states [n, k, G + 1] hold the parent's
+        state and the child's token id; `advance` completes the rows that are actually expanded."""
+        tokens, logprobs = self._children(states, depth, top_m, k)
+        return Expansion(tokens=tokens, logprobs=logprobs, states=self._pending(states, tokens))
+
+    @torch.no_grad()
+    def advance(self, pending: torch.Tensor) -> torch.Tensor:
+        """[n, G] GRU states of the pending children ``pending`` [n, G + 1] (see `expand_deferred`)."""
+        size = self.state_size
+        if pending.dim() != 2 or pending.shape[1] != size + 1:
+            raise ValueError(f"pending states must be [n, {size + 1}], got {tuple(pending.shape)}")
+        h = pending[:, :size].to(self.w_hh.dtype)  # [n, G] parent states
+        gh = h @ self.w_hh.T  # [n, 3G]
+        return gru_step(self._input_gates(pending[:, size].long()), gh, h)
 
     @torch.no_grad()
     def expand_reference(self, states: torch.Tensor, depth: int, *, k: int) -> Expansion:
@@ -176,29 +235,58 @@ class DominoScorer(ConditionalScorer):
             return self.gru_table[tokens]
         return self.embed(tokens).to(self.w_ih.dtype) @ self.w_ih.T
 
+    def _children(self, states: torch.Tensor, depth: int, top_m: int,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and float32 log-probs [n, k] of the children of parents ``states`` [n, G]."""
+        self._check(states, depth, k)
+        if self._is_pure_draft(depth):
+            tokens, logprobs = self._prefix_children(depth, k)  # [k], [k], cached for the round
+            n = states.shape[0]
+            return tokens.repeat(n, 1), logprobs.repeat(n, 1)  # copies: callers may write to them
+        return self._corrected_children(states, depth, top_m, k)
+
+    def _pending(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[n, k, G + 1]: each parent's state next to each child's token id (exact in the dtype)."""
+        n, k = tokens.shape
+        dtype = torch.promote_types(states.dtype, torch.float32 if self.vocab_size <= 2 ** 24 else torch.float64)
+        pending = states.new_empty((n, k, self.state_size + 1), dtype=dtype)
+        pending[:, :, :-1] = states[:, None]
+        pending[:, :, -1] = tokens
+        return pending
+
     def _child_states(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """GRU states [n, k, G] of each parent's path extended by each of its child tokens [n, k]."""
         gh = states @ self.w_hh.T  # [n, 3G], shared by a parent's k children
         return gru_step(self._input_gates(tokens), gh[:, None], states[:, None])
 
+    def base_logprobs(self, depth: int) -> torch.Tensor:
+        """[V] float32 base log-probs of a pure-draft ``depth``: the rows given, else log_softmax of the logits.
+
+        Trace replay (treespec/replay.py) records these rows and gives them back, because its base
+        logits hold only the top-M candidates and cannot be renormalised over the vocabulary.
+        """
+        if self.prefix_logprobs is not None:
+            return self.prefix_logprobs[depth]
+        return torch.log_softmax(self.base_logits[depth], dim=-1)
+
     def _prefix_children(self, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The best k tokens of the base distribution at ``depth`` (identical for every parent)."""
         key = (depth, k)
         if key not in self._prefix:
-            logprobs = torch.log_softmax(self.base_logits[depth], dim=-1)  # [V]
+            logprobs = self.base_logprobs(depth)  # [V]
             k = min(k, logprobs.numel())
-            top = _top_set(logprobs, k)
+            top = _top_sets(logprobs[None], k)[0]
             tokens, chosen = _best_k(logprobs[top][None], top, k)
             self._prefix[key] = (tokens[0], chosen[0])
         return self._prefix[key]
 
     def _candidates(self, depth: int, top_m: int) -> tuple[torch.Tensor, ...]:
         """Once per round and depth: top-M ids [M], their base logits [M], W2 rows [M, E], W1_z z [E]."""
-        m = min(top_m, self.base_logits.shape[1])
+        m = min(top_m, self.vocab_size)
         key = (depth, m)
         if key not in self._gathered:
             row = self.base_logits[depth]  # [V]
-            ids = _top_set(row, m)
+            ids = _top_sets(row[None], m)[0]  # [M]
             self._gathered[key] = (ids, row[ids], self.w2[ids], self.w1_z @ self.rows[depth])
         return self._gathered[key]
 

@@ -14,6 +14,11 @@ but not between the parents of one call.
 * `ScorerSource` -- a `ConditionalScorer` (Domino's GRU correction): each parent's children depend
   on its own path state.
 
+A scorer that also offers ``expand_deferred(states, depth, top_m=, k=)`` and ``advance(pending)``
+(drafters/domino.py's `DominoScorer`) is driven through them: its children's states stay pending
+(cheap to make) and `ScorerSource` completes only the rows it is asked to expand, so the many
+children a tree never expands cost no state update.
+
 The networkx reference calls ``expand`` with n = 1 per popped node; the torch expander calls it
 with every frontier node of a depth at once.  Both backends agree bit for bit only if the scorer
 computes each row independently of the batch it came in (see drafters/toy.py for one that does).
@@ -81,6 +86,11 @@ class ScorerSource(CandidateSource):
     k: int  # children kept per parent
     check_values: bool = True  # also reject NaN / positive log-probs (a host sync; off in static mode)
 
+    @property
+    def deferred(self) -> bool:
+        """Whether the scorer can leave child states pending (``expand_deferred`` and ``advance``)."""
+        return hasattr(self.scorer, "expand_deferred") and hasattr(self.scorer, "advance")
+
     def root_state(self) -> torch.Tensor:
         state = self.scorer.root_state()
         if state.dim() != 1:
@@ -88,7 +98,11 @@ class ScorerSource(CandidateSource):
         return state
 
     def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Children:
-        out = self.scorer.expand(states, depth, top_m=self.top_m, k=self.k)
+        if self.deferred:  # below the root, states are pending children: complete only these rows
+            states = states if depth == 0 else self.scorer.advance(states)
+            out = self.scorer.expand_deferred(states, depth, top_m=self.top_m, k=self.k)
+        else:
+            out = self.scorer.expand(states, depth, top_m=self.top_m, k=self.k)
         self._check(out.tokens, out.logprobs, out.states, n, depth)
         return Children(out.tokens, out.logprobs, out.states)
 

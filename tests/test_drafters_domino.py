@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_drafters_support import VOCAB, Rounds, tiny_config, tiny_target
 
-from drafters.domino import DominoDrafter, DominoScorer, _top_set
+from drafters.domino import DominoDrafter, DominoScorer, _top_set, _top_sets
 
 K = 4
 
@@ -167,3 +167,23 @@ def test_expand_rejects_bad_arguments(target, call, message):
     _, out = drafted(target)
     with pytest.raises(ValueError, match=message):
         call(out.scorer, random_states(2, out.scorer.state_size))
+
+
+def test_deferred_children_complete_to_the_expanded_states(target):
+    _, out = drafted(target, table=True)
+    states = random_states(4, out.scorer.state_size)
+    for depth in (0, 2):
+        eager = out.scorer.expand(states, depth, top_m=7, k=K)
+        deferred = out.scorer.expand_deferred(states, depth, top_m=7, k=K)
+        assert torch.equal(deferred.tokens, eager.tokens) and torch.equal(deferred.logprobs, eager.logprobs)
+        completed = out.scorer.advance(deferred.states.reshape(4 * K, -1)).view(4, K, -1)
+        torch.testing.assert_close(completed, eager.states, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("vocab", [100, 4096 + 64])
+def test_top_sets_equal_the_per_row_top_set(vocab):
+    values = torch.randint(-6, 6, (5, vocab), generator=torch.Generator().manual_seed(vocab)).float()
+    values[1] = torch.randn(vocab, generator=torch.Generator().manual_seed(1))  # no boundary tie
+    for m in (1, 3, 8, vocab):
+        expected = torch.stack([_top_set(row, m) for row in values])
+        assert torch.equal(_top_sets(values, m), expected)
