@@ -26,3 +26,12 @@ def test_verdict_names_equality_near_ties_and_failures():
     diff = [rec("ar", "1", [1], 1.0, [1]), rec("dflash", "1", [2], 1.0, [1])]
     assert "near-tie" in lossless_verdict(diff, 0)
     assert "FAILED" in lossless_verdict(diff, 1)
+
+
+def test_demo_names_missing_drafters(monkeypatch, tmp_path, capsys):
+    import treespec.methods
+    from treespec.cli import main
+
+    monkeypatch.setattr(treespec.methods, "embedded_drafter_dir", lambda kind: tmp_path / kind)
+    assert main(["demo"]) == 2
+    assert "embedded drafters are not installed" in capsys.readouterr().err

@@ -10,6 +10,7 @@ when a method's output differs from AR's beyond the stated floating-point tolera
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
                                 max_new_tokens=args.max_new_tokens)
     expanded = runner.expand_methods(config.methods, config.budgets)
     kinds = sorted({m.drafter for m in expanded if m.drafter})
+    missing = [str(embedded_drafter_dir(k)) for k in kinds if not embedded_drafter_dir(k).is_dir()]
+    if missing:
+        print(f"treespec demo: the embedded drafters are not installed ({', '.join(missing)}); "
+              "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
+        return 2
     harness = runner.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
                                   dtype=torch.bfloat16)
     out = args.out or cache_root() / "demo"
