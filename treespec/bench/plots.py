@@ -68,6 +68,7 @@ def plot_budget_curves(summaries: Sequence[CellSummary], path: str | Path) -> Pa
         ax.set_xlabel("budget B")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    ax_t.legend(fontsize=7)
+    if curves:
+        ax_t.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, Path(path))
