@@ -1,0 +1,266 @@
+"""Offline trace replay (treespec/replay.py) against the live decoder, on tiny float64 models.
+
+* For every policy arm (the chain over DFlash and over Domino, DDTree, CaDDTree, DominoTree,
+  static-corrected) at several budgets, on several prompts: at every live round the tree built from
+  the replayed draft equals the live tree bit for bit, and the replayed tau sequences equal the
+  live ones (`SpeculativeDecoder` at T = 0), also with a stop token and the networkx backend.
+* Compressed marginals (max_budget < V): budgets up to max_budget, including DDTree's adaptive
+  candidate lists (B > 64), still replay exactly while deep depths keep far fewer than V tokens.
+* The walk that gives tau is the match verifier's; the trace round-trips through safetensors;
+  replay refuses budgets / top-M it cannot answer and trees that reach unrecorded tokens; the CLI
+  records and evaluates a trace.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import torch
+from test_drafters_support import tiny_config
+from test_target import random_prompts, random_tree, tiny_model
+
+from drafters.dflash import DFlashDrafter
+from drafters.domino import DominoDrafter
+from treespec.cli import main
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import DraftOutput, TreePolicy
+from treespec.methods import build_policy, parse_method
+from treespec.replay import (
+    RecordConfig,
+    Trace,
+    TraceError,
+    _best,
+    accepted_length,
+    evaluate,
+    record_trace,
+    replay_prompt,
+)
+from treespec.target import TargetModel
+from treespec.tree import DraftTree
+from verifiers.match import walk_matches
+
+N_TOKENS = 24
+METHODS = ["dflash", "domino", "ddtree@2", "ddtree@8", "ddtree@48", "caddtree@48", "dominotree@4",
+           "dominotree@16", "dominotree@48", "static-corrected@8", "static-corrected@48"]
+COMPRESSED_METHODS = ["dflash", "domino", "ddtree@16", "ddtree@80", "caddtree@80", "dominotree@80",
+                      "static-corrected@80"]
+
+
+class Capturing(TreePolicy):
+    """Wraps a policy and keeps every tree the live loop asked it for, with the round's anchor position."""
+
+    def __init__(self, inner: TreePolicy) -> None:
+        self.inner = inner
+        self.trees: list[tuple[int, DraftTree]] = []
+
+    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+        tree = self.inner.build(draft, backend=backend)
+        self.trees.append((draft.position, tree))
+        return tree
+
+
+class World:
+    """A tiny float64 Qwen3 target, random DFlash and Domino drafters, prompts, and their trace."""
+
+    def __init__(self, vocab: int, config: RecordConfig, n_prompts: int = 3, seed: int = 0) -> None:
+        model = tiny_model(vocab=vocab, hidden=32, layers=2, seed=seed)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(0.3)  # flatter drafts, bushier trees; the greedy text is unchanged
+        self.target = TargetModel(model)
+        self.drafters = {  # different taps, so the recorder must give each its own columns
+            "dflash": DFlashDrafter.random(tiny_config(vocab=vocab, num_target_layers=2, layer_ids=(0, 1),
+                                                      block_size=5), dtype=torch.float64, seed=seed + 1),
+            "domino": DominoDrafter.random(tiny_config(domino=True, vocab=vocab, num_target_layers=2, layer_ids=(1,),
+                                                      block_size=5), dtype=torch.float64, seed=seed + 2),
+        }
+        # a drafter needs context before its anchor, so every prompt has at least two tokens
+        self.prompts = [p for p in random_prompts(n_prompts + 4, vocab, seed=seed + 3) if p.numel() > 1][:n_prompts]
+        self.trace = record_trace(self.target, self.drafters, self.prompts, config=config)
+
+    def live(self, method: str, **kwargs) -> tuple[list[tuple[int, ...]], list[list[tuple[int, DraftTree]]]]:
+        """Per-prompt live taus and trees; every output must equal the recorded greedy trajectory."""
+        parsed = parse_method(method)
+        taus, trees = [], []
+        for i, prompt in enumerate(self.prompts):
+            policy = Capturing(build_policy(parsed))
+            decoder = SpeculativeDecoder(self.target, self.drafters[parsed.drafter], policy)
+            out = decoder.generate(prompt, max_new_tokens=self.trace.max_new_tokens, **kwargs)
+            assert out.tokens.tolist() == self.trace.sequences[i][prompt.numel():][:out.tokens.numel()].tolist()
+            taus.append(tuple(out.stats.taus))
+            trees.append(policy.trees)
+        return taus, trees
+
+
+@pytest.fixture(scope="module")
+def small():
+    return World(16, RecordConfig(max_new_tokens=N_TOKENS, max_budget=64))  # max_budget >= V: full rows
+
+
+@pytest.fixture(scope="module")
+def compressed():
+    return World(128, RecordConfig(max_new_tokens=16, max_budget=80, min_k=4), n_prompts=2, seed=10)
+
+
+def assert_replay_equals_live(world: World, method: str) -> list[tuple[int, ...]]:
+    parsed = parse_method(method)
+    policy = build_policy(parsed)
+    drafts = world.trace.drafts(parsed.drafter)
+    live_taus, live_trees = world.live(method)
+    for i, rounds in enumerate(live_trees):
+        sequence, start = world.trace.sequences[i], world.prompts[i].numel() - 1
+        for position, tree in rounds:
+            draft = drafts.draft(world.trace.anchor_index(i, position - start), int(sequence[position]), position)
+            assert policy.build(draft).equal(tree), f"{method}: prompt {i}, anchor position {position}"
+    replayed = evaluate(world.trace, [method])[0]
+    assert list(replayed.taus) == live_taus
+    return live_taus
+
+
+# ---------------------------------------------------------------------------- replay equals live
+@pytest.mark.parametrize("method", METHODS)
+def test_replayed_trees_and_taus_equal_live(small, method):
+    taus = assert_replay_equals_live(small, method)
+    if method.endswith("@48"):
+        assert max(max(t) for t in taus) >= 2  # trees were accepted into, not only root-only rounds
+
+
+@pytest.mark.parametrize("method", COMPRESSED_METHODS)
+def test_compressed_marginals_replay_exactly(compressed, method):
+    assert_replay_equals_live(compressed, method)
+
+
+def test_compressed_trace_keeps_far_fewer_than_the_vocabulary(compressed):
+    counts = compressed.trace.drafters["dflash"].counts  # [R, L]
+    assert int(counts.min()) >= 4 and int(counts[:, -1].max()) < 128 // 4
+    assert int(counts[:, 0].max()) <= 80  # at most the budget's worth at any depth
+
+
+@pytest.mark.parametrize("method", ["ddtree@16", "dominotree@16", "static-corrected@8"])
+def test_networkx_backend_replays_the_same_taus(small, method):
+    live, _ = small.live(method)
+    assert list(evaluate(small.trace, [method], backend="networkx")[0].taus) == live
+
+
+@pytest.mark.parametrize("method", ["ddtree@48", "dominotree@16"])
+def test_stop_tokens_end_responses_as_live(small, method):
+    stop = int(small.trace.sequences[0][small.prompts[0].numel() + 9])  # the 10th generated token of prompt 0
+    live, _ = small.live(method, stop_token_ids=[stop])
+    replayed = evaluate(small.trace, [method], stop_token_ids=[stop])[0]
+    assert list(replayed.taus) == live
+    assert sum(live[0]) < N_TOKENS  # the response stopped early
+
+
+def test_autoregressive_replay_is_one_token_per_round(small):
+    result = evaluate(small.trace, ["ar"])[0]
+    assert result.taus == ((1,) * N_TOKENS,) * len(small.prompts)
+
+
+# ---------------------------------------------------------------------------- pieces
+def test_accepted_length_is_the_match_verifiers_walk():
+    gen = torch.Generator().manual_seed(0)
+    taus = []
+    for _ in range(60):
+        tree = random_tree(3, 40, 4, gen)  # 4 tokens: many repeated siblings, deep matches
+        node = int(torch.randint(1, 40, (), generator=gen))  # the trajectory follows this node's path, then noise
+        future = tree.tokens[tree.path(node)[1:]].tolist() + torch.randint(0, 4, (10,), generator=gen).tolist()
+        chosen = [future[d] for d in tree.depths.tolist()]  # the target's token at each node (its depth's)
+        taus.append(accepted_length(tree, future))
+        assert taus[-1] == walk_matches(tree, torch.tensor(chosen)).tau
+    assert max(taus) >= 5
+
+
+def test_best_orders_by_value_then_token_id():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randint(-4, 5, (6, 50), generator=gen).float() * 0.25  # many ties, positive and negative
+    values[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])  # signed zeros are one value
+    ids, best = _best(values, 20)
+    expected = torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices[:, :20]
+    assert torch.equal(ids, expected) and torch.equal(best, values.gather(-1, expected))
+
+
+def test_trace_round_trips_through_safetensors(small, tmp_path):
+    path = small.trace.save(tmp_path / "trace.safetensors")
+    loaded = Trace.load(path)
+    assert loaded.meta == small.trace.meta
+    assert all(torch.equal(a, b) for a, b in zip(loaded.sequences, small.trace.sequences, strict=True))
+    methods = ["ddtree@8", "dominotree@16", "domino"]
+    assert [r.taus for r in evaluate(loaded, methods)] == [r.taus for r in evaluate(small.trace, methods)]
+    assert path.read_bytes()[8:9] == b"{"  # a safetensors JSON header: no pickle anywhere
+
+
+def test_non_trace_files_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(TraceError, match="not a treespec trace"):
+        Trace.load(tmp_path / "other.safetensors")
+    with pytest.raises(TraceError, match="cannot read trace"):
+        Trace.load(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize(("method", "message"), [
+    ("ddtree@81", "exceeds the trace's max_budget 80"),
+    ("caddtree@100", "exceeds the trace's max_budget 80"),
+    ("ddtree@16:domino", None),  # the Domino drafter's marginals are recorded as well
+])
+def test_budgets_beyond_the_recording_are_refused(compressed, method, message):
+    if message is None:
+        assert_replay_equals_live(compressed, method)
+        return
+    with pytest.raises(TraceError, match=message):
+        evaluate(compressed.trace, [method])
+
+
+def test_top_m_beyond_the_recording_is_refused(compressed):
+    wide = attrs.evolve(parse_method("dominotree@16"), options={"top_m": 96})
+    with pytest.raises(TraceError, match="top_m 96 exceeds the 64 scorer candidates"):
+        evaluate(compressed.trace, [wide])
+
+
+def test_a_missing_drafter_is_named(compressed):
+    only_dflash = attrs.evolve(compressed.trace, drafters={"dflash": compressed.trace.drafters["dflash"]})
+    with pytest.raises(TraceError, match="needs the domino drafter"):
+        evaluate(only_dflash, ["dominotree@16"])
+
+
+class DeepRanks(TreePolicy):
+    """A static tree that takes the rank-7 token at depth 2: more than min_k = 4 tokens per depth."""
+
+    name = "deep-ranks"
+
+    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+        top = draft.logprobs.topk(8, dim=-1)
+        return DraftTree.from_topk_choices([(0,), (0, 7)], root_token=draft.root_token, topk_tokens=top.indices,
+                                           topk_logprobs=top.values)
+
+
+def test_trees_reaching_unrecorded_tokens_fail(compressed):
+    drafts = compressed.trace.drafts("dflash")
+    with pytest.raises(TraceError, match="did not record"):
+        replay_prompt(compressed.trace, drafts, DeepRanks(), 0)
+
+
+# ---------------------------------------------------------------------------- CLI
+def test_cli_records_and_evaluates_a_trace(small, tmp_path, capsys):
+    small.target.model.save_pretrained(tmp_path / "target")
+    for kind, drafter in small.drafters.items():
+        drafter.save_pretrained(tmp_path / kind)
+    (tmp_path / "prompts.json").write_text(json.dumps([p.tolist() for p in small.prompts]))
+    out = tmp_path / "trace.safetensors"
+    assert main(["replay", "record", "--out", str(out), "--model", str(tmp_path / "target"), "--dtype", "float64",
+                 "--dflash", str(tmp_path / "dflash"), "--domino", str(tmp_path / "domino"),
+                 "--prompt-ids", str(tmp_path / "prompts.json"), "--max-new-tokens", "12", "--max-budget", "64"]) == 0
+    methods = ["ddtree@8", "dominotree@16"]
+    assert main(["replay", "eval", str(out), "--methods", ",".join(methods), "--json", str(tmp_path / "t.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    for method in methods:
+        parsed = parse_method(method)
+        decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], build_policy(parsed))
+        live = [decoder.generate(p, max_new_tokens=12).stats.taus for p in small.prompts]
+        assert [r["taus"] for r in rows if r["method"] == method] == live
+    assert main(["replay", "info", str(out)]) == 0
+    assert '"max_new_tokens": 12' in capsys.readouterr().out
+    assert main(["replay", "eval", str(out), "--methods", "nosuch@4"]) == 1
+    assert "unknown policy 'nosuch'" in capsys.readouterr().err
