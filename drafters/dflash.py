@@ -171,7 +171,14 @@ class DFlashDrafter(Drafter):
         ids[0] = anchor
         block = self._target.embed_tokens(ids).to(self.dtype)  # [B, H]
         positions = torch.arange(position, position + size, device=self.device)
-        return self.model(block, positions, self.cache.layers())
+        return self.model(block, positions, self._context())
+
+    def _context(self) -> list:
+        """Per-layer context keys/values; empty ones when nothing precedes the anchor (a one-token prompt)."""
+        if self.cache.length:
+            return self.cache.layers()
+        empty = torch.empty(0, len(self.tap_layers) * self.config.hidden_size, dtype=self.dtype, device=self.device)
+        return self.model.context_kv(empty, torch.empty(0, dtype=torch.int64, device=self.device))
 
     def _head_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The target's LM head on ``rows`` [L, H], as float32 logits [L, V]."""

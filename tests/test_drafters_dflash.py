@@ -204,3 +204,22 @@ def test_attention_mask_argument_reaches_attention(target):
     masked = model(block, torch.arange(5, 9), context, attn_mask=mask)
     torch.testing.assert_close(masked, model(block, torch.arange(5, 9), no_context), rtol=0, atol=1e-12)
     assert not torch.allclose(masked, model(block, torch.arange(5, 9), context))
+
+
+@pytest.mark.parametrize("domino", [False, True])
+def test_a_one_token_prompt_drafts_from_an_empty_context(domino):
+    from drafters.domino import DominoDrafter
+    from policies.ddtree import DDTree
+    from policies.dominotree import DominoTree
+    from test_target import tiny_model
+    from treespec.decoding import SpeculativeDecoder
+    from treespec.target import TargetModel
+
+    target = TargetModel(tiny_model("qwen3", vocab=64, hidden=32, layers=4))
+    config = tiny_config(vocab=64, hidden=32, num_target_layers=4, layer_ids=(0, 2), block_size=4, domino=domino)
+    drafter = (DominoDrafter if domino else DFlashDrafter).random(config, dtype=torch.float64, seed=1)
+    policy = DominoTree(budget=8) if domino else DDTree(budget=8)
+    prompt = torch.tensor([5])  # nothing precedes the anchor: the drafter's context is empty
+    spec = SpeculativeDecoder(target, drafter, policy).generate(prompt, max_new_tokens=12)
+    ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=12)
+    assert torch.equal(spec.tokens, ar.tokens)

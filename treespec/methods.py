@@ -18,6 +18,7 @@ method of a comparison over the same target with the same two drafters:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -83,10 +84,8 @@ def build_policy(method: Method, drafter: Drafter | None = None) -> TreePolicy |
     return registry.create("policy", method.policy, **kwargs)
 
 
-def embedded_drafter_dir(kind: str) -> "Path":
+def embedded_drafter_dir(kind: str) -> Path:
     """Directory of the drafter shipped for the embedded SmolLM2 target ("dflash" or "domino")."""
-    from pathlib import Path
-
     if kind not in ("dflash", "domino"):
         raise ValueError(f"embedded drafters are 'dflash' and 'domino', got {kind!r}")
     return Path(__file__).parent / "assets" / f"smollm2-135m-instruct-{kind}"
