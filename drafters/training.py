@@ -36,7 +36,6 @@ from pathlib import Path
 
 import attrs
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from drafters.config import DFlashConfig, DominoHeadConfig
