@@ -56,3 +56,26 @@ def test_draw_command_writes_each_format(tree, tmp_path):
         out = tmp_path / f"t{suffix}"
         assert main(["draw", "--tree", str(src), "--out", str(out)]) == 0
         assert out.stat().st_size > 0
+
+
+def test_live_round_returns_the_verified_tree_of_that_round():
+    import torch
+    from test_drafters_support import tiny_config
+    from test_target import tiny_model
+
+    from drafters.dflash import DFlashDrafter
+    from policies.ddtree import DDTree
+    from treespec.commands.draw import live_round
+    from treespec.target import TargetModel
+
+    target = TargetModel(tiny_model("qwen3", vocab=64, hidden=32, layers=4))
+    config = tiny_config(vocab=64, hidden=32, num_target_layers=4, layer_ids=(0, 2), block_size=4)
+    drafter = DFlashDrafter.random(config, dtype=torch.float64, seed=1)
+    prompt = torch.tensor([3, 9, 4, 7])
+    first, result = live_round(target, drafter, DDTree(budget=6), prompt, 1)
+    assert first.root_token == 7 and first.budget == 6
+    assert result.accepted.tolist() == first.path(int(result.accepted[-1]))  # a root-to-node path
+    second, _ = live_round(target, drafter, DDTree(budget=6), prompt, 2)
+    assert second.root_token == result.bonus_token  # round 2 starts from round 1's bonus token
+    with pytest.raises(ValueError, match="--round must be >= 1"):
+        live_round(target, drafter, DDTree(budget=6), prompt, 0)

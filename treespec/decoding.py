@@ -24,7 +24,7 @@ mismatch between draft and target, and on NaN target logits.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
@@ -113,13 +113,15 @@ class SpeculativeDecoder:
     """One harness for autoregressive and speculative decoding over a `TargetModel`."""
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
-                 verifier: Verifier | None = None) -> None:
+                 verifier: Verifier | None = None,
+                 on_round: Callable[[DraftTree, VerifyResult], None] | None = None) -> None:
         if (drafter is None) != (policy is None):
             raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
         self.target = target
         self.drafter = drafter
         self.policy = policy
         self.verifier = verifier if verifier is not None else registry.create("verifier", "match")
+        self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -180,6 +182,8 @@ class SpeculativeDecoder:
         draft = clock.run("draft", self._draft, seq)
         tree = clock.run("build", self._build, draft, seq, backend)
         result, verified = clock.run("verify", self._verify, tree, draft, seq, sampling, generator)
+        if self.on_round is not None:
+            self.on_round(tree, result)
         clock.run("commit", self._commit, tree, result, verified, seq)
         return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times)
 

@@ -1,7 +1,9 @@
 """``treespec draw``: render a draft tree as SVG/PNG, DOT or Mermaid.
 
-The tree comes from a JSON record (``DraftTree.to_dict()`` fields, optionally ``"accepted"`` node
-indices and ``"labels"``) or, with ``--model``, from a real round of a policy on a prompt.
+The tree comes from a JSON record (``--tree``: ``DraftTree.to_dict()`` fields, optionally
+``"accepted"`` node indices and ``"labels"``) or from a real decoding round (``--drafter``): the
+target decodes the prompt greedily with the method's policy and round ``--round`` is drawn, its
+nodes labelled with their decoded tokens and the accepted path highlighted.
 """
 
 from __future__ import annotations
@@ -11,13 +13,23 @@ import json
 from pathlib import Path
 
 from treespec import draw
+from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
+
+_DTYPES = ("bfloat16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree", type=Path, required=True, help="JSON file with tokens, parents[, scores, accepted, labels]")
     parser.add_argument("--out", type=Path, required=True, help="output file: .svg, .png, .dot or .mmd")
     parser.add_argument("--title", default=None, help="figure title (SVG/PNG only)")
+    parser.add_argument("--tree", type=Path, default=None, help="JSON file with tokens, parents[, scores, accepted, labels]")
+    live = parser.add_argument_group("a real round (instead of --tree)")
+    live.add_argument("--drafter", type=Path, default=None, help="drafter checkpoint directory")
+    live.add_argument("--model", type=Path, default=None, help="target directory (default: the embedded SmolLM2)")
+    live.add_argument("--method", default="ddtree@16", help="policy method, e.g. ddtree@16, dominotree@16")
+    live.add_argument("--prompt", default="What is speculative decoding?", help="user message (chat template applied)")
+    live.add_argument("--round", type=int, default=1, help="which decoding round to draw (1 = the first)")
+    live.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="target dtype")
 
 
 def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | None = None) -> Path:
@@ -29,9 +41,48 @@ def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | 
     return draw.write_figure(tree, out, labels, accepted, title=title)
 
 
+def live_round(target, drafter, policy, input_ids, round_index: int) -> tuple[DraftTree, VerifyResult]:
+    """The tree and verification of round ``round_index`` (1-based) of greedy speculative decoding."""
+    from treespec.decoding import SpeculativeDecoder
+
+    if round_index < 1:
+        raise ValueError(f"--round must be >= 1, got {round_index}")
+    rounds: list[tuple[DraftTree, VerifyResult]] = []
+    decoder = SpeculativeDecoder(target, drafter, policy, on_round=lambda t, r: rounds.append((t, r)))
+    decoder.generate(input_ids, max_new_tokens=64 * round_index, stop_token_ids=[])
+    if len(rounds) < round_index:
+        raise ValueError(f"decoding ended after {len(rounds)} rounds; ask for an earlier --round")
+    return rounds[round_index - 1]
+
+
+def _from_model(args: argparse.Namespace):
+    import torch
+
+    from treespec.api import load_drafter, load_target
+    from treespec.datasets import encode_chat
+    from treespec.embedded import embedded_model_dir
+    from treespec.methods import build_policy, parse_method
+
+    model_dir = args.model or embedded_model_dir()
+    target = load_target(model_dir, dtype=getattr(torch, args.dtype))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
+    policy = build_policy(parse_method(args.method))
+    tree, result = live_round(target, load_drafter(args.drafter), policy, ids, args.round)
+    labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
+    return tree, labels, result.accepted.tolist()
+
+
 def run(args: argparse.Namespace) -> int:
-    record = json.loads(args.tree.read_text())
-    tree = DraftTree.from_dict(record)
-    render(tree, args.out, record.get("labels"), record.get("accepted"), args.title)
+    if (args.tree is None) == (args.drafter is None):
+        raise SystemExit("treespec draw: give either --tree FILE or --drafter DIR (a real round)")
+    if args.tree is not None:
+        record = json.loads(args.tree.read_text())
+        tree, labels, accepted = DraftTree.from_dict(record), record.get("labels"), record.get("accepted")
+    else:
+        tree, labels, accepted = _from_model(args)
+    render(tree, args.out, labels, accepted, args.title)
     print(f"wrote {args.out} ({tree.budget} draft nodes, depth {tree.max_depth})")
     return 0
