@@ -20,9 +20,7 @@ import attrs
 import torch
 
 from treespec.bench import runner
-
-_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
+from treespec.commands import DTYPES
 
 
 def _csv(kind):
@@ -48,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--model", type=Path, default=None, help="target model directory")
     models.add_argument("--dflash", type=Path, default=None, help="DFlash drafter checkpoint directory")
     models.add_argument("--domino", type=Path, default=None, help="Domino drafter checkpoint directory")
-    models.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="target dtype")
+    models.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="target dtype")
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="output directory")
@@ -101,7 +99,7 @@ def _measure(args: argparse.Namespace, config: runner.BenchConfig, shard: runner
     methods = runner.expand_methods(config.methods, config.budgets)
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
-    harness = runner.load_harness(model, drafters, dtype=_DTYPES[args.dtype], device=_device(args, shard))
+    harness = runner.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard))
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         extra = {"model": model, "drafters": drafters, "dtype": args.dtype, "world_size": shard.world,

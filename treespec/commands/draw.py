@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 
 from treespec import draw
+from treespec.commands import CPU_DTYPES, DTYPES
 from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
-
-_DTYPES = ("bfloat16", "float32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--method", default="ddtree@16", help="policy method, e.g. ddtree@16, dominotree@16")
     live.add_argument("--prompt", default="What is speculative decoding?", help="user message (chat template applied)")
     live.add_argument("--round", type=int, default=1, help="which decoding round to draw (1 = the first)")
-    live.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="target dtype")
+    live.add_argument("--dtype", choices=CPU_DTYPES, default="bfloat16", help="target dtype")
 
 
 def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | None = None) -> Path:
@@ -64,7 +63,7 @@ def _from_model(args: argparse.Namespace):
     from treespec.methods import build_policy, parse_method
 
     model_dir = args.model or embedded_model_dir()
-    target = load_target(model_dir, dtype=getattr(torch, args.dtype))
+    target = load_target(model_dir, dtype=DTYPES[args.dtype])
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

@@ -9,9 +9,7 @@ import sys
 import torch
 
 from treespec import registry
-
-_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
+from treespec.commands import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument("--stop-token-id", type=int, action="append", default=None,
                         help="stop at this id (repeatable; default: the tokenizer's EOS)")
-    parser.add_argument("--dtype", default="auto", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="torch", choices=("torch", "networkx"))
     parser.add_argument("--json", action="store_true", help="print the stats as JSON instead of a summary")
@@ -55,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         tokenizer = load_tokenizer(args.model)
-        target = load_target(args.model, dtype=_DTYPES[args.dtype], device=args.device)
+        target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device)
     except (OSError, ValueError) as exc:
         print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
         return 1

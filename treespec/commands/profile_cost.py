@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 
 from treespec.api import load_drafter, load_target
+from treespec.commands import CPU_DTYPES, DTYPES
 from treespec.interfaces import DraftContext
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tree sizes n (nodes, root included)")
     parser.add_argument("--contexts", default="128,512", help="context lengths")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median kept)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=CPU_DTYPES, default="bfloat16")
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -68,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from policies.cost import ConvexCost
     from treespec.embedded import embedded_model_dir
 
-    target = load_target(args.model or embedded_model_dir(), dtype=_DTYPES[args.dtype])
+    target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(0)
     sizes = [int(s) for s in args.sizes.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]

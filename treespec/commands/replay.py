@@ -18,8 +18,8 @@ from pathlib import Path
 import attrs
 import torch
 
-_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
+from treespec.commands import DTYPES
+
 _KINDS = ("dflash", "domino")
 
 
@@ -50,7 +50,7 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-budget", type=int, default=None, help="largest marginal tree budget to replay")
     parser.add_argument("--min-k", type=int, default=None, help="marginal tokens kept per depth at least")
     parser.add_argument("--top-m", type=int, default=None, help="Domino candidates kept per depth (largest top_m)")
-    parser.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                         help="target dtype (default: bfloat16 for the embedded model, auto otherwise)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
@@ -103,9 +103,9 @@ def _load_target(args: argparse.Namespace):
     if args.model is None:
         from treespec.embedded import load_embedded
 
-        model, tokenizer = load_embedded(_DTYPES[args.dtype or "bfloat16"])
+        model, tokenizer = load_embedded(DTYPES[args.dtype or "bfloat16"])
         return TargetModel(model), tokenizer, "smollm2-135m-instruct"
-    target = TargetModel.from_local(args.model, dtype=_DTYPES[args.dtype or "auto"])
+    target = TargetModel.from_local(args.model, dtype=DTYPES[args.dtype or "auto"])
     try:
         from transformers import AutoTokenizer
 

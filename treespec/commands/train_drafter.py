@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from treespec.commands import CPU_DTYPES, DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a TrainConfig field, e.g. --set steps=4000 --set lr=5e-4")
     parser.add_argument("--mask-token-id", type=int, default=None, help="mask token (default: the tokenizer's unk/pad/eos)")
-    parser.add_argument("--target-dtype", choices=sorted(_DTYPES), default="bfloat16", help="dtype of the frozen target")
+    parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="bfloat16", help="dtype of the frozen target")
     parser.add_argument("--until", type=int, default=None, help="stop at this step (the schedule stays that of the full run)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -56,7 +56,7 @@ def _target(args: argparse.Namespace):
     from treespec.embedded import embedded_model_dir
 
     path = args.target or embedded_model_dir()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[args.target_dtype]).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.target_dtype]).eval().requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)
 
 
