@@ -349,7 +349,7 @@ class DrafterTrainer:
         with torch.no_grad():
             for p, q in zip(self.drafter.model.parameters(), loaded.model.parameters(), strict=True):
                 p.copy_(q)
-        moments = load_file(str(self.out_dir / "optimizer.safetensors"))
+        moments = load_file(str(self.out_dir / "optimizer.safetensors"), device=str(self.drafter.device))
         for name, p in self.drafter.model.named_parameters():
             if f"{name}::exp_avg" in moments:
                 self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
@@ -363,7 +363,8 @@ def new_drafter(target, cfg: TrainConfig, mask_token_id: int) -> DFlashDrafter:
     """A fresh drafter for ``target`` (random weights; top layers copied from the target if asked)."""
     dcfg = draft_config_for(target.config, cfg, mask_token_id)
     cls = DominoDrafter if cfg.kind == "domino" else DFlashDrafter
-    drafter = cls.random(dcfg, seed=cfg.seed, dtype=torch.float32)
+    device = target.get_input_embeddings().weight.device  # train where the target runs (CPU or CUDA)
+    drafter = cls.random(dcfg, seed=cfg.seed, dtype=torch.float32, device=device)
     if cfg.init_from_target:
         init_from_target(drafter, target)
     return drafter

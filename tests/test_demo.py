@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from treespec.bench.records import BenchRecord
+from treespec.bench.runner import Divergence
 from treespec.commands.demo import lossless_verdict, pooled_table
 
 
@@ -16,8 +17,17 @@ def test_table_pools_prompts_and_orders_methods():
                rec("ddtree@16", "1", [1, 2, 3, 4], 0.2, [2, 2]), rec("ddtree@16", "2", [5, 7], 0.1, [2])]
     table = pooled_table(records, ["ar", "ddtree@16", "absent"]).splitlines()
     assert table[2].split()[:4] == ["ar", "1.00", "10.0", "1.00x"]
-    assert table[3].split() == ["ddtree@16", "2.00", "20.0", "2.00x", "1/2"]  # prompt 2 differs from AR
+    assert table[3].split() == ["ddtree@16", "2.00", "20.0", "2.00x", "1/2", "0"]  # prompt 2 differs from AR
     assert len(table) == 4
+
+
+def test_table_counts_near_ties_within_the_tolerance_only():
+    records = [rec("ar", "1", [1, 2], 0.2, [1, 1]), rec("ar", "2", [5, 6], 0.2, [1, 1]),
+               rec("dflash", "1", [1, 3], 0.2, [1, 1]), rec("dflash", "2", [5, 7], 0.2, [1, 1])]
+    tie = Divergence("dflash", "d", "1", 0, 0.0, 1, 2, 3, gap=0.1, tolerance=0.5)
+    wide = Divergence("dflash", "d", "2", 0, 0.0, 1, 6, 7, gap=2.0, tolerance=0.5)
+    row = pooled_table(records, ["ar", "dflash"], [tie, wide]).splitlines()[3].split()
+    assert row[-2:] == ["0/2", "1"]
 
 
 def test_verdict_names_equality_near_ties_and_failures():

@@ -25,3 +25,57 @@ def test_tutorial_runs(name, monkeypatch):
     namespace: dict = {"__name__": f"docs.{name}"}
     for block in blocks:
         exec(compile(block, f"{name}", "exec"), namespace)  # noqa: S102 - the docs' own code
+
+
+BUILT_IN = ["caddtree", "chain", "ddtree", "dominotree", "static-corrected"]
+
+
+def test_every_built_in_policy_has_a_page():
+    assert sorted(registry.available("policy")) == BUILT_IN, "a policy was added or removed: update its page"
+    for name in BUILT_IN:
+        assert (DOCS / "policies" / f"{name}.md").is_file(), f"docs/policies/{name}.md is missing"
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_policy_page_figures_are_drawn_by_the_script(name):
+    """Every figure a policy page shows exists, is an SVG drawing of a tree, and make.sh draws it."""
+    page = (DOCS / "policies" / f"{name}.md").read_text()
+    script = (DOCS / "figures" / "make.sh").read_text()
+    figures = re.findall(r"!\[[^\]]*\]\(\.\./figures/([^)]+)\)", page)
+    assert figures, f"{name}.md shows no drawn tree"
+    for figure in figures:
+        svg = (DOCS / "figures" / figure).read_text()
+        assert svg.lstrip().startswith("<?xml") and "<svg" in svg, f"{figure} is not an SVG"
+        stem = figure.removeprefix("tree-").removesuffix(".svg")
+        assert re.search(rf'"{re.escape(stem)} [^"]+"', script), f"make.sh does not draw {figure}"
+    assert "FIGURE_NOTE" not in page and "MERMAID_" not in page, f"{name}.md has an unfilled placeholder"
+
+
+AB = DOCS / "figures" / "ab"
+
+
+def test_ab_walkthrough_code_prints_the_tables_it_shows(monkeypatch, capsys):
+    """The walkthrough's code runs on the committed records and prints exactly what the page shows."""
+    monkeypatch.chdir(DOCS.parent)
+    page = (DOCS / "ab-walkthrough.md").read_text()
+    blocks = python_blocks(DOCS / "ab-walkthrough.md")
+    assert len(blocks) == 2, "ab-walkthrough.md lost its code blocks"
+    namespace: dict = {"__name__": "docs.ab-walkthrough"}
+    for block in blocks:
+        exec(compile(block, "ab-walkthrough.md", "exec"), namespace)  # noqa: S102 - the docs' own code
+        printed = capsys.readouterr().out.strip()
+        assert printed and printed in page, "the page does not show what its code prints"
+    assert len(namespace["records"]) == 330
+
+
+def test_ab_report_rederives_byte_for_byte(tmp_path):
+    """The committed tables are what `treespec bench report` derives from the committed JSONL."""
+    from treespec.bench.runner import write_report
+
+    for name in ("records.jsonl", "divergences.jsonl"):
+        (tmp_path / name).write_bytes((AB / name).read_bytes())
+    write_report(tmp_path)
+    for name in ("summary.md", "summary.csv", "pairs.csv", "lossless.md"):
+        assert (tmp_path / name).read_bytes() == (AB / name).read_bytes(), f"{name} differs"
+    for plot in ("tau_hist.svg", "budget_curves.svg"):
+        assert (AB / plot).is_file(), f"docs/figures/ab/{plot} is missing"

@@ -98,3 +98,20 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
     copied = init_from_target(trainer.drafter, target)
     assert "layers.0.mlp.up_proj.weight" in copied and "norm.weight" in copied
     assert torch.equal(trainer.drafter.model.layers[0].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
+    from drafters.domino import DominoDrafter
+    from treespec.api import load_drafter
+    from treespec.commands.train_drafter import export_drafter
+
+    trainer = make(target, tmp_path, kind=kind)
+    trainer.train(sequences(), until=2, progress=False)
+    out = export_drafter(tmp_path / kind / "drafter", tmp_path / "shipped", torch.bfloat16)
+    shipped = load_drafter(out)
+    assert isinstance(shipped, DominoDrafter) == (kind == "domino")
+    trained = dict(trainer.drafter.model.state_dict())
+    for name, value in shipped.model.state_dict().items():
+        assert value.dtype == torch.bfloat16, name
+        assert torch.equal(value, trained[name].to(torch.bfloat16)), name

@@ -1,9 +1,11 @@
 """``treespec draw``: render a draft tree as SVG/PNG, DOT or Mermaid.
 
 The tree comes from a JSON record (``--tree``: ``DraftTree.to_dict()`` fields, optionally
-``"accepted"`` node indices and ``"labels"``) or from a real decoding round (``--drafter``): the
-target decodes the prompt greedily with the method's policy and round ``--round`` is drawn, its
-nodes labelled with their decoded tokens and the accepted path highlighted.
+``"accepted"`` node indices and ``"labels"``) or, without ``--tree``, from a real decoding round:
+the target (default: the embedded SmolLM2) decodes the prompt greedily with the method's policy
+and drafter (default: the embedded drafter the method needs), and round ``--round`` is drawn, its
+nodes labelled with their decoded tokens and the accepted path highlighted.  The figures in
+``docs/policies/`` are made this way (``docs/figures/make.sh``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--title", default=None, help="figure title (SVG/PNG only)")
     parser.add_argument("--tree", type=Path, default=None, help="JSON file with tokens, parents[, scores, accepted, labels]")
     live = parser.add_argument_group("a real round (instead of --tree)")
-    live.add_argument("--drafter", type=Path, default=None, help="drafter checkpoint directory")
+    live.add_argument("--drafter", type=Path, default=None,
+                      help="drafter checkpoint directory (default: the embedded one the method needs)")
     live.add_argument("--model", type=Path, default=None, help="target directory (default: the embedded SmolLM2)")
     live.add_argument("--method", default="ddtree@16", help="policy method, e.g. ddtree@16, dominotree@16")
     live.add_argument("--prompt", default="What is speculative decoding?", help="user message (chat template applied)")
@@ -68,15 +71,29 @@ def _from_model(args: argparse.Namespace):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
-    policy = build_policy(parse_method(args.method))
-    tree, result = live_round(target, load_drafter(args.drafter), policy, ids, args.round)
+    method = parse_method(args.method)
+    if method.autoregressive:
+        raise SystemExit("treespec draw: AR builds no draft tree; name a policy method, e.g. ddtree@16")
+    drafter_dir = args.drafter or _embedded_drafter(method.drafter, args.model)
+    tree, result = live_round(target, load_drafter(drafter_dir), build_policy(method), ids, args.round)
     labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
     return tree, labels, result.accepted.tolist()
 
 
+def _embedded_drafter(kind: str, model: Path | None) -> Path:
+    from treespec.methods import embedded_drafter_dir
+
+    if model is not None:
+        raise SystemExit("treespec draw: --model needs --drafter (the embedded drafters fit the embedded target only)")
+    path = embedded_drafter_dir(kind)
+    if not path.is_dir():
+        raise SystemExit(f"treespec draw: the embedded {kind} drafter is not installed ({path}); pass --drafter DIR")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
-    if (args.tree is None) == (args.drafter is None):
-        raise SystemExit("treespec draw: give either --tree FILE or --drafter DIR (a real round)")
+    if args.tree is not None and args.drafter is not None:
+        raise SystemExit("treespec draw: give either --tree FILE or a real round (--drafter ...), not both")
     if args.tree is not None:
         record = json.loads(args.tree.read_text())
         tree, labels, accepted = DraftTree.from_dict(record), record.get("labels"), record.get("accepted")

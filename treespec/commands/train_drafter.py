@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="bfloat16", help="dtype of the frozen target")
     parser.add_argument("--until", type=int, default=None, help="stop at this step (the schedule stays that of the full run)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target and the drafter train")
+    parser.add_argument("--export", type=Path, default=None,
+                        help="also write the trained drafter here in --export-dtype (the shipped form)")
+    parser.add_argument("--export-dtype", choices=CPU_DTYPES, default="bfloat16", help="dtype of --export")
 
 
 def _config(args: argparse.Namespace):
@@ -57,6 +61,7 @@ def _target(args: argparse.Namespace):
 
     path = args.target or embedded_model_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.target_dtype]).eval().requires_grad_(False)
+    model.to(args.device)
     return model, AutoTokenizer.from_pretrained(path)
 
 
@@ -78,4 +83,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"resumed at step {trainer.step}")
     trainer.train(data, until=args.until)
     print(f"drafter written to {args.out / 'drafter'}")
+    if args.export is not None:
+        export_drafter(args.out / "drafter", args.export, DTYPES[args.export_dtype])
+        print(f"{args.export_dtype} copy written to {args.export}")
+    return 0
+
+
+def export_drafter(source: Path, out: Path, dtype: torch.dtype) -> Path:
+    """Reload the checkpoint at ``source`` (strictly) and save it in ``dtype`` at ``out``."""
+    from treespec.api import load_drafter
+
+    return load_drafter(source, dtype=dtype).save_pretrained(out)
     return 0

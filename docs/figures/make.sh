@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Regenerates every figure and table the docs show, from the embedded default (SmolLM2-135M-Instruct
+# and the drafters shipped in treespec/assets/).  Run from the repository root:
+#
+#   docs/figures/make.sh trees    # the drawn trees of docs/policies/ (about a minute)
+#   docs/figures/make.sh ab       # the A/B walkthrough's bench run (docs/ab-walkthrough.md; ~20 min on 2 CPU cores)
+#
+# Trees: the same chat prompt and the same decoding round for every policy, so the pages compare.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=docs/figures
+prompt="What is the capital of France?"
+round=4
+
+trees() {
+  for spec in "chain dflash" "chain-domino domino" "ddtree ddtree@16" "caddtree caddtree" \
+              "dominotree dominotree@16" "static-corrected static-corrected@16"; do
+    set -- $spec
+    treespec draw --method "$2" --prompt "$prompt" --round $round --title "$2, round $round" \
+      --out "$out/tree-$1.svg"
+  done
+  treespec draw --method dominotree@16 --prompt "$prompt" --round $round --out "$out/tree-dominotree.mmd"
+}
+
+ab() {
+  treespec bench --methods ar,dflash,domino,ddtree,caddtree,dominotree,static-corrected --budgets 16,64 \
+    --temperatures 0,1 --datasets gsm8k,mt-bench,humaneval,alpaca --prompts 3 --max-new-tokens 96 \
+    --seed 0 --out "$out/ab"
+}
+
+for what in "${@:-trees}"; do "$what"; done
