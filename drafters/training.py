@@ -78,10 +78,10 @@ class TrainConfig:
         return self.loss_decay_gamma or _GAMMA_BY_BLOCK.get(self.block_size, self.block_size / 2)
 
 
-# Named presets: the embedded SmolLM2 drafters (CPU budget).
+# Named presets: the shipped SmolLM2 drafters were trained with exactly these (docs/embedded.md).
 TRAIN_PRESETS: dict[str, TrainConfig] = {
-    "smollm2-dflash": TrainConfig(kind="dflash", block_size=8, num_layers=2),
-    "smollm2-domino": TrainConfig(kind="domino", block_size=8, num_layers=2),
+    "smollm2-dflash": TrainConfig(kind="dflash", block_size=8, num_layers=2, anchors_per_sequence=48),
+    "smollm2-domino": TrainConfig(kind="domino", block_size=8, num_layers=2, anchors_per_sequence=48),
 }
 
 

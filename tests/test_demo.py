@@ -45,3 +45,15 @@ def test_demo_names_missing_drafters(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(treespec.methods, "embedded_drafter_dir", lambda kind: tmp_path / kind)
     assert main(["demo"]) == 2
     assert "embedded drafters are not installed" in capsys.readouterr().err
+
+
+def test_demo_prompts_need_no_dataset_files(monkeypatch, tmp_path):
+    """The demo's chat and math prompts ship with treespec and HumanEval comes from its package."""
+    from treespec import datasets
+    from treespec.commands.demo import _DATASETS
+
+    monkeypatch.setenv(datasets.DATA_ENV, str(tmp_path))  # no ../shared/datasets
+    chat, math, code = (datasets.load_prompts(name, limit=2) for name in _DATASETS)
+    assert [len(p) for p in (chat, math, code)] == [2, 2, 2]
+    assert {p.dataset for p in chat} == {"chat"} and {p.dataset for p in code} == {"humaneval"}
+    assert all(p.turns[0].endswith(datasets.MATH_SUFFIX) for p in math)  # the GSM8K template
