@@ -3,7 +3,7 @@
 # and the drafters shipped in treespec/assets/).  Run from the repository root:
 #
 #   docs/figures/make.sh trees    # the drawn trees of docs/policies/ (about a minute)
-#   docs/figures/make.sh ab       # the A/B walkthrough's bench run (docs/ab-walkthrough.md; ~20 min on 2 CPU cores)
+#   docs/figures/make.sh ab       # the A/B walkthrough's bench run (docs/ab-walkthrough.md; ~35 min on 2 CPU cores)
 #
 # Trees: the same chat prompt and the same decoding round for every policy, so the pages compare.
 set -euo pipefail

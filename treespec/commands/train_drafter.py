@@ -94,4 +94,3 @@ def export_drafter(source: Path, out: Path, dtype: torch.dtype) -> Path:
     from treespec.api import load_drafter
 
     return load_drafter(source, dtype=dtype).save_pretrained(out)
-    return 0
