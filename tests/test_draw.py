@@ -79,3 +79,14 @@ def test_live_round_returns_the_verified_tree_of_that_round():
     assert second.root_token == result.bonus_token  # round 2 starts from round 1's bonus token
     with pytest.raises(ValueError, match="--round must be >= 1"):
         live_round(target, drafter, DDTree(budget=6), prompt, 0)
+
+
+def test_draw_command_refuses_ambiguous_or_unmatched_sources(tree, tmp_path):
+    record = tmp_path / "tree.json"
+    record.write_text(json.dumps(tree.to_dict()))
+    with pytest.raises(SystemExit, match="not both"):
+        main(["draw", "--tree", str(record), "--drafter", str(tmp_path), "--out", str(tmp_path / "t.dot")])
+    with pytest.raises(SystemExit, match="--model needs --drafter"):  # refused before any model loads
+        main(["draw", "--model", str(tmp_path), "--out", str(tmp_path / "t.dot")])
+    with pytest.raises(SystemExit, match="AR builds no draft tree"):
+        main(["draw", "--method", "ar", "--out", str(tmp_path / "t.dot")])

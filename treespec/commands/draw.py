@@ -65,16 +65,16 @@ def _from_model(args: argparse.Namespace):
     from treespec.embedded import embedded_model_dir
     from treespec.methods import build_policy, parse_method
 
+    method = parse_method(args.method)
+    if method.autoregressive:
+        raise SystemExit("treespec draw: AR builds no draft tree; name a policy method, e.g. ddtree@16")
+    drafter_dir = args.drafter or _embedded_drafter(method.drafter, args.model)  # before any model loads
     model_dir = args.model or embedded_model_dir()
     target = load_target(model_dir, dtype=DTYPES[args.dtype])
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
-    method = parse_method(args.method)
-    if method.autoregressive:
-        raise SystemExit("treespec draw: AR builds no draft tree; name a policy method, e.g. ddtree@16")
-    drafter_dir = args.drafter or _embedded_drafter(method.drafter, args.model)
     tree, result = live_round(target, load_drafter(drafter_dir), build_policy(method), ids, args.round)
     labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
     return tree, labels, result.accepted.tolist()
