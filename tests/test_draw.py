@@ -29,6 +29,14 @@ def test_mermaid_marks_accepted_nodes(tree):
     assert "class n0,n2 accepted" in text and 'n5["tok6<br/>-0.60"]' in text
 
 
+def test_given_string_labels_keep_the_scores(tree):
+    names = ["root", "a", "b", "c", "d", "e"]
+    text = to_mermaid(tree, labels=names)
+    assert 'n0["root"]' in text and 'n4["d<br/>-0.90"]' in text
+    with pytest.raises(ValueError, match="6 nodes"):
+        to_dot(tree, labels=names[:3])
+
+
 def test_layout_centres_parents_over_children(tree):
     pos = tree_layout(tree)
     for node, kids in enumerate(tree.children):

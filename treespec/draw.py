@@ -2,8 +2,9 @@
 
 Contract: every renderer takes a `DraftTree`, optional node labels (a callable ``token -> str``,
 e.g. a tokenizer's decode, or a sequence of strings per node) and an optional accepted path (node
-indices from the root).  Accepted nodes and the edges between them are highlighted.  Output is
-deterministic for a given tree, so generated docs are reproducible.
+indices from the root).  Every non-root node shows its label and, below it, its path log-prob
+score.  Accepted nodes and the edges between them are highlighted.  Output is deterministic for a
+given tree, so generated docs are reproducible.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ _PLAIN = "#90a4ae"  # grey-blue: drafted, not accepted
 
 
 def node_labels(tree: DraftTree, labels: Labels = None, *, scores: bool = True) -> list[str]:
-    """One display string per node: the token (decoded when a callable is given) and its score."""
+    """One display string per node: its label (the token id, a callable's text for it, or the given
+    string) and, below it, its path log-prob score (the root has none)."""
+    tokens, values = tree.tokens.tolist(), tree.scores.tolist()
     if labels is not None and not callable(labels):
         if len(labels) != len(tree):
             raise ValueError(f"got {len(labels)} labels for a tree of {len(tree)} nodes")
-        return [str(s) for s in labels]
-    tokens, values = tree.tokens.tolist(), tree.scores.tolist()
-    text = [labels(t) if labels else str(t) for t in tokens]
+        text = [str(s) for s in labels]
+    else:
+        text = [labels(t) if labels else str(t) for t in tokens]
     if not scores:
         return text
     return [t if i == 0 else f"{t}\n{values[i]:.2f}" for i, t in enumerate(text)]
