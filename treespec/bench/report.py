@@ -22,7 +22,8 @@ import numpy as np
 
 from treespec.bench.records import BenchRecord
 
-__all__ = ["CellSummary", "PairComparison", "compare_pairs", "markdown_table", "summarize", "write_csv"]
+__all__ = ["CellSummary", "PairComparison", "compare_pairs", "markdown_table", "summarize", "time_per_token",
+           "write_csv"]
 
 AR = "ar"
 
@@ -84,9 +85,14 @@ def _bootstrap(stat, n: int, resamples: int, seed: int) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def time_per_token(rows: Iterable[BenchRecord]) -> float:
+    """Decode seconds per new token over ``rows`` (total time / total tokens)."""
+    rows = list(rows)
+    return sum(r.decode_time for r in rows) / max(1, sum(r.new_tokens for r in rows))
+
+
 def _time_per_token(rows: Sequence[BenchRecord], idx) -> float:
-    sel = [rows[i] for i in idx]
-    return sum(r.decode_time for r in sel) / max(1, sum(r.new_tokens for r in sel))
+    return time_per_token(rows[i] for i in idx)
 
 
 def summarize(records: Iterable[BenchRecord], *, resamples: int = 1000, seed: int = 0) -> list[CellSummary]:

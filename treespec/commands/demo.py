@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treespec.bench.records import BenchRecord
+from treespec.bench.report import time_per_token
 from treespec.commands import CPU_DTYPES, DTYPES
 
 if TYPE_CHECKING:
@@ -55,20 +56,16 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
         by_method[r.method].append(r)
     ties = Counter(d.method for d in divergences if d.gap <= d.tolerance)
     ar = {r.key: r for r in by_method["ar"]}
-    ar_tpt = _time_per_token(by_method["ar"])
+    ar_tpt = time_per_token(by_method["ar"])
     lines = [f"{'method':<16}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * 59]
     for method in (m for m in order if m in by_method):
         rows = by_method[method]
-        tpt = _time_per_token(rows)
+        tpt = time_per_token(rows)
         taus = [t for r in rows for t in r.taus]
         equal = sum(r.hash == ar[r.key].hash for r in rows)
         lines.append(f"{method:<16}{sum(taus) / len(taus):>7.2f}{1 / tpt:>9.1f}{ar_tpt / tpt:>8.2f}x"
                      f"{equal:>5}/{len(rows)}{ties[method]:>10}")
     return "\n".join(lines)
-
-
-def _time_per_token(rows: Sequence[BenchRecord]) -> float:
-    return sum(r.decode_time for r in rows) / max(1, sum(r.new_tokens for r in rows))
 
 
 def run(args: argparse.Namespace) -> int:
