@@ -92,6 +92,11 @@ class StopRule(ABC):
     def keep(self, draft: DraftOutput, scores: torch.Tensor) -> torch.Tensor:
         """0-dim int64: how many of the first candidates (scores [m], pop order) the rule keeps."""
 
+    def trim(self, draft: DraftOutput, scores: torch.Tensor) -> int:
+        """How many of the kept nodes (scores [k] float32, pop order) to return, decided once the
+        build has ended; both backends call it with the same scores.  Default: all of them."""
+        return scores.numel()
+
 
 # ---------------------------------------------------------------------------- the policy base
 class BestFirstPolicy(TreePolicy):
@@ -177,6 +182,9 @@ def grow_graph(draft: DraftOutput, source: CandidateSource, budget: int,
         if depth < draft.depth:
             children[node] = _child_list(source, state, depth)
             offer(node, 0)
+    if stop is not None:
+        scores = torch.tensor([graph.nodes[i]["score"] for i in range(1, graph.number_of_nodes())], dtype=torch.float32)
+        graph.remove_nodes_from(range(1 + stop.trim(draft, scores), graph.number_of_nodes()))  # a pop-order prefix
     return graph
 
 
@@ -441,6 +449,7 @@ def expand_frontier(draft: DraftOutput, source: CandidateSource, budget: int,
     order, tokens, scores, depths, parents = frontier_selection(draft, source, budget, static=static)
     if stop is not None:
         order = order[: int(stop.keep(draft, scores[order]))]
+        order = order[: stop.trim(draft, scores[order])]
     return assemble(order, tokens, scores, depths, parents)
 
 

@@ -39,6 +39,7 @@ class Chain(BestFirstPolicy):
     """Top-1 child per depth (see the module docstring)."""
 
     name: ClassVar[str] = "chain"
+    uses_scorer: ClassVar[str] = "optional"
 
     budget: int | None = attrs.field(default=None, validator=_optional_budget)  # most nodes (None: L)
     top_m: int = budget_field(64)  # with a scorer: candidates per depth the correction is normalised over

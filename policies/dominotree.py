@@ -37,6 +37,7 @@ class DominoTree(BestFirstPolicy):
     """Path-dependent best-first (see the module docstring)."""
 
     name: ClassVar[str] = "dominotree"
+    uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # non-root nodes per round
     top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over

@@ -48,6 +48,7 @@ class StaticCorrected(BestFirstPolicy):
     """Corrected but factorized (see the module docstring)."""
 
     name: ClassVar[str] = "static-corrected"
+    uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # non-root nodes per round
     top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over

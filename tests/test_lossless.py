@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import statistics
+from typing import ClassVar
 
 import pytest
 import torch
@@ -24,7 +25,9 @@ from test_verifiers import ALPHA, chi_square_pvalue
 from transformers import DynamicCache
 
 from drafters.oracle import GreedyContinuations, OracleConfig, OracleDrafter
+from policies.chain import Chain
 from treespec import registry
+from treespec.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftOutput, SamplingParams, Verifier, VerifyResult
 from treespec.sampling import filter_logits, sample_from_probs
@@ -34,7 +37,11 @@ from verifiers.match import check_logits
 from verifiers.rejection import RejectionVerifier
 
 POLICIES = registry.available("policy")
-CONDITIONAL = {"dominotree", "static-corrected"}  # policies that need a ConditionalScorer
+# what each policy declares it needs: a scorer ("required": over the conditional drafter only)
+USES_SCORER = {name: registry.resolve("policy", name).uses_scorer for name in POLICIES}
+# a machine where trees pay (GPU-like: a verified token costs 0.2% of a forward); see the
+# gate test below for one where they do not
+PAYING = LinearCost(draft=0.001, base=0.05, per_token=1e-4)
 BUDGETS = (1, 16, 128)
 N_PROMPTS, N_TOKENS = 20, 200
 # the truth is top-1 80% of the time and a near miss (ranks 1-3) 17%: long chains, and trees catch the misses
@@ -45,7 +52,7 @@ def arms() -> list[tuple[str, bool]]:
     """(policy, conditional drafter?) pairs: chains run over both drafter kinds (~DFlash, ~Domino)."""
     out = []
     for name in POLICIES:
-        kinds = (False, True) if name == "chain" else (name in CONDITIONAL,)
+        kinds = {"never": (False,), "optional": (False, True), "required": (True,)}[USES_SCORER[name]]
         out += [(name, conditional) for conditional in kinds]
     return out
 
@@ -61,7 +68,8 @@ def make_policy(name: str, budget: int):
     """The registered policy at ``budget`` (policies without a budget parameter take their default)."""
     cls = registry.resolve("policy", name)
     accepts = inspect.signature(cls).parameters
-    return cls(budget=budget) if "budget" in accepts else cls()
+    kwargs = {"cost_model": PAYING} if cls.uses_cost_model else {}
+    return cls(budget=budget, **kwargs) if "budget" in accepts else cls(**kwargs)
 
 
 def make_drafter(conditional: bool, continuations: GreedyContinuations | None = None) -> OracleDrafter:
@@ -140,6 +148,23 @@ def test_networkx_backend_gives_the_same_rounds(greedy, arm):
     assert [r.tree_size for r in runs[0].stats.rounds] == [r.tree_size for r in runs[1].stats.rounds]
 
 
+@pytest.mark.parametrize(("name", "conditional"), [("caddtree", False), ("cost-aware-dominotree", True)])
+def test_when_no_tree_pays_the_decoder_backs_off_drafting_and_stays_lossless(greedy, name, conditional):
+    """Every verified token costing an AR step: cost-aware policies answer with the root-only tree and
+    the decoder then drafts ever more rarely (doubling AR rounds up to draft_backoff)."""
+    costly = LinearCost(draft=0.01, base=0.0, per_token=0.07)
+    target, prompt = greedy.targets["qwen3"], greedy.prompts[5]
+    policy = registry.create("policy", name, budget=16, cost_model=costly)
+    for backoff, most in ((32, 12), (0, N_TOKENS)):
+        decoder = SpeculativeDecoder(target, make_drafter(conditional, greedy.continuations["qwen3"]), policy,
+                                     draft_backoff=backoff)
+        out = decoder.generate(prompt, max_new_tokens=N_TOKENS)
+        assert out.tokens.tolist() == greedy.reference("qwen3", 5)
+        drafted = sum("draft" in r.times for r in out.stats.rounds)
+        assert set(out.stats.taus) == {1} and len(out.stats.rounds) == N_TOKENS
+        assert drafted == most if backoff == 0 else 1 < drafted <= most
+
+
 # ---------------------------------------------------------------------------- T > 0, keyed: equality
 @pytest.mark.parametrize("arm", ARMS, ids=arm_id)
 def test_position_keyed_sampling_equals_autoregressive(greedy, arm):
@@ -211,16 +236,28 @@ def test_autoregressive_sampling_passes_the_same_test(small):
     assert small.pvalue(SpeculativeDecoder(small.target), N_SEEDS) > ALPHA
 
 
-def test_point_rejection_on_a_deterministic_chain_passes(small):
-    decoder = SpeculativeDecoder(small.target, _small_drafter(False), make_policy("chain", 16),
-                                 RejectionVerifier("point"))
+@pytest.mark.parametrize("conditional", [False, True], ids=["marginal", "conditional"])
+def test_the_rejection_verifier_as_the_cli_builds_it_passes(small, conditional):
+    """`--verifier rejection` is registry.create("verifier", "rejection"): the point proposal by default.
+    It verifies chains only, so with every built-in policy the reachable pairs are match x every
+    policy (the test above) and rejection x chain over either drafter (this one)."""
+    verifier = registry.create("verifier", "rejection")
+    assert verifier.proposal == "point"
+    decoder = SpeculativeDecoder(small.target, _small_drafter(conditional), make_policy("chain", 16), verifier)
     assert small.pvalue(decoder, N_SEEDS) > ALPHA
 
 
-def test_leviathan_acceptance_on_a_deterministic_chain_is_detected(small):
-    decoder = SpeculativeDecoder(small.target, _small_drafter(False), make_policy("chain", 16),
+def test_leviathan_acceptance_on_a_deterministic_chain_is_refused_and_is_biased(small):
+    """The old default (proposal="draft") over the argmax chain: refused, and measurably biased."""
+    with pytest.raises(ValueError, match="lossless only for trees sampled from the draft"):
+        SpeculativeDecoder(small.target, _small_drafter(False), make_policy("chain", 16), RejectionVerifier("draft"))
+
+    class ClaimsSampled(Chain):  # a false claim: the chain is the draft's argmax, not a sample
+        samples_from_draft: ClassVar[bool] = True
+
+    decoder = SpeculativeDecoder(small.target, _small_drafter(False), ClaimsSampled(budget=16),
                                  RejectionVerifier("draft"))
-    assert small.pvalue(decoder, N_SEEDS) < ALPHA
+    assert small.pvalue(decoder, N_SEEDS) < ALPHA  # the same test the lossless pairs pass
 
 
 class NaiveTreeRejection(Verifier):

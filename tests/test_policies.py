@@ -24,7 +24,7 @@ from drafters.toy import MarginalDrafter, ToyConditionalDrafter, ToyConfig
 from policies.best_first import BestFirstPolicy
 from policies.caddtree import CaDDTree
 from policies.chain import Chain
-from policies.cost import CostAwareStop, LinearCost
+from policies.cost import COST_PRESETS, CostAwareStop, LinearCost
 from policies.ddtree import DDTree
 from policies.dominotree import DominoTree
 from policies.static_corrected import StaticCorrected
@@ -199,7 +199,7 @@ def test_backends_agree_on_qwen3_sized_vocabulary(budget, quantum):
     draft = marginal_draft(16, QWEN_VOCAB, seed=budget, scale=2.0, quantum=quantum)
     assert built_alike(DDTree(budget=budget), draft).budget == budget
     assert built_alike(Chain(budget=budget), draft).budget == min(budget, 16)
-    built_alike(CaDDTree(budget=budget), draft)  # flat rows: the cost rule may keep only the root
+    built_alike(CaDDTree(budget=budget, cost_model=COST_PRESETS["smollm2-cpu-bf16"]), draft)  # may keep only the root
     toy = toy_draft(budget, vocab_size=QWEN_VOCAB, depth=16, quantum=quantum, correction_rows=3 if quantum else None)
     for policy in (DominoTree(budget=budget), StaticCorrected(budget=min(budget, 256)), Chain(budget=budget)):
         built_alike(policy, toy)
@@ -370,9 +370,10 @@ def test_dominotree_checks_its_widths():
         DominoTree(top_m=0)
 
 
-@pytest.mark.parametrize("name", ["chain", "ddtree", "caddtree", "dominotree", "static-corrected"])
+@pytest.mark.parametrize("name", registry.available("policy"))
 def test_registry_names_build_trees(name):
-    policy = registry.create("policy", name, budget=8)
+    cost = {"cost_model": LinearCost(draft=0.001, base=0.05, per_token=1e-4)}  # trees pay
+    policy = registry.create("policy", name, budget=8, **(cost if registry.resolve("policy", name).uses_cost_model else {}))
     assert policy.name == name
     tree = policy.build(toy_draft(2, vocab_size=50, depth=4))
     assert 1 <= tree.budget <= 8
@@ -385,7 +386,8 @@ def test_tiny_vocabulary_caps_the_tree_at_every_reachable_node():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("policy", [DDTree(budget=64), Chain(), CaDDTree(budget=64)], ids=["ddtree", "chain", "caddtree"])
+@pytest.mark.parametrize("policy", [DDTree(budget=64), Chain(), CaDDTree(budget=64, cost_model=LinearCost(
+    draft=0.001, base=0.05, per_token=1e-4))], ids=["ddtree", "chain", "caddtree"])
 def test_cuda_graph_build_equals_reference(policy):
     from policies.cuda_graph import GraphedBuild
 

@@ -1,9 +1,12 @@
 """Cost models and the cost-aware stop rule.
 
-* CaDDTree stops exactly at the brute-force argmax over n of θ(n) = (1 + Σ_{j<=n} exp(s_j)) /
-  (C_d + C_v(n + 1; ctx)) along DDTree's order, for linear and for fitted convex cost models.
-* The convex fit is non-decreasing and convex, reproduces convex data, interpolates between
-  profiled context lengths, and survives a JSON round trip.
+* CaDDTree keeps exactly the brute-force argmax over n of θ(n) = (1 + Σ_{j<=n} exp(s_j)) /
+  (C_d + C_v(n + 1; ctx)) along DDTree's order, or the root-only tree when that θ does not beat
+  AR's 1 / C_v(1), for linear and for fitted convex cost models; ``convention="published"``
+  builds the tree of an independent implementation of CaDDTree's released builder.
+* The convex fit is the exact least-squares monotone convex fit (checked against an enumeration of
+  active sets), reproduces convex data, interpolates between profiled context lengths, and
+  survives a JSON round trip; malformed cost files are refused with the file and field named.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def brute_force_best_size(scores: list[float], cost, ctx: int) -> int:
         theta = gain / (cost.draft_cost + float(cost.verify_cost(torch.tensor(float(n + 1)), ctx)))
         if theta > best_theta:
             best_n, best_theta = n, theta
-    return best_n
+    ar = 1.0 / float(cost.verify_cost(torch.tensor(1.0), ctx))
+    return best_n if best_theta > ar else 0
 
 
 def convex_samples(rng: np.random.Generator, contexts: list[int]) -> list[tuple[float, int, float]]:
@@ -95,6 +99,53 @@ def test_stop_rule_reaches_interior_optima():
     assert any(0 < s < 256 for s in sizes), sizes
 
 
+def test_cost_aware_policies_choose_the_root_only_tree_when_no_tree_pays():
+    """A machine where one extra verified token costs as much as an AR step: no tree beats AR."""
+    cost = LinearCost(draft=0.01, base=0.0, per_token=0.07)
+    draft = draft_at(300, 8, 200, 0, 4.0)
+    for backend in ("torch", "networkx"):
+        assert len(CaDDTree(budget=64, cost_model=cost).build(draft, backend=backend)) == 1
+    cheap = LinearCost(draft=0.001, base=0.07, per_token=1e-4)  # a GPU-like curve: trees pay
+    assert len(CaDDTree(budget=64, cost_model=cheap).build(draft)) > 1
+
+
+def published_caddtree_sizes(logprobs: torch.Tensor, cost, ctx: int, max_budget: int) -> list[tuple]:
+    """An independent heap implementation of CaDDTree's released builder: (rank path) of every node.
+
+    theta_prev = 1 / (C_d + C_v(0)); pop the best (score, path); stop when
+    (1 + phi + delta) / (C_d + C_v(count + 1)) <= theta_prev; push the next sibling and first child.
+    """
+    import heapq
+
+    top = torch.sort(logprobs.float(), dim=-1, descending=True, stable=True).values.tolist()  # [L, V]
+    costs = cost.verify_costs(max_budget + 1, ctx).tolist()
+    heap, nodes, phi = [(-top[0][0], (0,))], [], 0.0
+    theta_prev = 1.0 / (cost.draft_cost + costs[0])
+    while heap and len(nodes) < max_budget:
+        neg, path = heapq.heappop(heap)
+        theta = (1.0 + phi + math.exp(-neg)) / (cost.draft_cost + costs[len(nodes) + 1])
+        if theta <= theta_prev:
+            break
+        nodes.append(path)
+        phi, theta_prev = phi + math.exp(-neg), theta
+        depth, rank = len(path), path[-1]
+        if rank + 1 < len(top[depth - 1]):
+            heapq.heappush(heap, (neg + top[depth - 1][rank] - top[depth - 1][rank + 1], path[:-1] + (rank + 1,)))
+        if depth < len(top):
+            heapq.heappush(heap, (neg - top[depth][0], path + (0,)))
+    return nodes
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(cost_models(), st.integers(1, 8), st.integers(1, 120), st.integers(0, 3000), st.integers(0, 2**31))
+def test_published_convention_builds_the_released_tree(cost, depth, budget, position, seed):
+    draft = draft_at(position, depth, 50, seed, 3.0)  # continuous scores: no ties between paths
+    expected = published_caddtree_sizes(draft.logprobs.double(), cost, position, budget)
+    for backend in ("torch", "networkx"):
+        tree = CaDDTree(budget=budget, cost_model=cost, convention="published").build(draft, backend=backend)
+        assert list(tree.rank_paths[1:]) == expected
+
+
 def test_cost_aware_stop_composes_with_dominotree():
     draft = ToyConditionalDrafter(seed=3, vocab_size=60, depth=8, logit_scale=4.0).draft(
         DraftContext(sequence=torch.full((301,), 2), features=None))
@@ -124,6 +175,58 @@ def test_convex_fit_is_monotone_and_convex(seed):
     slopes = np.diff(values) / np.diff(knots)
     assert (slopes >= 0).all()
     assert (np.diff(slopes) >= -1e-12).all()
+
+
+def enumerated_convex_fit(points: list[tuple[float, float]]) -> float:
+    """Least squares over every non-decreasing convex piecewise-linear function with knots at the
+    distinct x, by enumeration: each set of active constraints (slope increments fixed at 0) is an
+    unconstrained least-squares problem; the best feasible one is the optimum (KKT, convex QP)."""
+    import itertools
+
+    xs = sorted({x for x, _ in points})
+    x = np.array([p[0] for p in points])
+    y = np.array([p[1] for p in points])
+    basis = [np.ones_like(x), x - xs[0]] + [np.maximum(x - k, 0.0) for k in xs[1:-1]]
+    best = math.inf
+    for free in itertools.product([False, True], repeat=len(basis) - 1):
+        cols = [basis[0]] + [b for b, f in zip(basis[1:], free) if f]
+        coef = np.linalg.lstsq(np.stack(cols, axis=1), y, rcond=None)[0]
+        if (coef[1:] >= -1e-12).all():
+            best = min(best, float(((np.stack(cols, axis=1) @ coef - y) ** 2).sum()))
+    return best
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(st.integers(0, 2**31))
+def test_convex_fit_is_the_exact_least_squares_fit(seed):
+    rng = np.random.default_rng(seed)
+    sizes = sorted(rng.choice(np.arange(1, 80), size=int(rng.integers(2, 8)), replace=False).tolist())
+    points = [(float(n), float(0.03 + 2e-4 * n + rng.normal(0, 4e-3))) for n in sizes for _ in range(rng.integers(1, 4))]
+    knots, values = fit_convex_curve(points)
+    fitted = dict(zip(knots, values))
+    sse = sum((y - fitted[x]) ** 2 for x, y in points)
+    assert sse <= enumerated_convex_fit(points) * (1 + 1e-9) + 1e-15
+    slopes = np.diff(values) / np.diff(knots)
+    assert (slopes >= -1e-12).all() and (np.diff(slopes) >= -1e-9).all()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{not json", "not valid JSON"),
+    ('{"kind": "convex", "draft": 0.01}', "needs the field"),
+    ('{"kind": "linear", "draft": "fast", "base": 0.1, "per_token": 0.01}', "draft must be a finite number"),
+    ('{"kind": "convex", "draft": 0.01, "contexts": [128], "knots": [[1, 2]], "values": [[0.1]]}',
+     "2 knots and 1 values"),
+    ('{"kind": "convex", "draft": 0.01, "contexts": 128, "knots": [[1]], "values": [[0.1]]}', "must be a list"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_malformed_cost_files_name_the_file_and_the_problem(tmp_path, text, message):
+    path = tmp_path / "cost.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        load_cost_model(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match="no cost model file"):
+        load_cost_model(tmp_path / "missing.json")
 
 
 def test_convex_fit_reproduces_convex_data_and_averages_repeats():
@@ -173,3 +276,21 @@ def test_preset_is_convex_and_matches_the_profiled_points():
     measured = {1: 0.0233, 8: 0.0253, 16: 0.0292, 65: 0.0602}
     for n, seconds in measured.items():
         assert abs(float(cost.verify_cost(torch.tensor(float(n)), 300)) - seconds) < 1e-9
+
+
+@pytest.mark.parametrize("convention", ["treespec", "published"])
+def test_cost_aware_dominotree_is_dominotree_with_the_cost_stop(convention):
+    from policies.cost_aware_dominotree import CostAwareDominoTree
+
+    cost = LinearCost(draft=0.005, base=0.02, per_token=0.002)
+    for seed in range(4):
+        draft = ToyConditionalDrafter(seed=seed, vocab_size=60, depth=8, logit_scale=4.0).draft(
+            DraftContext(sequence=torch.full((301,), 2), features=None))
+        composed = DominoTree(budget=64, stop=CostAwareStop(cost, convention))
+        policy = CostAwareDominoTree(budget=64, cost_model=cost, convention=convention)
+        for backend in ("torch", "networkx"):
+            assert policy.build(draft, backend=backend).equal(composed.build(draft, backend=backend))
+    with pytest.raises(ValueError, match="needs the cost model"):
+        CostAwareDominoTree().build(draft)
+    with pytest.raises(ValueError, match="convention"):
+        CostAwareDominoTree(cost_model=cost, convention="paper")

@@ -24,6 +24,7 @@ from test_target import random_prompts, random_tree, tiny_model
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
 from treespec.cli import main
+from treespec.cost import COST_PRESETS
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.methods import build_policy, parse_method
@@ -42,6 +43,7 @@ from treespec.tree import DraftTree
 from verifiers.match import walk_matches
 
 N_TOKENS = 24
+COST = COST_PRESETS["smollm2-cpu-bf16"]  # prices caddtree's trees (interior optima and root-only rounds)
 METHODS = ["dflash", "domino", "ddtree@2", "ddtree@8", "ddtree@48", "caddtree@48", "dominotree@4",
            "dominotree@16", "dominotree@48", "static-corrected@8", "static-corrected@48"]
 COMPRESSED_METHODS = ["dflash", "domino", "ddtree@16", "ddtree@80", "caddtree@80", "dominotree@80",
@@ -84,7 +86,7 @@ class World:
         parsed = parse_method(method)
         taus, trees = [], []
         for i, prompt in enumerate(self.prompts):
-            policy = Capturing(build_policy(parsed))
+            policy = Capturing(build_policy(parsed, COST))
             decoder = SpeculativeDecoder(self.target, self.drafters[parsed.drafter], policy)
             out = decoder.generate(prompt, max_new_tokens=self.trace.max_new_tokens, **kwargs)
             assert out.tokens.tolist() == self.trace.sequences[i][prompt.numel():][:out.tokens.numel()].tolist()
@@ -105,7 +107,7 @@ def compressed():
 
 def assert_replay_equals_live(world: World, method: str) -> list[tuple[int, ...]]:
     parsed = parse_method(method)
-    policy = build_policy(parsed)
+    policy = build_policy(parsed, COST)
     drafts = world.trace.drafts(parsed.drafter)
     live_taus, live_trees = world.live(method)
     for i, rounds in enumerate(live_trees):
@@ -113,7 +115,7 @@ def assert_replay_equals_live(world: World, method: str) -> list[tuple[int, ...]
         for position, tree in rounds:
             draft = drafts.draft(world.trace.anchor_index(i, position - start), int(sequence[position]), position)
             assert policy.build(draft).equal(tree), f"{method}: prompt {i}, anchor position {position}"
-    replayed = evaluate(world.trace, [method])[0]
+    replayed = evaluate(world.trace, [method], cost_model=COST)[0]
     assert list(replayed.taus) == live_taus
     return live_taus
 
@@ -140,20 +142,20 @@ def test_compressed_trace_keeps_far_fewer_than_the_vocabulary(compressed):
 @pytest.mark.parametrize("method", ["ddtree@16", "dominotree@16", "static-corrected@8"])
 def test_networkx_backend_replays_the_same_taus(small, method):
     live, _ = small.live(method)
-    assert list(evaluate(small.trace, [method], backend="networkx")[0].taus) == live
+    assert list(evaluate(small.trace, [method], backend="networkx", cost_model=COST)[0].taus) == live
 
 
 @pytest.mark.parametrize("method", ["ddtree@48", "dominotree@16"])
 def test_stop_tokens_end_responses_as_live(small, method):
     stop = int(small.trace.sequences[0][small.prompts[0].numel() + 9])  # the 10th generated token of prompt 0
     live, _ = small.live(method, stop_token_ids=[stop])
-    replayed = evaluate(small.trace, [method], stop_token_ids=[stop])[0]
+    replayed = evaluate(small.trace, [method], stop_token_ids=[stop], cost_model=COST)[0]
     assert list(replayed.taus) == live
     assert sum(live[0]) < N_TOKENS  # the response stopped early
 
 
 def test_autoregressive_replay_is_one_token_per_round(small):
-    result = evaluate(small.trace, ["ar"])[0]
+    result = evaluate(small.trace, ["ar"], cost_model=COST)[0]
     assert result.taus == ((1,) * N_TOKENS,) * len(small.prompts)
 
 
@@ -186,7 +188,8 @@ def test_trace_round_trips_through_safetensors(small, tmp_path):
     assert loaded.meta == small.trace.meta
     assert all(torch.equal(a, b) for a, b in zip(loaded.sequences, small.trace.sequences, strict=True))
     methods = ["ddtree@8", "dominotree@16", "domino"]
-    assert [r.taus for r in evaluate(loaded, methods)] == [r.taus for r in evaluate(small.trace, methods)]
+    again, before = (evaluate(t, methods, cost_model=COST) for t in (loaded, small.trace))
+    assert [r.taus for r in again] == [r.taus for r in before]
     assert path.read_bytes()[8:9] == b"{"  # a safetensors JSON header: no pickle anywhere
 
 
@@ -210,19 +213,19 @@ def test_budgets_beyond_the_recording_are_refused(compressed, method, message):
         assert_replay_equals_live(compressed, method)
         return
     with pytest.raises(TraceError, match=message):
-        evaluate(compressed.trace, [method])
+        evaluate(compressed.trace, [method], cost_model=COST)
 
 
 def test_top_m_beyond_the_recording_is_refused(compressed):
     wide = attrs.evolve(parse_method("dominotree@16"), options={"top_m": 96})
     with pytest.raises(TraceError, match="top_m 96 exceeds the 64 scorer candidates"):
-        evaluate(compressed.trace, [wide])
+        evaluate(compressed.trace, [wide], cost_model=COST)
 
 
 def test_a_missing_drafter_is_named(compressed):
     only_dflash = attrs.evolve(compressed.trace, drafters={"dflash": compressed.trace.drafters["dflash"]})
     with pytest.raises(TraceError, match="needs the domino drafter"):
-        evaluate(only_dflash, ["dominotree@16"])
+        evaluate(only_dflash, ["dominotree@16"], cost_model=COST)
 
 
 class DeepRanks(TreePolicy):
@@ -257,7 +260,7 @@ def test_cli_records_and_evaluates_a_trace(small, tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     for method in methods:
         parsed = parse_method(method)
-        decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], build_policy(parsed))
+        decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], build_policy(parsed, COST))
         live = [decoder.generate(p, max_new_tokens=12).stats.taus for p in small.prompts]
         assert [r["taus"] for r in rows if r["method"] == method] == live
     assert main(["replay", "info", str(out)]) == 0

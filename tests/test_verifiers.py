@@ -207,10 +207,10 @@ def test_rejection_greedy_equals_match_and_clear_errors():
         RejectionVerifier().verify(DraftTree.build([0, 1, 2], [-1, 0, 0]), logits, sampling=T1,
                                    generator=torch.Generator(), position=0)
     with pytest.raises(ValueError, match="pass draft="):
-        RejectionVerifier().verify(tree, logits, sampling=T1, generator=torch.Generator(), position=0)
+        RejectionVerifier("draft").verify(tree, logits, sampling=T1, generator=torch.Generator(), position=0)
     rescored = DraftTree.chain(0, [1, 2], [-0.1, -0.2])
     with pytest.raises(ValueError, match="not the draft's base log-probs"):
-        RejectionVerifier().verify(rescored, logits, sampling=T1, generator=torch.Generator(), position=0,
+        RejectionVerifier("draft").verify(rescored, logits, sampling=T1, generator=torch.Generator(), position=0,
                                    draft=_draft())
     with pytest.raises(ValueError, match="proposal must be one of"):
         RejectionVerifier("soft")

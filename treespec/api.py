@@ -14,7 +14,12 @@ Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample`
 * ``drafter``: None (autoregressive decoding), a `Drafter`, a registered drafter name (built with
   ``drafter_kwargs``), or a local DFlash / Domino checkpoint directory.
 * ``policy``: a `TreePolicy` or a registered name, built with ``budget`` (when given) and
-  ``policy_kwargs``.  Ignored for autoregressive decoding.
+  ``policy_kwargs``; a cost-aware one (CaDDTree, the cost-aware DominoTree) named here prices its
+  trees with this machine's measured cost profile (`treespec.profile`, cached).  Ignored for
+  autoregressive decoding.
+* ``dtype``: ``"auto"`` (default) is the faster of bf16 and fp32 for this model on this CPU
+  (measured once and cached, `treespec.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
+  stored dtype.
 
 ``do_sample=False`` (the default) decodes greedily whatever ``temperature`` says, as in Hugging Face;
 ``do_sample=True`` needs ``temperature > 0``.  Without ``stop_token_ids``, the tokenizer's or the
@@ -76,13 +81,19 @@ def load_drafter(drafter: Drafter | PathLike | None, **kwargs: Any) -> Drafter |
     return registry.create("drafter", str(drafter), **kwargs)
 
 
-def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any]) -> TreePolicy:
+def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any], target: TargetModel,
+            drafter: Drafter) -> TreePolicy:
+    """The policy; a cost-aware one by name gets this machine's measured cost model (`treespec.profile`)."""
     if isinstance(policy, TreePolicy):
         return policy
     if budget is not None:
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
         kwargs = {**kwargs, "budget": budget}
+    if getattr(registry.resolve("policy", policy), "uses_cost_model", False) and "cost_model" not in kwargs:
+        from treespec.profile import machine_profile
+
+        kwargs = {**kwargs, "cost_model": machine_profile(target, [drafter]).cost_model(drafter)}
     return registry.create("policy", policy, **kwargs)
 
 
@@ -148,7 +159,7 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
     target = load_target(model, dtype=dtype, device=device)
     tokenizer = _tokenizer(model, tokenizer, needed=isinstance(prompt, str))
     draft_model = load_drafter(drafter, **(drafter_kwargs or {}))
-    tree_policy = _policy(policy, budget, policy_kwargs or {}) if draft_model is not None else None
+    tree_policy = _policy(policy, budget, policy_kwargs or {}, target, draft_model) if draft_model is not None else None
     checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
     decoder = SpeculativeDecoder(target, draft_model, tree_policy, checker)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -14,6 +14,14 @@ KV cache; the round commits the accepted draft tokens plus the bonus (tau tokens
 its previous draft, so ``feature_start + len(features) == anchor position`` always: the prompt's
 taps (all but the anchor) in the first round, the accepted nodes' taps (root first) afterwards.
 
+Drafting that does not pay is backed off: when a round's policy returns the root-only tree (a
+cost-aware policy's way of saying that no tree beats autoregressive decoding here), the next
+round drafts nothing and runs one AR step, and each further root-only answer doubles the AR
+rounds before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off).
+Any larger tree resets the back-off.  AR rounds commit exactly what the target chooses, so the
+output is unchanged; the drafter receives the taps of every token committed meanwhile at its
+next draft.
+
 Trees are pruned to the depth that can still be used (remaining tokens, context window) before the
 target sees them; pruning a tree to a depth keeps it a tree and changes no accepted token.
 Stage times are wall-clock seconds around each stage, synchronised on CUDA; the prefill is timed
@@ -41,11 +49,12 @@ from treespec.interfaces import (
     VerifyResult,
     check_single_batch,
 )
+from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["SpeculativeDecoder", "limit_depth"]
+__all__ = ["DraftGate", "SpeculativeDecoder", "limit_depth"]
 
 
 @attrs.define
@@ -56,6 +65,7 @@ class _Sequence:
     length: int  # committed tokens; the root (anchor) is tokens[length - 1]
     prompt_len: int  # P
     stops: frozenset[int]  # stop token ids
+    gate: DraftGate  # when the drafter is asked next
     features: torch.Tensor | None = None  # [n, F] taps of the tokens committed since the last draft
     feature_start: int = 0  # absolute position of features[0]
     done: bool = False
@@ -77,6 +87,30 @@ class _Sequence:
         self.tokens[self.length:self.length + cut] = torch.tensor(new[:cut], dtype=torch.int64)
         self.length += cut
         self.done = self.done or self.remaining == 0
+
+
+@attrs.define
+class DraftGate:
+    """Backs drafting off while the policy keeps answering with the root-only tree (module docstring)."""
+
+    max_backoff: int  # most AR rounds between two drafts (0: draft every round)
+    skip: int = 0  # AR rounds left before the next draft
+    wait: int = 0  # the current back-off length
+
+    def drafts_now(self) -> bool:
+        """Whether this round drafts (consumes one skipped round otherwise)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, tree_size: int) -> None:
+        """After a drafted round: the size of the tree the policy built, root included."""
+        if tree_size > 1 or self.max_backoff == 0:
+            self.wait = 0
+            return
+        self.wait = min(max(1, 2 * self.wait), self.max_backoff)
+        self.skip = self.wait
 
 
 class _Stopwatch:
@@ -114,14 +148,24 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None,
-                 on_round: Callable[[DraftTree, VerifyResult], None] | None = None) -> None:
+                 on_round: Callable[[DraftTree, VerifyResult], None] | None = None, *,
+                 draft_backoff: int = 32) -> None:
         if (drafter is None) != (policy is None):
             raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
         self.target = target
         self.drafter = drafter
         self.policy = policy
         self.verifier = verifier if verifier is not None else registry.create("verifier", "match")
+        if policy is not None and self.verifier.requires_sampled_tree and not policy.samples_from_draft:
+            raise ValueError(
+                f"the {self.verifier.name} verifier as configured is lossless only for trees sampled from the "
+                f"draft, and the {policy.name} policy chooses its tokens deterministically, so the output would "
+                "not follow the target's distribution; use RejectionVerifier(proposal='point') (the default) "
+                "or the match verifier")
         self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
+        if draft_backoff < 0:
+            raise ValueError(f"draft_backoff must be >= 0, got {draft_backoff}")
+        self.draft_backoff = draft_backoff  # most AR rounds between drafts while trees do not pay
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -140,6 +184,8 @@ class SpeculativeDecoder:
         prompt = check_single_batch(input_ids).to(self.target.device)
         self._check_request(prompt, max_new_tokens, backend)
         generator = _generator_for(sampling, generator)
+        if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
+            sampling = attrs.evolve(sampling, key=sampling_key(generator))
         stats = GenerationStats()
         seq = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), stats)
         clock = _Stopwatch(self.target.device)
@@ -173,18 +219,22 @@ class SpeculativeDecoder:
         clock = _Stopwatch(self.target.device)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
         stats.prefill_time = clock.times["prefill"]
-        return _Sequence(buffer, prompt.numel(), prompt.numel(), stops, features=prefill.features)
+        return _Sequence(buffer, prompt.numel(), prompt.numel(), stops, DraftGate(self.draft_backoff),
+                         features=prefill.features)
 
     # ------------------------------------------------------------------ one round
     def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,
                backend: str) -> RoundStats:
         clock = _Stopwatch(self.target.device)  # "verify" = the target's tree forward + the verifier's walk
-        draft = clock.run("draft", self._draft, seq)
+        drafted = not self.autoregressive and seq.gate.drafts_now()
+        draft = clock.run("draft", self._draft, seq) if drafted else None
         tree = clock.run("build", self._build, draft, seq, backend)
+        if drafted:
+            seq.gate.record(len(tree))
         result, verified = clock.run("verify", self._verify, tree, draft, seq, sampling, generator)
         if self.on_round is not None:
             self.on_round(tree, result)
-        clock.run("commit", self._commit, tree, result, verified, seq)
+        clock.run("commit", self._commit, tree, result, verified, seq, drafted)
         return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times)
 
     def _draft(self, seq: _Sequence) -> DraftOutput | None:
@@ -214,15 +264,19 @@ class SpeculativeDecoder:
                                       position=seq.anchor_position + 1, draft=draft)
         return result, out
 
-    def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: _Sequence) -> None:
+    def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: _Sequence,
+                drafted: bool) -> None:
         accepted = result.accepted.to(tree.device)
         self.target.commit(accepted)
         if verified.features is not None:
-            seq.features = verified.features[accepted.to(verified.features.device)]  # [tau, F], root first
-        seq.feature_start = seq.anchor_position
+            kept = verified.features[accepted.to(verified.features.device)]  # [tau, F], root first
+            undrafted = not drafted and seq.features is not None  # taps since the last draft go on growing
+            seq.features = torch.cat([seq.features, kept]) if undrafted else kept
+        if drafted or self.autoregressive:
+            seq.feature_start = seq.anchor_position
         path_tokens = tree.tokens[accepted]
         seq.append(path_tokens[1:].tolist() + [result.bonus_token])
-        if self.drafter is not None:
+        if drafted:
             self.drafter.observe(path_tokens)
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import attrs
 import torch
 
+from treespec.hardware import CACHE_ENV, cache_root
+
 __all__ = [
     "SMOLLM2_135M_INSTRUCT",
     "EmbeddedError",
@@ -44,7 +46,6 @@ __all__ = [
     "verify_sha256",
 ]
 
-CACHE_ENV = "TREESPEC_CACHE"
 WHEEL_ENV = "TREESPEC_EMBEDDED_WHEEL"
 PROVENANCE_FILE = "treespec_source.json"
 
@@ -82,12 +83,6 @@ SMOLLM2_135M_INSTRUCT = EmbeddedSource(
 )
 
 FetchFn = Callable[[EmbeddedSource, Path], Path]
-
-
-def cache_root() -> Path:
-    """``$TREESPEC_CACHE`` if set, else ``~/.cache/treespec``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "treespec"
 
 
 def sha256_of(path: Path) -> str:

@@ -19,6 +19,7 @@ tree per call; `check_single_batch` is the one place where that is asserted.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
@@ -139,12 +140,23 @@ class Drafter(ABC):
     def observe(self, accepted: torch.Tensor) -> None:
         """Feedback: the accepted node tokens of the last round (root first)."""
 
+    def identity(self) -> str:
+        """What the drafter's forward cost depends on (its class and configuration, not its
+        weights); cost profiles are keyed by it."""
+        config = getattr(self, "config", None)
+        described = attrs.asdict(config) if attrs.has(type(config)) else repr(config)
+        return f"{type(self).__name__}:{json.dumps(described, sort_keys=True, default=str)}"
+
 
 # ---------------------------------------------------------------------------- policies
 class TreePolicy(ABC):
     """Turns a `DraftOutput` into a `DraftTree`.  Must be a pure function of its inputs."""
 
     name: ClassVar[str] = "policy"
+    # what the policy needs, read by the harnesses instead of lists of names:
+    uses_scorer: ClassVar[str] = "never"  # the draft's ConditionalScorer: "never", "optional" or "required"
+    uses_cost_model: ClassVar[bool] = False  # takes cost_model=; harnesses pass the machine's profile
+    samples_from_draft: ClassVar[bool] = False  # tree tokens are drawn from the draft's rows (not chosen)
 
     @abstractmethod
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
@@ -159,7 +171,8 @@ class SamplingParams:
     temperature: float = 0.0  # 0: argmax (greedy); > 0: sample softmax(logits / T)
     top_k: int = 0  # keep the k most likely target tokens before sampling (0: off)
     top_p: float = 1.0  # nucleus: keep the smallest set with mass >= top_p (1.0: off)
-    position_keyed: bool = True  # draw a position's sample from noise keyed by (seed, position)
+    position_keyed: bool = True  # draw a position's sample from noise keyed by (key, position)
+    key: int | None = None  # the position-keyed noise key; the decoder draws it once per generation
 
     def __attrs_post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -191,6 +204,8 @@ class Verifier(ABC):
     """Chooses the accepted path of a tree from the target's logits at every node."""
 
     name: ClassVar[str] = "verifier"
+    # lossless only over trees sampled from the draft (a policy declaring ``samples_from_draft``)
+    requires_sampled_tree: ClassVar[bool] = False
 
     @abstractmethod
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,

@@ -10,9 +10,12 @@ method of a comparison over the same target with the same two drafters:
 * ``ar``: autoregressive decoding (a root-only tree each round).
 * ``dflash``: the chain over the DFlash drafter (the DFlash decoder).
 * ``domino``: the chain over the Domino drafter (greedy GRU rollout: the Domino decoder).
-* ``ddtree@B``, ``caddtree@B``: over DFlash.  ``dominotree@B``, ``static-corrected@B``: over Domino.
-* ``cost-aware-dominotree@B``: DominoTree with CaDDTree's cost-aware stop rule.
-* any other registered policy name: over DFlash, or over Domino with ``POLICY@B:domino``.
+* ``POLICY[@B]``: any registered policy; over Domino when the policy declares that it needs a
+  scorer (``uses_scorer = "required"``: DominoTree, static-corrected, the cost-aware DominoTree),
+  otherwise over DFlash; ``POLICY@B:domino`` / ``:dflash`` picks the drafter explicitly.
+
+A policy that declares ``uses_cost_model`` gets the machine's cost model from `build_policy`'s
+caller (the harness measures it, `treespec.profile`), never a built-in preset.
 """
 
 from __future__ import annotations
@@ -24,14 +27,13 @@ from typing import Any
 import attrs
 
 from treespec import registry
-from treespec.interfaces import Drafter, TreePolicy
+from treespec.cost import CostModel
+from treespec.interfaces import TreePolicy
 
-__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "parse_method"]
-
-_CONDITIONAL = {"dominotree", "static-corrected", "cost-aware-dominotree"}
+__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "parse_method", "policy_class"]
 
 # The comparison of the README's demo: the published systems on the embedded default.
-DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16")
+DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
 
 
 @attrs.frozen
@@ -62,25 +64,29 @@ def parse_method(text: str) -> Method:
         raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
     if drafter not in ("", "dflash", "domino"):
         raise ValueError(f"method {text!r}: drafter must be 'dflash' or 'domino', got {drafter!r}")
-    kind = drafter or ("domino" if policy in _CONDITIONAL else "dflash")
-    if policy != "cost-aware-dominotree" and policy not in registry.available("policy"):
+    if budget and int(budget) < 1:
+        raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
+    if policy not in registry.available("policy"):
         raise ValueError(f"method {text!r}: unknown policy {policy!r}; available: "
                          f"{', '.join(registry.available('policy'))}")
+    kind = drafter or ("domino" if policy_class(policy).uses_scorer == "required" else "dflash")
     return Method(text, policy, kind, int(budget) if budget else None)
 
 
-def build_policy(method: Method, drafter: Drafter | None = None) -> TreePolicy | None:
-    """The method's policy instance (None for AR); the cost-aware DominoTree is one composition."""
+def policy_class(name: str) -> type[TreePolicy]:
+    """The registered policy class (or factory) of ``name``."""
+    return registry.resolve("policy", name)
+
+
+def build_policy(method: Method, cost_model: CostModel | None = None) -> TreePolicy | None:
+    """The method's policy instance (None for AR); ``cost_model`` goes to a policy that uses one."""
     if method.autoregressive:
         return None
     kwargs = dict(method.options)
     if method.budget is not None:
         kwargs["budget"] = method.budget
-    if method.policy == "cost-aware-dominotree":
-        from policies.cost import COST_PRESETS, CostAwareStop  # imported only for this method
-
-        cost = kwargs.pop("cost_model", None) or COST_PRESETS["smollm2-cpu-bf16"]
-        return registry.create("policy", "dominotree", stop=CostAwareStop(cost), **kwargs)
+    if getattr(policy_class(method.policy), "uses_cost_model", False) and "cost_model" not in kwargs:
+        kwargs["cost_model"] = cost_model
     return registry.create("policy", method.policy, **kwargs)
 
 

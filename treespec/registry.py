@@ -25,6 +25,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "ddtree": "policies.ddtree:DDTree",
         "caddtree": "policies.caddtree:CaDDTree",
         "dominotree": "policies.dominotree:DominoTree",
+        "cost-aware-dominotree": "policies.cost_aware_dominotree:CostAwareDominoTree",
         "static-corrected": "policies.static_corrected:StaticCorrected",
     },
     "drafter": {

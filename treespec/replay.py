@@ -52,9 +52,11 @@ import torch
 from torch import nn
 
 from treespec import registry
-from treespec.decoding import SpeculativeDecoder, limit_depth
+from treespec.cost import CostModel, cost_model_from_dict
+from treespec.decoding import DraftGate, SpeculativeDecoder, limit_depth
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, TreePolicy
 from treespec.methods import Method, build_policy, parse_method
+from treespec.profile import machine_profile
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
 
@@ -65,7 +67,6 @@ __all__ = [
 
 FORMAT, VERSION = "treespec-trace", 1
 META_KEY = "treespec_trace"  # safetensors header entry holding the JSON metadata
-SCORER_POLICIES = ("chain", "dominotree", "static-corrected")  # read only the scorer when the draft has one
 _HEAD_KEYS = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight")
 
 
@@ -397,15 +398,17 @@ def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: 
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(prompt_ids)} prompt ids")
     recorder = _Recorder(drafters, config)
-    decoder = SpeculativeDecoder(target, recorder, _RootOnly())
+    decoder = SpeculativeDecoder(target, recorder, _RootOnly(), draft_backoff=0)  # a draft at every anchor
     sequences = [_record_prompt(decoder, prompt, config.max_new_tokens)
                  for prompt in _progress(prompts, progress, "record")]
     records = {kind: capture.finish() for kind, capture in recorder.captures.items()}
+    profile = machine_profile(target, list(drafters.values()))  # what cost-aware policies replay with
     meta = {"format": FORMAT, "version": VERSION, "config": attrs.asdict(config),
             "target": {"name": target_name, "vocab_size": target.vocab_size, "max_positions": target.max_positions,
                        "dtype": str(target.dtype).removeprefix("torch.")},
             "prompts": [{"id": pid, "prompt_len": int(p.numel())} for pid, p in zip(prompt_ids, prompts, strict=True)],
-            "drafters": {kind: meta for kind, (_, meta) in records.items()}}
+            "drafters": {kind: meta for kind, (_, meta) in records.items()},
+            "cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()}}
     return Trace(meta, tuple(sequences), {kind: rec for kind, (rec, _) in records.items()})
 
 
@@ -517,7 +520,7 @@ def check_replayable(policy: TreePolicy | None, meta: dict) -> None:
     """Raise `TraceError` when the trace cannot rebuild what ``policy`` reads (module docstring)."""
     if policy is None:
         return
-    uses_scorer = meta["scorer"] is not None and policy.name in SCORER_POLICIES
+    uses_scorer = meta["scorer"] is not None and policy.uses_scorer != "never"
     budget, top_m, limit = getattr(policy, "budget", None), getattr(policy, "top_m", None), meta["max_budget"]
     if not uses_scorer and not meta["full_rows"] and budget is not None and budget > limit:
         raise TraceError(f"{policy.name} budget {budget} exceeds the trace's max_budget {limit}; "
@@ -535,18 +538,20 @@ def _check_recorded(tree: DraftTree) -> None:
 
 
 def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
-                  backend: str = "torch", stop_token_ids: Iterable[int] = ()) -> list[int]:
-    """Per-round tau of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop counts."""
+                  backend: str = "torch", stop_token_ids: Iterable[int] = (), draft_backoff: int = 32) -> list[int]:
+    """Per-round tau of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop
+    counts (its `DraftGate` included)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
-    taus, done = [], 0
+    taus, done, gate = [], 0, DraftGate(draft_backoff)
     while done < total:
         anchor = start + done  # absolute position of the round's root
-        if policy is None:
+        if policy is None or not gate.drafts_now():
             tau = 1
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
             tree = limit_depth(policy.build(draft, backend=backend), min(total - done - 1, room - 1 - anchor))
+            gate.record(len(tree))
             _check_recorded(tree)
             tau = accepted_length(tree, seq[anchor + 1:])
         taus.append(tau)
@@ -584,16 +589,26 @@ def _drafts_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts]) ->
     return cache[method.drafter]
 
 
+def _cost_for(trace: Trace, method: Method, given: CostModel | None) -> CostModel | None:
+    if given is not None or method.drafter is None:
+        return given
+    recorded = trace.meta.get("cost_models", {}).get(method.drafter)
+    return None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")
+
+
 def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "torch",
-             stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None) -> list[ReplayResult]:
-    """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.methods) on the trace."""
+             stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
+             cost_model: CostModel | None = None) -> list[ReplayResult]:
+    """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.methods) on the
+    trace; ``cost_model`` prices the trees of cost-aware policies, by default with the cost models
+    measured on the recording machine (``trace.meta["cost_models"]``, one per drafter kind)."""
     parsed = [parse_method(m) if isinstance(m, str) else m for m in methods]
     cache: dict[str, ReplayDrafts] = {}
     chosen = range(trace.num_prompts) if prompts is None else prompts
     stops = tuple(stop_token_ids)
     results = []
     for method in parsed:
-        drafts, policy = _drafts_for(trace, method, cache), build_policy(method)
+        drafts, policy = _drafts_for(trace, method, cache), build_policy(method, _cost_for(trace, method, cost_model))
         if drafts is not None:
             check_replayable(policy, drafts.meta)
         start = time.perf_counter()

@@ -12,10 +12,16 @@ Contract
 Where the noise comes from:
 
 * ``position_keyed=True``: the noise of absolute position p comes from a fresh generator seeded by
-  ``mix_seed(generator.initial_seed(), p)``.  Every node at the same position gets the same noise,
-  so a tree verifies against exactly the draws autoregressive decoding would make, and speculative
-  output equals AR output for a given seed, whatever the tree.
+  ``mix_seed(key, p)``, where ``key = sampling.key`` is drawn once per generation from the caller's
+  generator (`sampling_key`): a generator seeded alike reproduces a run, and successive calls with
+  one generator draw fresh samples.  Every node at the same position gets the same noise, so a tree
+  verifies against exactly the draws autoregressive decoding would make, and speculative output
+  equals AR output for a given seed, whatever the tree.
 * ``position_keyed=False``: fresh noise for every row from ``generator`` itself (a stream).
+
+Filters are transformers' ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (minimum one token kept),
+ties included: top-k keeps every token scoring at least the k-th largest; top-p sorts ascending,
+accumulates the softmax and drops the tokens whose cumulative mass is at most 1 - top_p.
 
 The caller's generator is never replaced by a global one; ``generator=None`` at ``T > 0`` is an
 error here (the decoder makes one when the user gives none).
@@ -27,7 +33,8 @@ import torch
 
 from treespec.interfaces import SamplingParams
 
-__all__ = ["filter_logits", "gumbel_noise", "mix_seed", "sample_from_probs", "target_tokens", "work_dtype"]
+__all__ = ["filter_logits", "gumbel_noise", "mix_seed", "sample_from_probs", "sampling_key", "target_tokens",
+           "work_dtype"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -38,6 +45,11 @@ def mix_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1  # non-negative, fits torch's manual_seed
+
+
+def sampling_key(generator: torch.Generator) -> int:
+    """One 62-bit key drawn from ``generator``'s stream: the position-keyed noise of one generation."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
 
 
 def work_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -57,13 +69,13 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    # keep token j iff the mass strictly above it (sorted descending) is < top_p: the smallest set
-    # whose mass reaches top_p; the top token is always kept.
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # [n, V]
-    drop_sorted = mass_before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    # ascending order: drop token j when the mass of j and everything below it is <= 1 - top_p,
+    # always keeping the top token (transformers' TopPLogitsWarper, its tie order included)
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [n, V]
+    drop_sorted = cumulative <= (1 - top_p)
+    drop_sorted[..., -1:] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 
@@ -75,7 +87,7 @@ def gumbel_noise(positions: torch.Tensor, vocab: int, sampling: SamplingParams,
         exp = torch.empty(n, vocab, dtype=dtype, device=generator.device).exponential_(generator=generator)
         return -exp.log().to(device)
     uniq, inverse = torch.unique(positions.cpu(), return_inverse=True)  # one draw per position
-    seed = generator.initial_seed()
+    seed = sampling.key if sampling.key is not None else generator.initial_seed()
     rows = [_keyed_exponential(seed, int(p), vocab, dtype, device) for p in uniq.tolist()]
     return -torch.stack(rows).log()[inverse.to(device)]
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 import attrs
 import torch
@@ -75,11 +76,18 @@ class TargetModel:
     @classmethod
     def from_local(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
                    attn_implementation: str = "sdpa", max_positions: int | None = None) -> TargetModel:
-        """Load a causal LM from a local directory (safetensors; never remote code)."""
-        from transformers import AutoModelForCausalLM
+        """Load a causal LM from a local directory (safetensors; never remote code).
 
+        ``dtype="auto"`` is this machine's faster dtype for the model (`treespec.hardware`)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from treespec.hardware import resolve_dtype
+
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"{path} holds no config.json: not a Hugging Face model directory")
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+            path, dtype=resolve_dtype(dtype, device=device, config=config), attn_implementation=attn_implementation, local_files_only=True,
             trust_remote_code=False, use_safetensors=True)
         return cls(model.to(device), max_positions=max_positions)
 

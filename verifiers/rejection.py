@@ -6,13 +6,16 @@ Only chains (every node's parent is the previous node) are accepted; any other t
 p is the target's distribution at the node's parent (softmax of the filtered logits / T), q the
 proposal that produced the drafted token:
 
+* ``proposal="point"`` (the default): q is the point mass on the drafted token, the exact proposal
+  of a deterministic chain -- the chain every built-in policy builds: accept with probability
+  p(x), else resample from p with x removed.
 * ``proposal="draft"`` (Leviathan et al.): q is the draft's own row ``softmax(draft.logprobs[d-1])``.
-  Lossless only when the chain's tokens were *drawn* from those rows.  Applied to a deterministic
-  chain (the top-1 chain every built-in policy builds) it is biased; the tests detect that bias.
+  Lossless only when the chain's tokens were *drawn* from those rows; applied to a deterministic
+  chain it is biased (total-variation distance 0.38 from the target's first token in one
+  measurement; the tests detect it).  So it declares ``requires_sampled_tree``, and
+  `SpeculativeDecoder` refuses it with a policy that does not declare ``samples_from_draft``.
   The chain's score increments must equal the draft's base log-probs, so a chain re-scored by a
   path-dependent scorer (whose full q rows are unknown here) is refused.
-* ``proposal="point"``: q is the point mass on the drafted token, the exact proposal of a
-  deterministic chain: accept with probability p(x), else resample from p with x removed.
 
 On the first rejection the bonus is drawn from the residual normalise(max(p - q, 0)); when every
 draft token is accepted it is drawn from p at the last node.  At T = 0 both reduce to match
@@ -46,10 +49,15 @@ class RejectionVerifier(Verifier):
 
     name = "rejection"
 
-    def __init__(self, proposal: str = "draft") -> None:
+    def __init__(self, proposal: str = "point") -> None:
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         self.proposal = proposal
+
+    @property
+    def requires_sampled_tree(self) -> bool:
+        """The draft proposal is exact only for chains sampled from the draft's rows."""
+        return self.proposal == "draft"
 
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
                generator: torch.Generator | None, position: int,

@@ -49,8 +49,10 @@ from treespec.bench.report import AR, compare_pairs, markdown_table, summarize, 
 from treespec.datasets import PromptRecord, encode_chat, load_prompts
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, SamplingParams
-from treespec.methods import Method, build_policy, parse_method
-from treespec.sampling import gumbel_noise, work_dtype
+from treespec.cost import CostModel
+from treespec.methods import Method, build_policy, parse_method, policy_class
+from treespec.profile import CostProfile, machine_profile
+from treespec.sampling import gumbel_noise, sampling_key, work_dtype
 from treespec.target import ContextOverflowError, TargetModel
 
 __all__ = [
@@ -201,15 +203,30 @@ class Chat:
 
 @attrs.define
 class Harness:
-    """What every method of a run shares: the target, the drafters, the chat template."""
+    """What every method of a run shares: the target, the drafters, the chat template, the costs."""
 
     target: TargetModel  # one KV cache, reset per generation
     chat: Chat  # prompt encoding
     drafters: dict[str, Drafter] = attrs.field(factory=dict)  # "dflash" / "domino" -> drafter
+    cost_override: CostModel | None = None  # prices cost-aware trees instead of this machine's profile
+    profile: CostProfile | None = None  # this machine's, measured (or read from the cache) on first need
+    progress: bool = False  # progress bar while the profile is measured
 
     def decoders(self, methods: Sequence[Method]) -> dict[str, SpeculativeDecoder]:
         """One decoder per method over the shared target (AR: no drafter, no policy)."""
         return {m.name: self._decoder(m) for m in methods}
+
+    def machine_profile(self) -> CostProfile:
+        """This machine's cost profile of the target and every loaded drafter."""
+        if self.profile is None:
+            self.profile = machine_profile(self.target, list(self.drafters.values()), progress=self.progress)
+        return self.profile
+
+    def cost_model(self, kind: str) -> CostModel:
+        """What a cost-aware policy over the ``kind`` drafter prices trees with."""
+        if self.cost_override is not None:
+            return self.cost_override
+        return self.machine_profile().cost_model(self.drafters[kind])
 
     def _decoder(self, method: Method) -> SpeculativeDecoder:
         if method.autoregressive:
@@ -217,7 +234,9 @@ class Harness:
         if method.drafter not in self.drafters:
             raise ValueError(f"method {method.name!r} needs a {method.drafter} drafter, and none was loaded")
         drafter = self.drafters[method.drafter]
-        return SpeculativeDecoder(self.target, drafter, build_policy(method, drafter))
+        uses_cost = getattr(policy_class(method.policy), "uses_cost_model", False)
+        cost = self.cost_model(method.drafter) if uses_cost else None
+        return SpeculativeDecoder(self.target, drafter, build_policy(method, cost))
 
 
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",
@@ -287,8 +306,8 @@ def decision_gap(target: TargetModel, ids: torch.Tensor, temperature: float, see
     logits = target.prefill(ids).logits[-1:]  # [1, V]
     scores = logits.double()
     if temperature > 0:
-        sampling = SamplingParams(temperature)
         generator = torch.Generator().manual_seed(seed)
+        sampling = SamplingParams(temperature, key=sampling_key(generator))  # the key the decoder drew
         noise = gumbel_noise(torch.tensor([ids.numel()]), logits.shape[-1], sampling, generator, logits.device,
                              work_dtype(logits))  # [1, V], the noise of the token's absolute position
         scores = (logits.to(noise.dtype) / temperature + noise).double() * temperature

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--model", type=Path, default=None, help="target model directory")
     models.add_argument("--dflash", type=Path, default=None, help="DFlash drafter checkpoint directory")
     models.add_argument("--domino", type=Path, default=None, help="Domino drafter checkpoint directory")
-    models.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="target dtype")
+    models.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                        help="target dtype (auto: the faster of bf16 and fp32 here, measured once; bf16 on CUDA)")
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="output directory")

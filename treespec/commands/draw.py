@@ -31,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--method", default="ddtree@16", help="policy method, e.g. ddtree@16, dominotree@16")
     live.add_argument("--prompt", default="What is speculative decoding?", help="user message (chat template applied)")
     live.add_argument("--round", type=int, default=1, help="which decoding round to draw (1 = the first)")
-    live.add_argument("--dtype", choices=CPU_DTYPES, default="bfloat16", help="target dtype")
+    live.add_argument("--dtype", choices=CPU_DTYPES, default="auto", help="target dtype (auto: the faster here)")
+    live.add_argument("--cost-model", default=None,
+                      help="cost model of cost-aware methods: a JSON file or preset:NAME (default: this machine's "
+                           "measured profile)")
 
 
 def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | None = None) -> Path:
@@ -43,18 +46,48 @@ def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | 
     return draw.write_figure(tree, out, labels, accepted, title=title)
 
 
+class _Enough(Exception):
+    """Raised by the round observer once the asked-for round is verified: decoding stops there."""
+
+
 def live_round(target, drafter, policy, input_ids, round_index: int) -> tuple[DraftTree, VerifyResult]:
-    """The tree and verification of round ``round_index`` (1-based) of greedy speculative decoding."""
+    """The tree and verification of round ``round_index`` (1-based) of greedy speculative decoding.
+
+    Every round drafts (no back-off), and decoding stops right after the asked-for round."""
+    import torch
+    from tqdm import tqdm
+
     from treespec.decoding import SpeculativeDecoder
 
     if round_index < 1:
         raise ValueError(f"--round must be >= 1, got {round_index}")
     rounds: list[tuple[DraftTree, VerifyResult]] = []
-    decoder = SpeculativeDecoder(target, drafter, policy, on_round=lambda t, r: rounds.append((t, r)))
-    decoder.generate(input_ids, max_new_tokens=64 * round_index, stop_token_ids=[])
+    bar = tqdm(total=round_index, desc="decoding", unit="round", leave=False)
+
+    def observe(tree: DraftTree, result: VerifyResult) -> None:
+        rounds.append((tree, result))
+        bar.update(1)
+        if len(rounds) == round_index:
+            raise _Enough
+
+    decoder = SpeculativeDecoder(target, drafter, policy, on_round=observe, draft_backoff=0)
+    room = target.max_positions - int(torch.as_tensor(input_ids).numel())
+    try:
+        decoder.generate(input_ids, max_new_tokens=min(room, (drafter_depth(drafter) + 1) * round_index),
+                         stop_token_ids=[])
+    except _Enough:
+        pass
+    finally:
+        bar.close()
     if len(rounds) < round_index:
         raise ValueError(f"decoding ended after {len(rounds)} rounds; ask for an earlier --round")
     return rounds[round_index - 1]
+
+
+def drafter_depth(drafter) -> int:
+    """The most tokens one round can commit minus one (the drafter's block), 64 when unknown."""
+    config = getattr(drafter, "config", None)
+    return int(getattr(config, "block_size", 64))
 
 
 def _from_model(args: argparse.Namespace):
@@ -75,9 +108,24 @@ def _from_model(args: argparse.Namespace):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
-    tree, result = live_round(target, load_drafter(drafter_dir), build_policy(method), ids, args.round)
+    drafter = load_drafter(drafter_dir)
+    tree, result = live_round(target, drafter, build_policy(method, _cost_model(args, target, drafter)), ids,
+                              args.round)
     labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
     return tree, labels, result.accepted.tolist()
+
+
+def _cost_model(args: argparse.Namespace, target, drafter):
+    """--cost-model, else this machine's profile when the method's policy prices trees."""
+    from treespec.cost import resolve_cost_model
+    from treespec.methods import parse_method, policy_class
+    from treespec.profile import machine_profile
+
+    if args.cost_model is not None:
+        return resolve_cost_model(args.cost_model)
+    if not getattr(policy_class(parse_method(args.method).policy), "uses_cost_model", False):
+        return None
+    return machine_profile(target, [drafter], progress=True).cost_model(drafter)
 
 
 def _embedded_drafter(kind: str, model: Path | None) -> Path:

@@ -16,6 +16,7 @@ import torch
 
 from treespec.decoding import SpeculativeDecoder
 from treespec.methods import build_policy, parse_method
+from treespec.profile import machine_profile
 from treespec.target import TargetModel
 
 _METHODS = ("ar", "dflash", "ddtree@16", "caddtree@16", "dominotree@16")
@@ -49,10 +50,12 @@ def run(args: argparse.Namespace) -> int:
     outputs: dict[str, list[list[int]]] = {}
     print(f"random Qwen3 target (float64), {args.prompts} prompts x {args.max_new_tokens} tokens, T = 0\n")
     print(f"{'method':<15}{'drafter':<22}{'tau':>6}  output = AR")
+    profile = machine_profile(target, list(oracle.values()))  # prices CaDDTree's trees on this machine
     for name in _METHODS:
         method = parse_method(name)
         drafter = oracle[method.drafter] if method.drafter else None
-        decoder = SpeculativeDecoder(target, drafter, build_policy(method))
+        cost = profile.cost_model(drafter) if drafter is not None else None
+        decoder = SpeculativeDecoder(target, drafter, build_policy(method, cost))
         results = [decoder.generate(p, max_new_tokens=args.max_new_tokens) for p in prompts]
         outputs[name] = [r.tokens.tolist() for r in results]
         taus = [t for r in results for t in r.stats.taus]

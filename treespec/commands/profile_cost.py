@@ -1,84 +1,77 @@
-"""``treespec profile-cost``: measure verify (and draft) latency on this machine and fit a cost model.
+"""``treespec profile-cost``: measure this machine's verify and draft costs and fit the cost model.
 
-Times one target forward over a tree of n nodes on top of a KV cache of ``ctx`` tokens, for several
-n and ctx (median of repeats after a warm-up), and optionally one drafter round; fits the monotone
-convex `ConvexCost` of policies/cost.py and writes it as JSON for cost-aware policies (CaDDTree).
+Times one target forward over a tree of n tokens on top of ctx cached tokens (median of repeats
+after a warm-up) and one round of each drafter, caches the profile where every treespec command
+finds it (`treespec.profile`: keyed by machine, architecture and dtype) and prints C_v in ms and in
+AR steps with the break-even τ of a 16-node tree.  ``--out FILE`` also writes the fitted
+`ConvexCost` (with the first drafter's C_d) as JSON, for ``--cost-model`` or `load_cost_model`.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
 from pathlib import Path
 
-import torch
-
-from treespec.api import load_drafter, load_target
 from treespec.commands import CPU_DTYPES, DTYPES
-from treespec.interfaces import DraftContext
-from treespec.target import TargetModel, crop_cache
-from treespec.tree import DraftTree
+from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, time_draft, time_verify
+
+__all__ = ["add_arguments", "run", "time_draft", "time_verify"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="local target directory (default: the embedded SmolLM2)")
-    parser.add_argument("--drafter", type=Path, default=None, help="drafter checkpoint to time C_d (default: none, C_d = 0)")
-    parser.add_argument("--out", type=Path, required=True, help="where to write the cost model (JSON)")
-    parser.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tree sizes n (nodes, root included)")
-    parser.add_argument("--contexts", default="128,512", help="context lengths")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per point (median kept)")
-    parser.add_argument("--dtype", choices=CPU_DTYPES, default="bfloat16")
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def time_verify(target: TargetModel, n: int, ctx: int, repeats: int, generator: torch.Generator) -> float:
-    """Median seconds of one forward over an n-node chain on top of ``ctx`` cached tokens."""
-    prompt = torch.randint(0, target.vocab_size, (ctx + 1,), generator=generator)
-    target.prefill(prompt[:-1])  # the last token is the tree's root, as in decoding
-    tree = DraftTree.chain(int(prompt[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=generator))
-
-    def forward() -> None:
-        target.forward_tree(tree)
-        crop_cache(target.cache, target.length)  # drop the tree's rows: the next repeat sees the same cache
-
-    return _median_seconds(forward, repeats)
-
-
-def time_draft(target: TargetModel, drafter, ctx: int, repeats: int, generator: torch.Generator) -> float:
-    """Median seconds of one drafter round with ``ctx`` cached context positions."""
-    drafter.bind(target)
-    sequence = torch.randint(0, target.vocab_size, (ctx + 1,), generator=generator)
-    out = target.prefill(sequence[:-1], drafter.tap_layers)  # taps of every token before the anchor
-    drafter.draft(DraftContext(sequence, out.features, 0))
-    return _median_seconds(lambda: drafter.draft(DraftContext(sequence, None, ctx)), repeats)
+    parser.add_argument("--drafter", type=Path, action="append", default=None,
+                        help="drafter checkpoint to time C_d (repeatable; default: the embedded drafters "
+                             "with the embedded target, none otherwise)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the fitted cost model here (JSON)")
+    parser.add_argument("--sizes", type=_ints, default=PROFILE_SIZES, help="tree sizes n (tokens, root included)")
+    parser.add_argument("--contexts", type=_ints, default=PROFILE_CONTEXTS, help="context lengths")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point (median kept)")
+    parser.add_argument("--fresh", action="store_true", help="measure again even if this machine's profile is cached")
+    parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
+                        help="target dtype (auto: the faster of bf16 and fp32 here, measured once)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from policies.cost import ConvexCost
+    from treespec.api import load_drafter, load_target
     from treespec.embedded import embedded_model_dir
+    from treespec.methods import embedded_drafter_dir
+    from treespec.profile import machine_profile
 
-    target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype])
-    gen = torch.Generator().manual_seed(0)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
-    samples = [(n, c, time_verify(target, n, c, args.repeats, gen)) for c in contexts for n in sizes]
-    for n, c, s in samples:
-        print(f"verify n={n:4d} ctx={c:5d}: {1e3 * s:8.2f} ms")
-    draft = 0.0
-    if args.drafter is not None:
-        draft = time_draft(target, load_drafter(args.drafter, dtype=target.dtype), contexts[0], args.repeats, gen)
-        print(f"draft ctx={contexts[0]}: {1e3 * draft:.2f} ms")
-    model = ConvexCost.fit(samples, draft=draft)
-    model.save(args.out)
-    print(f"wrote {args.out}")
+    try:
+        target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype])
+        paths = args.drafter if args.drafter is not None else (
+            [embedded_drafter_dir(k) for k in ("dflash", "domino")] if args.model is None else [])
+        drafters = [load_drafter(p) for p in paths]
+    except (OSError, ValueError) as exc:
+        print(f"treespec profile-cost: {exc}", file=sys.stderr)
+        return 1
+    profile = machine_profile(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats,
+                              cache=not args.fresh, progress=True)
+    print(describe_profile(profile, drafters, [str(p) for p in paths]))
+    if args.out is not None:
+        profile.cost_model(drafters[0] if drafters else None).save(args.out)
+        print(f"wrote {args.out}")
     return 0
+
+
+def describe_profile(profile, drafters, names) -> str:
+    """The measured samples, C_d of each drafter and the break-even τ of a 16-node tree."""
+    lines = [f"verify n={n:3d} ctx={c:5d}: {1e3 * s:8.2f} ms" for n, c, s in profile.verify]
+    steps = ", ".join(f"{n}: {profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17))
+    lines.append(f"verify cost in AR steps (tokens: steps) {steps}")
+    for drafter, name in zip(drafters, names):
+        lines.append(f"draft {name}: {1e3 * profile.drafts[drafter.identity()]:.2f} ms per round; a 16-node tree "
+                     f"breaks even with AR at tau {profile.break_even_tau(drafter, 16):.2f}")
+    return "\n".join(lines)

@@ -50,8 +50,8 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-budget", type=int, default=None, help="largest marginal tree budget to replay")
     parser.add_argument("--min-k", type=int, default=None, help="marginal tokens kept per depth at least")
     parser.add_argument("--top-m", type=int, default=None, help="Domino candidates kept per depth (largest top_m)")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="target dtype (default: bfloat16 for the embedded model, auto otherwise)")
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                        help="target dtype (auto: the faster of bf16 and fp32 on this CPU, measured once)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
 
@@ -64,6 +64,9 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-id", type=int, action="append", default=None,
                         help="end a response at this token, as the live loop would (repeatable; default: none)")
     parser.add_argument("--json", type=Path, default=None, help="write per-prompt taus as JSON lines to this file")
+    parser.add_argument("--cost-model", type=Path, default=None,
+                        help="cost model JSON for cost-aware methods (default: the one measured when the trace was "
+                             "recorded)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,17 +101,18 @@ def _record(args: argparse.Namespace) -> int:
 
 def _load_target(args: argparse.Namespace):
     """(TargetModel, tokenizer or None, name) from --model, or the embedded default."""
+    from transformers import AutoTokenizer
+
     from treespec.target import TargetModel
 
     if args.model is None:
-        from treespec.embedded import load_embedded
+        from treespec.embedded import embedded_model_dir
 
-        model, tokenizer = load_embedded(DTYPES[args.dtype or "bfloat16"])
-        return TargetModel(model), tokenizer, "smollm2-135m-instruct"
-    target = TargetModel.from_local(args.model, dtype=DTYPES[args.dtype or "auto"])
+        target = TargetModel.from_local(embedded_model_dir(), dtype=DTYPES[args.dtype])
+        tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir(), local_files_only=True)
+        return target, tokenizer, "smollm2-135m-instruct"
+    target = TargetModel.from_local(args.model, dtype=DTYPES[args.dtype])
     try:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError):
         tokenizer = None  # a bare model directory: prompts must come as token ids
@@ -157,10 +161,13 @@ def _methods(args: argparse.Namespace, trace) -> list[str]:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from treespec.cost import load_cost_model
     from treespec.replay import Trace, evaluate
 
+    cost = load_cost_model(args.cost_model) if args.cost_model is not None else None
     trace = Trace.load(args.trace)
-    results = evaluate(trace, _methods(args, trace), backend=args.backend, stop_token_ids=args.stop_token_id or ())
+    results = evaluate(trace, _methods(args, trace), backend=args.backend, stop_token_ids=args.stop_token_id or (),
+                       cost_model=cost)
     width = max(len(r.method) for r in results)
     print(f"{'method':<{width}}  {'rounds':>7}  {'mean tau':>8}  {'replay s':>8}")
     for r in results:

@@ -1,0 +1,238 @@
+"""The machine treespec runs on: its identity, its cache directory, and the dtype that is fastest here.
+
+Contract
+--------
+* `machine_identity()`: what makes timings of this machine comparable: CPU model string, core
+  count, torch's intra-op threads and torch version (plus the GPU's name on CUDA).  Cached
+  measurements (this module's dtype choice, `treespec.profile`'s cost profiles) are keyed by it, so
+  a measurement from another machine, thread count or torch build is never used.
+* `resolve_dtype(dtype, device=..., config=...)`: ``"auto"`` becomes bf16 on CUDA; on a CPU the
+  faster of bf16 and fp32 for this target's own linear shapes, measured once by a micro-benchmark
+  (about a second: weights streamed from memory as a forward does, `measure_linear_speed`) at 1 row (an
+  autoregressive step) and 17 rows (a 16-node tree verify), the two weighted alike.  The choice is
+  cached in ``cache_root() / "machine"`` and printed once per process with its reason, e.g.
+  ``float32: bf16 is 2.1x slower here at 17 rows (1.7x faster at 1 row)``.  A float64 checkpoint
+  stays float64 (asked-for exactness); ``"checkpoint"`` keeps the checkpoint's stored dtype; any
+  torch dtype or its name is used as given.
+* A corrupt or foreign cache file is re-measured with a one-line warning, never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = [
+    "CACHE_ENV", "DTYPE_NAMES", "DtypeChoice", "cache_root", "choose_dtype", "linear_shapes", "machine_identity",
+    "machine_file", "measure_linear_speed", "read_cached", "resolve_dtype", "write_cached",
+]
+
+CACHE_ENV = "TREESPEC_CACHE"
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float64": torch.float64}
+_ROWS = (1, 17)  # an AR step and a budget-16 tree verify
+_STREAM_ELEMENTS = 24 * 2**20  # weights streamed per benchmark pass: 96 MB in fp32, beyond a CPU cache
+_PRINTED: set[str] = set()  # choices already reported in this process
+
+
+def cache_root() -> Path:
+    """``$TREESPEC_CACHE`` if set, else ``~/.cache/treespec``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "treespec"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_identity(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What timings of this machine depend on (see the module docstring)."""
+    ident = {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+             "torch": torch.__version__}
+    device = torch.device(device)
+    if device.type == "cuda":
+        ident["gpu"] = torch.cuda.get_device_name(device)
+    return ident
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def machine_file(kind: str, key: Mapping[str, Any], cache_dir: Path | None = None) -> Path:
+    """The cache file of one measurement ``kind`` for ``key`` (a JSON-ready mapping)."""
+    return (cache_dir or cache_root() / "machine") / f"{kind}-{_digest(key)}.json"
+
+
+def read_cached(path: Path, key: Mapping[str, Any]) -> dict | None:
+    """The cached record at ``path`` if it was made for ``key``; None (with a warning) if unusable."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key, default=str)):
+            raise ValueError("made for another machine, model or dtype")
+        return data
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        print(f"treespec: ignoring the cached measurement {path} ({exc}); measuring again", file=sys.stderr)
+        return None
+
+
+def write_cached(path: Path, key: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+    """Write ``record`` under ``key`` atomically (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, **record}, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------- dtype choice
+def linear_shapes(config: Any) -> dict[tuple[int, int], int]:
+    """(out, in) -> count of the target's matmuls per forward, from a transformers config."""
+    h = int(config.hidden_size)
+    inter = int(getattr(config, "intermediate_size", None) or 4 * h)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    layers = int(config.num_hidden_layers)
+    shapes: dict[tuple[int, int], int] = {}
+    for shape, count in (((heads * head_dim, h), 1), ((kv, h), 2), ((h, heads * head_dim), 1), ((inter, h), 2),
+                         ((h, inter), 1)):
+        shapes[shape] = shapes.get(shape, 0) + count * layers
+    vocab = (int(config.vocab_size), h)
+    shapes[vocab] = shapes.get(vocab, 0) + 1
+    return shapes
+
+
+def _median_time(fn: Callable[[], Any], budget: float = 0.05, repeats: int = 5) -> float:
+    """Median seconds of ``fn`` over up to ``repeats`` runs after a warm-up; a single run once a
+    run alone exceeds ``budget`` (slow dtypes are measured once)."""
+    start = time.perf_counter()
+    fn()  # warm-up
+    if time.perf_counter() - start > 4 * budget:
+        return time.perf_counter() - start
+    times: list[float] = []
+    while len(times) < repeats and sum(times) < budget or not times:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_linear_speed(shapes: Mapping[tuple[int, int], int], dtypes=(torch.bfloat16, torch.float32),
+                         rows=_ROWS) -> dict[str, dict[int, float]]:
+    """dtype name -> rows -> estimated seconds of the matmuls of one forward over ``shapes``.
+
+    A forward streams every weight from memory once, so the benchmark streams copies of the MLP's
+    up-projection (the most common large shape) totalling at least `_STREAM_ELEMENTS` weights,
+    more than a CPU cache holds, and scales the time to the target's weight count.
+    """
+    (out_dim, in_dim), _ = max(shapes.items(), key=lambda item: (item[1], item[0][0] * item[0][1]))
+    copies = max(1, -(-_STREAM_ELEMENTS // (out_dim * in_dim)))
+    scale = sum(o * i * count for (o, i), count in shapes.items()) / (copies * out_dim * in_dim)
+    speed: dict[str, dict[int, float]] = {}
+    for dtype in dtypes:
+        weights = [torch.full((out_dim, in_dim), 0.01, dtype=dtype) for _ in range(copies)]
+        name = str(dtype).removeprefix("torch.")
+        speed[name] = {}
+        for n in rows:
+            x = torch.full((n, in_dim), 0.01, dtype=dtype)
+            speed[name][n] = scale * _median_time(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+    return speed
+
+
+@attrs.frozen
+class DtypeChoice:
+    """The dtype picked for a target on this machine, and why."""
+
+    dtype: torch.dtype  # what the target runs in
+    reason: str  # one line, for the user
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}: {self.reason}"
+
+
+def choose_dtype(speed: Mapping[str, Mapping[int, float]]) -> DtypeChoice:
+    """The faster of bf16 and fp32 summed over 1 and 17 rows (`measure_linear_speed`'s figures)."""
+    bf16, fp32 = speed["bfloat16"], speed["float32"]
+    small, large = min(_ROWS), max(_ROWS)
+
+    def ratio(rows: int) -> str:
+        r = bf16[rows] / fp32[rows]
+        return f"{r:.1f}x slower" if r >= 1 else f"{1 / r:.1f}x faster"
+
+    detail = f"bf16 is {ratio(large)} here at {large} rows ({ratio(small)} at {small} row)"
+    if sum(bf16.values()) < sum(fp32.values()):
+        return DtypeChoice(torch.bfloat16, detail)
+    return DtypeChoice(torch.float32, detail)
+
+
+def _stored_dtype(config: Any) -> torch.dtype | None:
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        return DTYPE_NAMES.get(stored)
+    return stored if isinstance(stored, torch.dtype) else None
+
+
+def resolve_dtype(dtype: torch.dtype | str, *, device: str | torch.device = "cpu", config: Any = None,
+                  cache_dir: Path | None = None,
+                  benchmark: Callable[[Mapping], Mapping] = measure_linear_speed) -> torch.dtype | str:
+    """A torch dtype for the target, or ``"auto"`` for transformers (the checkpoint's own dtype).
+
+    ``dtype`` is a torch dtype, one of `DTYPE_NAMES`, ``"checkpoint"`` or ``"auto"`` (see the module
+    docstring); ``benchmark`` is replaceable for tests.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    if dtype == "checkpoint":
+        return "auto"
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto, checkpoint or one of {', '.join(DTYPE_NAMES)}")
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    if config is None or _stored_dtype(config) == torch.float64:
+        return "auto"
+    return cpu_dtype_choice(config, cache_dir=cache_dir, benchmark=benchmark).dtype
+
+
+def cpu_dtype_choice(config: Any, *, cache_dir: Path | None = None,
+                     benchmark: Callable[[Mapping], Mapping] = measure_linear_speed) -> DtypeChoice:
+    """This machine's `DtypeChoice` for a target of ``config`` (cached; measured when missing)."""
+    shapes = linear_shapes(config)
+    key = {"machine": machine_identity(), "shapes": sorted([list(s), c] for s, c in shapes.items())}
+    path = machine_file("dtype", key, cache_dir)
+    cached = read_cached(path, key)
+    choice = None
+    if cached is not None:
+        try:
+            choice = DtypeChoice(DTYPE_NAMES[cached["dtype"]], str(cached["reason"]))
+        except (KeyError, TypeError):
+            print(f"treespec: ignoring the cached measurement {path} (fields missing); measuring again",
+                  file=sys.stderr)
+    if choice is None:
+        speed = benchmark(shapes)
+        choice = choose_dtype(speed)
+        write_cached(path, key, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
+                                 "seconds": {d: {str(n): s for n, s in v.items()} for d, v in speed.items()}})
+    if path.name not in _PRINTED:
+        _PRINTED.add(path.name)
+        print(f"treespec: dtype {choice.describe()}", file=sys.stderr)
+    return choice

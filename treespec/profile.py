@@ -1,0 +1,205 @@
+"""The cost profile of this machine: C_v(n; ctx) of a target and C_d of its drafters, measured here.
+
+Contract
+--------
+`machine_profile(target, drafters)` returns a `CostProfile`: the median seconds of one target
+forward over a tree of n tokens on top of ctx cached tokens, for n in `PROFILE_SIZES` and each of
+``contexts``, and the median seconds of one round of each drafter.  It is measured on first use
+(about 20 s for the embedded default on a 2-core CPU) and cached in the treespec cache directory
+under a key naming the machine (`treespec.hardware.machine_identity`), the target's architecture
+and dtype, and each drafter's identity (`Drafter.identity`): forward costs depend on shapes, not
+weights.  A profile made on another machine, architecture or dtype is never used: its key does
+not match, and it is measured again; a corrupt cache file is measured again with a one-line
+warning.  Drafters missing from a cached profile are measured and added.
+
+``profile.cost_model(drafter)`` is what cost-aware policies price trees with: per context, the
+exact least-squares monotone convex fit (`treespec.cost.fit_convex_curve`) of the samples with
+n >= 2, and the one-token forward as measured (capped by the fit at n = 2, so the curve stays
+non-decreasing), with that drafter's C_d.  The one-token point is kept apart because a CPU runs it
+through another kernel (matrix-vector): on a 2-core EPYC it took 64 ms against a fitted 150 ms
+at n = 2, and a convex fit through both would price an AR step at twice its cost.  ``profile.verify_in_steps(n)`` is C_v(n) / C_v(1) at the shortest profiled context,
+the figure the demo prints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from treespec.cost import ConvexCost, fit_convex_curve
+from treespec.hardware import machine_file, machine_identity, read_cached, write_cached
+from treespec.interfaces import DraftContext, Drafter
+from treespec.target import TargetModel, crop_cache
+from treespec.tree import DraftTree
+
+__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "machine_profile", "target_identity",
+           "time_draft", "time_verify"]
+
+PROFILE_SIZES = (1, 2, 3, 5, 9, 17, 33)  # tree tokens n (root included) of the verify samples
+PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
+_FORMAT = 1  # version of the cached JSON
+
+
+def target_identity(target: TargetModel) -> str:
+    """A digest of the target's architecture (its config without paths and dtype)."""
+    config = {k: v for k, v in target.config.to_dict().items()
+              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    def timed() -> float:
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed()  # warm-up
+    return statistics.median(timed() for _ in range(repeats))
+
+
+def time_verify(target: TargetModel, n: int, ctx: int, repeats: int, generator: torch.Generator) -> float:
+    """Median seconds of one forward over an n-node chain on top of ``ctx`` cached tokens."""
+    prompt = torch.randint(0, target.vocab_size, (ctx + 1,), generator=generator)
+    target.prefill(prompt[:-1])  # the last token is the tree's root, as in decoding
+    tree = DraftTree.chain(int(prompt[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=generator))
+
+    def forward() -> None:
+        target.forward_tree(tree)
+        crop_cache(target.cache, target.length)  # drop the tree's rows: the next repeat sees the same cache
+
+    return _median_seconds(forward, repeats, target.device)
+
+
+def time_draft(target: TargetModel, drafter: Drafter, ctx: int, repeats: int, generator: torch.Generator) -> float:
+    """Median seconds of one drafter round with ``ctx`` cached context positions."""
+    drafter.bind(target)
+    drafter.reset()
+    sequence = torch.randint(0, target.vocab_size, (ctx + 1,), generator=generator)
+    out = target.prefill(sequence[:-1], drafter.tap_layers)  # taps of every token before the anchor
+    drafter.draft(DraftContext(sequence, out.features, 0))
+    seconds = _median_seconds(lambda: drafter.draft(DraftContext(sequence, None, ctx)), repeats, target.device)
+    drafter.reset()
+    return seconds
+
+
+@attrs.frozen
+class CostProfile:
+    """Measured verify samples of one target and the draft cost of its drafters, on this machine."""
+
+    verify: tuple[tuple[int, int, float], ...]  # (n tokens, context length, median seconds)
+    drafts: Mapping[str, float] = attrs.field(factory=dict)  # drafter identity -> median seconds per round
+
+    def cost_model(self, drafter: Drafter | str | None = None) -> ConvexCost:
+        """The fitted C_v with this drafter's C_d (0 without a drafter)."""
+        draft = 0.0
+        if drafter is not None:
+            ident = drafter if isinstance(drafter, str) else drafter.identity()
+            if ident not in self.drafts:
+                raise KeyError("this profile has not measured that drafter: pass it to machine_profile")
+            draft = self.drafts[ident]
+        contexts = sorted({c for _, c, _ in self.verify})
+        curves = [_curve([(n, s) for n, c, s in self.verify if c == ctx]) for ctx in contexts]
+        return ConvexCost(draft, tuple(contexts), tuple(k for k, _ in curves), tuple(v for _, v in curves))
+
+    def verify_in_steps(self, n: int) -> float:
+        """C_v(n) / C_v(1) at the shortest profiled context: a tree verify in AR steps."""
+        model = self.cost_model()
+        costs = model.verify_costs(n, model.contexts[0])
+        return float(costs[n] / costs[1])
+
+    def break_even_tau(self, drafter: Drafter | str, nodes: int) -> float:
+        """The mean τ a tree of ``nodes`` non-root nodes needs to match AR: (C_d + C_v(nodes + 1)) / C_v(1)."""
+        model = self.cost_model(drafter)
+        costs = model.verify_costs(nodes + 1, model.contexts[0])
+        return float((model.draft_cost + costs[nodes + 1]) / costs[1])
+
+    def to_record(self) -> dict:
+        return {"format": _FORMAT, "verify": [list(s) for s in self.verify], "drafts": dict(self.drafts)}
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> CostProfile:
+        if record.get("format") != _FORMAT:
+            raise ValueError(f"profile format {record.get('format')!r}, expected {_FORMAT}")
+        verify = tuple((int(n), int(c), float(s)) for n, c, s in record["verify"])
+        return cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()})
+
+
+def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Knots and values of one context's C_v: the convex fit for n >= 2, the one-token point as measured."""
+    single = [s for n, s in points if n == 1]
+    many = [(n, s) for n, s in points if n >= 2]
+    if not single or not many:
+        return fit_convex_curve(points)
+    knots, values = fit_convex_curve(many)
+    return (1.0, *knots), (min(statistics.median(single), values[0]), *values)
+
+
+def _profile_key(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int]) -> dict:
+    return {"machine": machine_identity(target.device), "target": target_identity(target),
+            "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+            "sizes": list(sizes), "contexts": list(contexts)}
+
+
+def _cached_profile(path: Path, key: dict) -> CostProfile | None:
+    record = read_cached(path, key)
+    if record is None:
+        return None
+    try:
+        return CostProfile.from_record(record)
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"treespec: ignoring the cached cost profile {path} ({exc}); measuring again", file=sys.stderr)
+        return None
+
+
+def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
+                    contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 5, cache: bool = True,
+                    cache_dir: Path | None = None, progress: bool = False) -> CostProfile:
+    """This machine's `CostProfile` of ``target`` and ``drafters`` (cached; see the module docstring)."""
+    if any(n < 1 for n in sizes) or not sizes or not contexts or repeats < 1:
+        raise ValueError("a profile needs sizes >= 1, at least one context and repeats >= 1")
+    room = target.max_positions - max(sizes)  # the longest context a sample's tree still fits after
+    if room < 1:
+        raise ValueError(f"a {max(sizes)}-token tree does not fit the target's {target.max_positions} positions")
+    contexts = sorted({min(c, room - 1) for c in contexts})
+    key = _profile_key(target, sizes, contexts)
+    path = machine_file("profile", key, cache_dir)
+    profile = _cached_profile(path, key) if cache else None
+    generator = torch.Generator().manual_seed(0)
+    missing = [d for d in drafters if profile is None or d.identity() not in profile.drafts]
+    if profile is not None and not missing:
+        return profile
+    points = [(n, c) for c in contexts for n in sizes]
+    work = (len(points) if profile is None else 0) + len(missing)
+    bar = _bar(work, progress)
+    if profile is None:
+        verify = []
+        for n, c in points:
+            verify.append((n, c, time_verify(target, n, c, repeats, generator)))
+            bar.update(1)
+        profile = CostProfile(tuple(verify))
+    drafts = dict(profile.drafts)
+    for drafter in missing:
+        drafts[drafter.identity()] = time_draft(target, drafter, min(contexts), repeats, generator)
+        bar.update(1)
+    bar.close()
+    target.reset()
+    profile = CostProfile(profile.verify, drafts)
+    if cache:
+        write_cached(path, key, profile.to_record())
+    return profile
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="cost profile of this machine", unit="point", leave=False)
