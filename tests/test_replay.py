@@ -85,9 +85,10 @@ class World:
         """Per-prompt live taus and trees; every output must equal the recorded greedy trajectory."""
         parsed = parse_method(method)
         taus, trees = [], []
+        policy = Capturing(build_policy(parsed, COST))
+        decoder = SpeculativeDecoder(self.target, self.drafters[parsed.drafter], policy)  # one, as replay's gate
         for i, prompt in enumerate(self.prompts):
-            policy = Capturing(build_policy(parsed, COST))
-            decoder = SpeculativeDecoder(self.target, self.drafters[parsed.drafter], policy)
+            policy.trees = []
             out = decoder.generate(prompt, max_new_tokens=self.trace.max_new_tokens, **kwargs)
             assert out.tokens.tolist() == self.trace.sequences[i][prompt.numel():][:out.tokens.numel()].tolist()
             taus.append(tuple(out.stats.taus))

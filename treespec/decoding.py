@@ -18,7 +18,9 @@ Drafting that does not pay is backed off: when a round's policy returns the root
 cost-aware policy's way of saying that no tree beats autoregressive decoding here), the next
 round drafts nothing and runs one AR step, and each further root-only answer doubles the AR
 rounds before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off).
-Any larger tree resets the back-off.  AR rounds commit exactly what the target chooses, so the
+Any larger tree resets the back-off.  The gate belongs to the decoder and carries over between its
+``generate`` calls: whether trees pay is a property of the machine and the drafter, so a new
+prompt does not pay for probing again.  AR rounds commit exactly what the target chooses, so the
 output is unchanged; the drafter receives the taps of every token committed meanwhile at its
 next draft.
 
@@ -54,7 +56,9 @@ from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["DraftGate", "SpeculativeDecoder", "limit_depth"]
+__all__ = ["DRAFT_BACKOFF", "DraftGate", "SpeculativeDecoder", "limit_depth"]
+
+DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
 
 
 @attrs.define
@@ -65,7 +69,6 @@ class _Sequence:
     length: int  # committed tokens; the root (anchor) is tokens[length - 1]
     prompt_len: int  # P
     stops: frozenset[int]  # stop token ids
-    gate: DraftGate  # when the drafter is asked next
     features: torch.Tensor | None = None  # [n, F] taps of the tokens committed since the last draft
     feature_start: int = 0  # absolute position of features[0]
     done: bool = False
@@ -149,7 +152,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None,
                  on_round: Callable[[DraftTree, VerifyResult], None] | None = None, *,
-                 draft_backoff: int = 32) -> None:
+                 draft_backoff: int = DRAFT_BACKOFF) -> None:
         if (drafter is None) != (policy is None):
             raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
         self.target = target
@@ -165,7 +168,7 @@ class SpeculativeDecoder:
         self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
         if draft_backoff < 0:
             raise ValueError(f"draft_backoff must be >= 0, got {draft_backoff}")
-        self.draft_backoff = draft_backoff  # most AR rounds between drafts while trees do not pay
+        self.gate = DraftGate(draft_backoff)  # when the drafter is asked next (kept across generations)
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -219,18 +222,17 @@ class SpeculativeDecoder:
         clock = _Stopwatch(self.target.device)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
         stats.prefill_time = clock.times["prefill"]
-        return _Sequence(buffer, prompt.numel(), prompt.numel(), stops, DraftGate(self.draft_backoff),
-                         features=prefill.features)
+        return _Sequence(buffer, prompt.numel(), prompt.numel(), stops, features=prefill.features)
 
     # ------------------------------------------------------------------ one round
     def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,
                backend: str) -> RoundStats:
         clock = _Stopwatch(self.target.device)  # "verify" = the target's tree forward + the verifier's walk
-        drafted = not self.autoregressive and seq.gate.drafts_now()
+        drafted = not self.autoregressive and self.gate.drafts_now()
         draft = clock.run("draft", self._draft, seq) if drafted else None
         tree = clock.run("build", self._build, draft, seq, backend)
         if drafted:
-            seq.gate.record(len(tree))
+            self.gate.record(len(tree))
         result, verified = clock.run("verify", self._verify, tree, draft, seq, sampling, generator)
         if self.on_round is not None:
             self.on_round(tree, result)

@@ -53,7 +53,7 @@ from torch import nn
 
 from treespec import registry
 from treespec.cost import CostModel, cost_model_from_dict
-from treespec.decoding import DraftGate, SpeculativeDecoder, limit_depth
+from treespec.decoding import DRAFT_BACKOFF, DraftGate, SpeculativeDecoder, limit_depth
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, TreePolicy
 from treespec.methods import Method, build_policy, parse_method
 from treespec.profile import machine_profile
@@ -538,12 +538,13 @@ def _check_recorded(tree: DraftTree) -> None:
 
 
 def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
-                  backend: str = "torch", stop_token_ids: Iterable[int] = (), draft_backoff: int = 32) -> list[int]:
+                  backend: str = "torch", stop_token_ids: Iterable[int] = (),
+                  gate: DraftGate | None = None) -> list[int]:
     """Per-round tau of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop
-    counts (its `DraftGate` included)."""
+    counts; ``gate`` is the decoder's `DraftGate` (pass one across prompts, as a live decoder keeps it)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
-    taus, done, gate = [], 0, DraftGate(draft_backoff)
+    taus, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
     while done < total:
         anchor = start + done  # absolute position of the round's root
         if policy is None or not gate.drafts_now():
@@ -611,8 +612,8 @@ def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "t
         drafts, policy = _drafts_for(trace, method, cache), build_policy(method, _cost_for(trace, method, cost_model))
         if drafts is not None:
             check_replayable(policy, drafts.meta)
-        start = time.perf_counter()
-        taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops))
+        start, gate = time.perf_counter(), DraftGate(DRAFT_BACKOFF)  # one decoder's gate, prompts in order
+        taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops, gate=gate))
                      for i in chosen)
         results.append(ReplayResult(method.name, taus, time.perf_counter() - start))
     return results

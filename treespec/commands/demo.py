@@ -43,7 +43,7 @@ _DATASETS = (str(_PROMPTS / "chat.jsonl"), str(_PROMPTS / "math.jsonl"), "humane
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per response")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per response")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: the published six)")
     parser.add_argument("--out", type=Path, default=None, help="where the records and report go "
                         "(default: the treespec cache's demo/ folder)")
