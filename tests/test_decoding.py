@@ -195,10 +195,10 @@ def test_generate_api_and_cli_from_a_directory(model_dir, capsys):
     if 1 in reference:  # w1 is the tokenizer's EOS: generation stops there and decoding drops it
         reference = reference[: reference.index(1) + 1]
     expected = " ".join(f"w{t}" for t in reference if t != 1)
-    out = treespec.generate(model_dir, "w3 w5 w7", max_new_tokens=20)
+    out = treespec.generate(model_dir, "w3 w5 w7", max_new_tokens=20, dtype="float32")  # not "auto": exactness
     assert out.text == expected
     assert main(["generate", str(model_dir), "--prompt", "w3 w5 w7", "--drafter", "oracle", "--policy",
-                 _a_policy(), "--max-new-tokens", "20"]) == 0
+                 _a_policy(), "--max-new-tokens", "20", "--dtype", "float32"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == expected
     assert "mean tau" in captured.err
@@ -213,7 +213,7 @@ def _a_policy() -> str:
 def test_generate_api_takes_token_ids_from_a_directory_without_tokenizer(tmp_path):
     model = tiny_model(dtype=torch.float32)
     model.save_pretrained(tmp_path)
-    out = treespec.generate(tmp_path, [3, 5, 7], max_new_tokens=6, stop_token_ids=[])
+    out = treespec.generate(tmp_path, [3, 5, 7], max_new_tokens=6, stop_token_ids=[], dtype="float32")
     assert out.tokens.tolist() == hf_greedy(model, torch.tensor([3, 5, 7]), 6) and out.text is None
     with pytest.raises(ValueError, match="no tokenizer files"):
         treespec.generate(tmp_path, "w3 w5", max_new_tokens=2)

@@ -183,6 +183,6 @@ def test_contract_attributes():
 def test_from_local_loads_safetensors(tmp_path):
     model = tiny_model(dtype=torch.float32)
     model.save_pretrained(tmp_path)
-    loaded = TargetModel.from_local(tmp_path)
-    assert loaded.model.config._attn_implementation == "sdpa"
+    loaded = TargetModel.from_local(tmp_path, dtype="checkpoint")
+    assert loaded.model.config._attn_implementation == "sdpa" and loaded.dtype == torch.float32
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)

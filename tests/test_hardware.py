@@ -1,0 +1,131 @@
+"""The machine runtime: the dtype choice (faked micro-benchmarks), cache keying, corrupt and stale
+cache files, and the cost profile's JSON round trip and fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_target import tiny_model
+
+from treespec import hardware
+from treespec.profile import CostProfile, machine_profile
+from treespec.target import TargetModel
+
+
+def fake_speed(bf16_1: float, bf16_17: float, fp32_1: float = 1.0, fp32_17: float = 2.0):
+    calls = []
+
+    def benchmark(shapes):
+        calls.append(shapes)
+        return {"bfloat16": {1: bf16_1, 17: bf16_17}, "float32": {1: fp32_1, 17: fp32_17}}
+
+    return benchmark, calls
+
+
+def test_the_faster_dtype_is_chosen_with_its_reason(tmp_path):
+    config = tiny_model(dtype=torch.float32).config
+    slow_bf16, calls = fake_speed(0.5, 28.0)  # bf16 without hardware support: 14x slower at 17 rows
+    assert hardware.resolve_dtype("auto", config=config, cache_dir=tmp_path, benchmark=slow_bf16) == torch.float32
+    choice = hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=slow_bf16)
+    assert "bf16 is 14.0x slower here at 17 rows (2.0x faster at 1 row)" in choice.describe()
+    assert len(calls) == 1  # the second call read the cache
+    fast_bf16, _ = fake_speed(0.5, 1.0)
+    assert hardware.resolve_dtype("auto", config=config, cache_dir=tmp_path / "other",
+                                  benchmark=fast_bf16) == torch.bfloat16
+
+
+def test_forced_dtypes_cuda_and_float64_checkpoints_skip_the_benchmark(tmp_path):
+    never, calls = fake_speed(1.0, 1.0)
+    config = tiny_model(dtype=torch.float32).config
+    assert hardware.resolve_dtype("float32", config=config, cache_dir=tmp_path, benchmark=never) == torch.float32
+    assert hardware.resolve_dtype(torch.bfloat16, config=config, cache_dir=tmp_path, benchmark=never) == torch.bfloat16
+    assert hardware.resolve_dtype("checkpoint", config=config, cache_dir=tmp_path, benchmark=never) == "auto"
+    assert hardware.resolve_dtype("auto", device="cuda", config=config, cache_dir=tmp_path,
+                                  benchmark=never) == torch.bfloat16
+    config.dtype = torch.float64
+    assert hardware.resolve_dtype("auto", config=config, cache_dir=tmp_path, benchmark=never) == "auto"
+    assert not calls
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        hardware.resolve_dtype("fp8", config=config)
+
+
+def test_another_machine_model_or_torch_is_measured_again(tmp_path, monkeypatch):
+    config = tiny_model(dtype=torch.float32).config
+    bench, calls = fake_speed(0.5, 28.0)
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    assert len(calls) == 1
+    monkeypatch.setattr(hardware, "_cpu_model", lambda: "Some Other CPU")
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    assert len(calls) == 2
+    bigger = tiny_model(dtype=torch.float32, hidden=64).config
+    hardware.cpu_dtype_choice(bigger, cache_dir=tmp_path, benchmark=bench)
+    assert len(calls) == 3
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": "x"}', "[]", '{"dtype": "float32"}'])
+def test_corrupt_or_foreign_cache_files_are_measured_again_with_a_warning(tmp_path, capsys, content):
+    config = tiny_model(dtype=torch.float32).config
+    bench, calls = fake_speed(0.5, 28.0)
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    (path,) = tmp_path.glob("dtype-*.json")
+    path.write_text(content)
+    capsys.readouterr()
+    assert hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench).dtype == torch.float32
+    assert len(calls) == 2 and "measuring again" in capsys.readouterr().err
+    assert json.loads(path.read_text())["dtype"] == "float32"  # rewritten
+
+
+def test_a_cached_choice_with_missing_fields_is_measured_again(tmp_path, capsys):
+    config = tiny_model(dtype=torch.float32).config
+    bench, calls = fake_speed(0.5, 28.0)
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    (path,) = tmp_path.glob("dtype-*.json")
+    record = json.loads(path.read_text())
+    del record["dtype"]
+    path.write_text(json.dumps(record))
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    assert len(calls) == 2 and "fields missing" in capsys.readouterr().err
+
+
+def test_a_real_micro_benchmark_measures_both_dtypes_quickly():
+    speed = hardware.measure_linear_speed({(64, 32): 4, (128, 32): 1})
+    assert set(speed) == {"bfloat16", "float32"} and all(s[n] > 0 for s in speed.values() for n in (1, 17))
+
+
+def _tiny_target() -> TargetModel:
+    torch.manual_seed(0)
+    return TargetModel(tiny_model(dtype=torch.float32))
+
+
+def test_profile_is_cached_keyed_and_round_trips(tmp_path, capsys):
+    target = _tiny_target()
+    first = machine_profile(target, sizes=(1, 2, 5), contexts=(8, 16), repeats=1, cache_dir=tmp_path)
+    assert len(first.verify) == 6 and target.length == 0
+    assert machine_profile(target, sizes=(1, 2, 5), contexts=(8, 16), repeats=1, cache_dir=tmp_path) == first
+    assert CostProfile.from_record(json.loads(json.dumps(first.to_record()))) == first
+    model = first.cost_model()
+    assert model.contexts == (8, 16) and model.draft_cost == 0.0
+    as64 = TargetModel(tiny_model(dtype=torch.float32).to(torch.float64))  # another dtype: measured anew
+    other = machine_profile(as64, sizes=(1, 2, 5), contexts=(8, 16), repeats=1, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("profile-*.json"))) == 2 and other is not first
+    (path,) = [p for p in tmp_path.glob("profile-*.json") if json.loads(p.read_text())["key"]["dtype"] == "float32"]
+    path.write_text('{"key": 1')
+    again = machine_profile(target, sizes=(1, 2, 5), contexts=(8, 16), repeats=1, cache_dir=tmp_path)
+    assert "measuring again" in capsys.readouterr().err and len(again.verify) == 6
+
+
+def test_the_one_token_point_is_kept_as_measured():
+    """CPU curves are not convex at n = 1 (a matrix-vector kernel): the fit covers n >= 2 only."""
+    samples = [(1, 128, 0.064), (2, 128, 0.150), (3, 128, 0.170), (5, 128, 0.140), (9, 128, 0.150),
+               (17, 128, 0.160), (33, 128, 0.190)]
+    profile = CostProfile(tuple(samples))
+    costs = profile.cost_model().verify_costs(33, 128)
+    assert float(costs[1]) == 0.064
+    assert bool((costs[2:] >= 0.14).all()) and bool((costs[1:].diff() >= 0).all())
+    assert profile.verify_in_steps(1) == 1.0 and profile.verify_in_steps(17) > 2.0
