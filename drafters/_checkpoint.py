@@ -44,7 +44,10 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     for path in _shard_files(Path(directory)):
         if not path.is_file():
             raise CheckpointError(f"checkpoint shard {path} is missing")
-        state.update(load_file(str(path)))
+        try:
+            state.update(load_file(str(path)))
+        except Exception as exc:  # safetensors raises its own error types for a damaged header or body
+            raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
     return state
 
 

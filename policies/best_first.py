@@ -40,10 +40,11 @@ from treespec.interfaces import BACKENDS, DraftOutput, TreePolicy
 from treespec.tree import DraftTree
 
 __all__ = [
-    "BestFirstPolicy", "StopRule", "assemble", "budget_field", "check_backend", "check_budget", "check_logprobs",
+    "MAX_BUDGET", "BestFirstPolicy", "StopRule", "assemble", "budget_field", "check_backend", "check_budget", "check_logprobs",
     "expand_frontier", "frontier_selection", "grow_graph", "grow_reference", "score_floor",
 ]
 
+MAX_BUDGET = 8192  # largest tree budget: an [N, N] float32 mask of 256 MiB, a verify forward over N tokens
 _HYPERBOLA_MIN = 4096  # factorized depths with more candidates than this get the pruned layout
 _STABLE_SORT_MAX = 512  # up to this many candidates a stable sort beats building int64 keys
 _CHUNK_MIN = 8  # fewest rows per scorer call when compact mode expands a depth in chunks
@@ -56,6 +57,9 @@ def check_budget(budget: int, name: str = "budget") -> int:
         raise TypeError(f"{name} must be an integer >= 1, got {budget!r}")
     if budget < 1:
         raise ValueError(f"{name} must be >= 1 (it counts non-root nodes), got {budget}")
+    if name == "budget" and budget > MAX_BUDGET:
+        raise ValueError(f"budget {budget} exceeds {MAX_BUDGET} nodes: a tree's [N, N] masks and the verify forward "
+                         f"over N tokens would not fit in memory (the published harnesses cap trees at 1024)")
     return int(budget)
 
 

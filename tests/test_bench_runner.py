@@ -25,7 +25,7 @@ from treespec.bench.records import read_records
 from treespec.cli import main
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import SamplingParams
-from treespec.sampling import gumbel_noise
+from treespec.sampling import gumbel_noise, sampling_key
 from treespec.target import TargetModel
 
 VOCAB, EOS = 128, 0
@@ -238,8 +238,10 @@ def ar_scores(harness, prompt: torch.Tensor, ar, k: int) -> torch.Tensor:
         logits = harness.target.model(torch.cat([prompt, torch.tensor(ar.tokens[:k])])[None]).logits[0, -1]
     if ar.temperature == 0:
         return logits
-    noise = gumbel_noise(torch.tensor([prompt.numel() + k]), VOCAB, SamplingParams(ar.temperature),
-                         torch.Generator().manual_seed(ar.seed), logits.device, torch.float64)[0]
+    generator = torch.Generator().manual_seed(ar.seed)
+    sampling = SamplingParams(ar.temperature, key=sampling_key(generator))  # the key the decoder draws first
+    noise = gumbel_noise(torch.tensor([prompt.numel() + k]), VOCAB, sampling, generator, logits.device,
+                         torch.float64)[0]
     return logits + ar.temperature * noise
 
 
@@ -272,3 +274,60 @@ def test_first_difference_counts_a_shorter_answer():
     assert runner.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert runner.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert runner.first_difference([1, 2], [1, 2, 0]) == 2
+
+
+# ---------------------------------------------------------------------------- interruption and resumption
+def test_an_interrupted_run_resumes_to_the_uninterrupted_records(bench, tmp_path, monkeypatch, capsys):
+    config, harness, out = bench
+    calls = {"n": 0}
+    measure = runner._Runner.measure
+
+    def interrupted(self, turn):
+        calls["n"] += 1
+        if calls["n"] == 5:  # the fifth measured turn (the warm-up does not call measure)
+            raise KeyboardInterrupt
+        return measure(self, turn)
+
+    monkeypatch.setattr(runner._Runner, "measure", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_shard(config, harness, tmp_path, progress=False)
+    monkeypatch.setattr(runner._Runner, "measure", measure)
+    rec_path = runner.shard_paths(tmp_path, 0)[0]
+    saved = list(read_records(rec_path))
+    conversations = {(r.dataset, r.prompt_id, r.temperature) for r in saved}
+    assert len(conversations) == 4 and len(saved) == 4 * len(EXPANDED)  # the four finished before the fifth turn
+    with open(rec_path, "a") as fh:
+        fh.write('{"method": "ar", "trunc')  # a crash in the middle of a write
+    runner.run_shard(config, harness, tmp_path, progress=False)
+    assert "truncated last line" in capsys.readouterr().err
+    merged = list(read_records(runner.merge_shards(tmp_path)))
+    expected = list(read_records(out / runner.RECORDS))
+    assert len(merged) == len(expected)
+    assert sorted(json.dumps(without_times(r), sort_keys=True) for r in merged) == \
+        sorted(json.dumps(without_times(r), sort_keys=True) for r in expected)
+
+
+def test_an_output_folder_of_another_configuration_is_refused(tmp_path):
+    settings = {"prompts": 2, "methods": ["ar"]}
+    assert runner.prepare_out(tmp_path, settings) == "new"
+    runner.write_settings(tmp_path, settings)
+    (tmp_path / runner.RECORDS).write_text("")
+    assert runner.prepare_out(tmp_path, settings) == "resume"  # the merged records become the shard again
+    assert runner.shard_paths(tmp_path, 0)[0].is_file() and not (tmp_path / runner.RECORDS).exists()
+    with pytest.raises(ValueError, match=r"another bench configuration \(differs in prompts\).*--overwrite"):
+        runner.prepare_out(tmp_path, {"prompts": 3, "methods": ["ar"]})
+    assert runner.shard_paths(tmp_path, 0)[0].is_file()  # nothing lost
+    assert runner.prepare_out(tmp_path, {"prompts": 3, "methods": ["ar"]}, overwrite=True) == "overwrite"
+    assert not runner.shard_paths(tmp_path, 0)[0].exists()
+
+
+def test_a_failing_bench_leaves_an_existing_folder_untouched(tmp_path, capsys):
+    from treespec.cli import main
+
+    (tmp_path / runner.SETTINGS).write_text('{"kept": true}\n')
+    (tmp_path / runner.RECORDS).write_text("")
+    assert main(["bench", "--methods", "ar,ddtree@0", "--out", str(tmp_path)]) == 2
+    assert "budget must be a positive integer" in capsys.readouterr().err
+    assert main(["bench", "--datasets", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert (tmp_path / runner.SETTINGS).read_text() == '{"kept": true}\n'

@@ -78,6 +78,9 @@ def load_drafter(drafter: Drafter | PathLike | None, **kwargs: Any) -> Drafter |
 
         name = "domino" if read_config(drafter).is_domino else "dflash"
         return registry.resolve("drafter", name).from_pretrained(drafter, **kwargs)
+    if str(drafter) not in registry.available("drafter") and (
+            isinstance(drafter, os.PathLike) or os.sep in str(drafter) or Path(drafter).exists()):
+        raise FileNotFoundError(f"no drafter checkpoint directory at {drafter}")
     return registry.create("drafter", str(drafter), **kwargs)
 
 
@@ -124,7 +127,10 @@ def _input_ids(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any) -> to
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass a model directory or tokenizer=")
         return torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.int64)
-    return torch.as_tensor(prompt, dtype=torch.int64)
+    ids = torch.as_tensor(prompt)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"prompt token ids must be integers, got dtype {ids.dtype}")
+    return ids.to(torch.int64)
 
 
 def _stop_ids(stop_token_ids: Iterable[int] | int | None, tokenizer: Any, target: TargetModel) -> list[int]:

@@ -41,6 +41,8 @@ BACKENDS = ("torch", "networkx")
 
 def check_single_batch(input_ids: torch.Tensor) -> torch.Tensor:
     """Return ``input_ids`` as a 1-D tensor; treespec decodes one sequence (one tree) at a time."""
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
             raise ValueError(f"treespec decodes a batch of one sequence; got batch size {input_ids.shape[0]}")

@@ -85,9 +85,12 @@ class TargetModel:
 
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a Hugging Face model directory")
+        _check_device(device)
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        dtype = resolve_dtype(dtype, device=device, config=config)
+        _check_safetensors(Path(path))
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device=device, config=config), attn_implementation=attn_implementation, local_files_only=True,
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
             trust_remote_code=False, use_safetensors=True)
         return cls(model.to(device), max_positions=max_positions)
 
@@ -196,6 +199,29 @@ def crop_cache(cache, length: int) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def _check_device(device: str | torch.device) -> None:
+    """A clear error for a device this torch build or machine does not have."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but this torch build sees no CUDA device "
+                         f"(torch {torch.__version__}); use --device cpu")
+
+
+def _check_safetensors(directory: Path) -> None:
+    """Every safetensors file of the model opens (its header parses), else an error naming the file."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no *.safetensors weights (other formats are not loaded)")
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                handle.keys()
+        except Exception as exc:  # safetensors raises its own error types for a damaged header
+            raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
 
 
 def _prompt_ids(input_ids: torch.Tensor) -> torch.Tensor:

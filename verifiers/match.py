@@ -34,6 +34,10 @@ def check_logits(tree: DraftTree, target_logits: torch.Tensor) -> None:
     nan_rows = torch.isnan(target_logits).any(-1)
     if bool(nan_rows.any()):
         raise FloatingPointError(f"target logits contain NaN at tree nodes {nan_rows.nonzero().flatten().tolist()}")
+    inf_rows = torch.isposinf(target_logits).any(-1)
+    if bool(inf_rows.any()):
+        raise FloatingPointError(f"target logits contain +inf at tree nodes {inf_rows.nonzero().flatten().tolist()} "
+                                 "(an overflow in the target's forward: try a wider dtype)")
 
 
 def walk_matches(tree: DraftTree, chosen: torch.Tensor) -> VerifyResult:

@@ -59,7 +59,7 @@ __all__ = [
     "BENCH_PRESETS", "GAP_TOLERANCE", "BenchConfig", "Chat", "Divergence", "Harness", "Report", "Shard",
     "bench_prompts", "canonical_key", "decision_gap", "expand_methods", "find_divergence", "first_difference",
     "load_harness", "merge_shards", "pair_seed", "read_divergences", "resolve_tolerance", "run_shard",
-    "shard_paths", "write_report", "write_settings",
+    "prepare_out", "resume_shard", "run_settings", "shard_paths", "write_report", "write_settings",
 ]
 
 RECORDS, DIVERGENCES, SETTINGS = "records.jsonl", "divergences.jsonl", "bench.json"
@@ -435,22 +435,58 @@ def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mine = shard.take(bench_prompts(config))
-    runner = _Runner(config, harness, expand_methods(config.methods, config.budgets))
-    if mine:
-        runner.warm_up(mine[0])
-    total = sum(len(p.turns) for p in mine) * len(config.temperatures)
+    methods = expand_methods(config.methods, config.budgets)
     rec_path, div_path = shard_paths(out_dir, shard.rank)
-    with open(rec_path, "w") as rec_fh, open(div_path, "w") as div_fh, \
+    done = resume_shard(rec_path, div_path, mine, config.temperatures, [m.name for m in methods])
+    todo = [(p, t) for p in mine for t in config.temperatures if (p.dataset, p.id, t) not in done]
+    runner = _Runner(config, harness, methods)
+    if todo:
+        runner.warm_up(todo[0][0])
+    total = sum(len(p.turns) for p, _ in todo)
+    with open(rec_path, "a") as rec_fh, open(div_path, "a") as div_fh, \
             tqdm(total=total, disable=not progress, unit="turn", desc=f"bench rank {shard.rank}") as bar:
-        for prompt in mine:
-            for temperature in config.temperatures:
-                for records, divergences in runner.conversation(prompt, temperature):
-                    _write_jsonl(rec_fh, records)
-                    _write_jsonl(div_fh, divergences)
-                    bar.update(1)
+        for prompt, temperature in todo:
+            finished = list(runner.conversation(prompt, temperature))  # a conversation is the unit of resumption
+            for records, divergences in finished:
+                _write_jsonl(div_fh, divergences)  # divergences first: a conversation counts once its records do
+                _write_jsonl(rec_fh, records)
+                bar.update(1)
     for line in runner.skipped:
         print(f"treespec bench: skipped (context window) {line}", file=sys.stderr)
     return rec_path
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The file's complete JSON lines; a last line cut by a crash (no newline) is dropped and reported."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        print(f"treespec bench: dropping a truncated last line of {path} (an interrupted write)", file=sys.stderr)
+        lines = lines[:-1]
+    return [line for line in lines if line.strip()]
+
+
+def resume_shard(rec_path: Path, div_path: Path, prompts: Sequence[PromptRecord], temperatures: Sequence[float],
+                 methods: Sequence[str]) -> set[tuple[str, str, float]]:
+    """Keep the records of the conversations a previous run of this shard completed (every turn of every
+    method) and rewrite the shard files with those only; returns their (dataset, prompt id, T) keys."""
+    turns = {(p.dataset, p.id): len(p.turns) for p in prompts}
+    records = [BenchRecord(**json.loads(line)) for line in _complete_lines(rec_path)]
+    seen: dict[tuple, set] = {}
+    for r in records:
+        seen.setdefault((r.dataset, r.prompt_id, r.temperature), set()).add((r.method, r.turn))
+    done = {key for key, got in seen.items() if (key[0], key[1]) in turns and key[2] in temperatures
+            and got >= {(m, t) for m in methods for t in range(turns[key[0], key[1]])}}
+    kept = [r for r in records if (r.dataset, r.prompt_id, r.temperature) in done]
+    divergences = [line for line in _complete_lines(div_path)
+                   if (lambda d: (d["dataset"], d["prompt_id"], d["temperature"]) in done)(json.loads(line))]
+    write_records(rec_path.with_suffix(".tmp"), kept)
+    rec_path.with_suffix(".tmp").replace(rec_path)
+    div_path.with_suffix(".tmp").write_text("".join(divergences))
+    div_path.with_suffix(".tmp").replace(div_path)
+    return done
 
 
 # ---------------------------------------------------------------------------- merge
@@ -561,8 +597,53 @@ def write_report(out_dir: str | Path, *, resamples: int = 1000) -> Report:
     return Report(tuple(out_dir / n for n in names) + tuple(plots), table, lossless, bad)
 
 
-def write_settings(out_dir: Path, config: BenchConfig, methods: Sequence[Method], extra: dict) -> Path:
-    """``bench.json``: the run's settings (for the record; the report does not read it)."""
+def run_settings(config: BenchConfig, methods: Sequence[Method], extra: dict) -> dict:
+    """What a run measures, as JSON-ready data: the config, the expanded methods and ``extra``."""
     settings = attrs.asdict(config) | {"expanded_methods": [m.name for m in methods]} | extra
-    (out_dir / SETTINGS).write_text(json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def write_settings(out_dir: Path, settings: dict) -> Path:
+    """``bench.json``: the run's settings (the report does not read them; a resumed run checks them)."""
+    (out_dir / SETTINGS).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
     return out_dir / SETTINGS
+
+
+_RESULTS = (RECORDS, DIVERGENCES, "summary.csv", "pairs.csv", "summary.md", "lossless.md", "tau_hist.svg",
+            "tau_hist.png", "budget_curves.svg", "budget_curves.png")
+
+
+def prepare_out(out_dir: Path, settings: dict, *, overwrite: bool = False) -> str:
+    """Check ``out_dir`` against this run's ``settings`` before anything is measured.
+
+    Returns "new" (nothing there), "resume" (the same configuration: completed conversations are
+    kept) or "overwrite" (another configuration's results removed, as asked); raises ValueError for
+    another configuration's results without ``overwrite``.  A merged single-process run is turned
+    back into its shard so it can be resumed or extended.
+    """
+    results = [out_dir / n for n in _RESULTS if (out_dir / n).exists()] + _shards(out_dir, "records") + \
+        _shards(out_dir, "divergences")
+    if not results:
+        return "new"
+    previous = _read_settings(out_dir)
+    if previous == settings:
+        if (out_dir / RECORDS).is_file() and not _shards(out_dir, "records"):
+            (out_dir / RECORDS).replace(shard_paths(out_dir, 0)[0])
+            if (out_dir / DIVERGENCES).is_file():
+                (out_dir / DIVERGENCES).replace(shard_paths(out_dir, 0)[1])
+        return "resume"
+    if not overwrite:
+        differ = sorted(k for k in set(settings) | set(previous or {}) if (previous or {}).get(k) != settings.get(k))
+        what = f"differs in {', '.join(differ)}" if previous is not None else "has no bench.json"
+        raise ValueError(f"{out_dir} holds the results of another bench configuration ({what}); choose another "
+                         "--out, or pass --overwrite to replace them")
+    for path in results:
+        path.unlink()
+    return "overwrite"
+
+
+def _read_settings(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / SETTINGS).read_text())
+    except (OSError, ValueError):
+        return None

@@ -48,10 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--domino", type=Path, default=None, help="Domino drafter checkpoint directory")
     models.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once; bf16 on CUDA)")
+    models.add_argument("--cost-model", default=None,
+                        help="cost model of cost-aware methods: a JSON file or preset:NAME (default: this machine's "
+                             "profile, measured once and cached)")
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="output directory")
     out.add_argument("--report-only", action="store_true", help="only re-derive the report from --out")
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace results of another configuration in --out (default: refuse; the same "
+                          "configuration resumes)")
     out.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of the intervals")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--dist-timeout", type=float, default=24.0, help="hours ranks may wait for each other")
@@ -97,16 +103,29 @@ def _device(args: argparse.Namespace, shard: runner.Shard) -> str:
 def _measure(args: argparse.Namespace, config: runner.BenchConfig, shard: runner.Shard) -> None:
     from treespec.embedded import embedded_model_dir
 
-    methods = runner.expand_methods(config.methods, config.budgets)
+    methods = runner.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
+    runner.bench_prompts(config)  # and so does a missing dataset
+    cost = None
+    if args.cost_model is not None:
+        from treespec.cost import resolve_cost_model
+
+        cost = resolve_cost_model(args.cost_model)
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
-    harness = runner.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard))
+    settings = runner.run_settings(config, methods, {
+        "model": model, "drafters": drafters, "dtype": args.dtype, "torch": torch.__version__,
+        "cost_model": args.cost_model or "this machine's profile", "device": args.device})
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        extra = {"model": model, "drafters": drafters, "dtype": args.dtype, "world_size": shard.world,
-                 "gap_tolerance_used": runner.resolve_tolerance(config, harness.target.dtype),
-                 "torch": torch.__version__}
-        runner.write_settings(args.out, config, methods, extra)
+        state = runner.prepare_out(args.out, settings, overwrite=args.overwrite)
+        if state != "new":
+            print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
+                  f"{args.out}", file=sys.stderr)
+    harness = runner.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard))
+    harness.cost_override = cost
+    harness.progress = not args.no_progress
+    if shard.rank == 0:
+        runner.write_settings(args.out, settings)
     runner.run_shard(config, harness, args.out, shard, progress=not args.no_progress)
 
 
@@ -149,3 +168,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"treespec bench: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = getattr(args, "out", None) or getattr(args, "dir", None)
+        print(f"\ntreespec bench: interrupted; the completed conversations are saved in {where}: run the same "
+              "command again to resume", file=sys.stderr)
+        return 130
