@@ -1,0 +1,108 @@
+"""Bad input gets a clear error naming the problem, through the CLI's entry point and the API.
+
+One test per row of the reliability issue's table that this module covers; CLI rows assert the exit
+code and the message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decoding import _word_tokenizer
+from test_target import tiny_model, tiny_target
+
+import treespec
+from treespec.cli import main
+from treespec.decoding import SpeculativeDecoder
+from treespec.tree import DraftTree
+from verifiers.match import MatchVerifier
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model(dtype=torch.float32).save_pretrained(path)
+    _word_tokenizer(128).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--budget", "0"], "--budget must be >= 1"),
+])
+def test_generate_refuses_bad_numbers_before_loading(model_dir, capsys, flags, message):
+    assert main(["generate", str(model_dir), "--prompt", "w3", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_refuses_a_stop_token_outside_the_vocabulary(model_dir, capsys):
+    assert main(["generate", str(model_dir), "--prompt", "w3", "--dtype", "float32", "--stop-token-id", "999999"]) == 2
+    assert "--stop-token-id 999999 is outside the vocabulary [0, 128)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_generate_on_cuda_without_a_gpu_says_so(model_dir, capsys):
+    assert main(["generate", str(model_dir), "--prompt", "w3", "--device", "cuda"]) == 1
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_a_missing_drafter_directory_is_named_as_a_path(model_dir, capsys):
+    missing = model_dir / "no-such-drafter"
+    assert main(["generate", str(model_dir), "--prompt", "w3", "--dtype", "float32", "--drafter", str(missing)]) == 1
+    assert f"no drafter checkpoint directory at {missing}" in capsys.readouterr().err
+
+
+def test_an_empty_target_directory_says_there_is_no_config(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="holds no config.json"):
+        treespec.generate(tmp_path, [1, 2], max_new_tokens=2)
+    assert main(["generate", str(tmp_path), "--prompt", "w3"]) == 1
+    assert "no tokenizer files" in capsys.readouterr().err  # the CLI reads the tokenizer first
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_damaged_target_safetensors_file_is_named(tmp_path, damage):
+    tiny_model(dtype=torch.float32).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+        treespec.generate(tmp_path, [1, 2], max_new_tokens=2, dtype="float32")
+
+
+def test_a_damaged_drafter_safetensors_file_is_named(tmp_path):
+    from test_drafters_support import tiny_config
+
+    from drafters.dflash import DFlashDrafter
+
+    DFlashDrafter.random(tiny_config(), dtype=torch.float32).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+        treespec.api.load_drafter(tmp_path)
+
+
+def test_infinite_target_logits_are_an_error_not_token_zero():
+    tree = DraftTree.root_only(3)
+    logits = torch.zeros(1, 16)
+    logits[0, 5] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"\+inf at tree nodes \[0\]"):
+        MatchVerifier().verify(tree, logits, sampling=treespec.interfaces.SamplingParams(), generator=None,
+                               position=0)
+
+
+def test_float_prompts_are_refused_not_truncated():
+    target = tiny_target()
+    with pytest.raises(TypeError, match="integer token ids"):
+        SpeculativeDecoder(target).generate(torch.tensor([1.7, 2.2]), max_new_tokens=2)
+    with pytest.raises(TypeError, match="must be integers"):
+        treespec.generate(target, [1.7, 2.2], max_new_tokens=2)
+
+
+def test_a_budget_beyond_memory_is_refused_up_front():
+    from drafters.toy import MarginalDrafter
+
+    with pytest.raises(ValueError, match="exceeds 8192 nodes"):
+        treespec.generate(tiny_target(), [1, 2, 3], drafter=MarginalDrafter.random(4, 128), policy="ddtree",
+                          budget=10**7, max_new_tokens=2)
