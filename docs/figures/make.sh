@@ -13,15 +13,15 @@ prompt="What is the capital of France?"
 round=4
 
 trees() {
-  # cost-aware methods price trees with a named cost model, so the figures do not depend on this machine
+  # bf16 and a named cost model for the cost-aware methods: the figures do not depend on the machine
   for spec in "chain dflash" "chain-domino domino" "ddtree ddtree@16" "caddtree caddtree@64" \
               "dominotree dominotree@16" "static-corrected static-corrected@16" \
               "cost-aware-dominotree cost-aware-dominotree@64"; do
     set -- $spec
     treespec draw --method "$2" --prompt "$prompt" --round $round --title "$2, round $round" \
-      --cost-model preset:smollm2-cpu-bf16 --out "$out/tree-$1.svg"
+      --dtype bfloat16 --cost-model preset:smollm2-cpu-bf16 --out "$out/tree-$1.svg"
   done
-  treespec draw --method dominotree@16 --prompt "$prompt" --round $round --out "$out/tree-dominotree.mmd"
+  treespec draw --method dominotree@16 --prompt "$prompt" --round $round --dtype bfloat16 --out "$out/tree-dominotree.mmd"
 }
 
 ab() {
