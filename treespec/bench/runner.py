@@ -97,6 +97,7 @@ class BenchConfig:
     gap_tolerance: float | None = None  # tolerance on AR's decision margin at a divergence; None: GAP_TOLERANCE
     backend: str = "torch"  # policy backend: "torch" or "networkx"
     stop_at_eos: bool = True  # stop responses at the tokenizer's EOS (False: always max_new_tokens)
+    enable_thinking: bool = False  # the Qwen3 chat template's thinking switch (off, as published)
 
     def __attrs_post_init__(self) -> None:
         _check_positive(prompts=self.prompts, max_new_tokens=self.max_new_tokens)
@@ -186,11 +187,13 @@ def canonical_key(record) -> tuple:
 class Chat:
     """Prompt turns to token ids with a tokenizer's chat template, and answers back to text."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, *, enable_thinking: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.enable_thinking = enable_thinking  # the Qwen3 template's switch
 
     def encode(self, user_turns: Sequence[str], answers: Sequence[str]) -> torch.Tensor:
-        return torch.tensor(encode_chat(self.tokenizer, user_turns, answers), dtype=torch.int64)  # [P]
+        ids = encode_chat(self.tokenizer, user_turns, answers, enable_thinking=self.enable_thinking)
+        return torch.tensor(ids, dtype=torch.int64)  # [P]
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up generation per method")
     run.add_argument("--gap-tolerance", type=float, help="T = 0 divergence tolerance on the AR top-two logit gap")
     run.add_argument("--backend", choices=("torch", "networkx"), help="policy backend")
+    run.add_argument("--enable-thinking", action="store_const", const=True, default=None,
+                     help="Qwen3 templates: turn thinking on (off by default, as the published harnesses run)")
     run.add_argument("--no-stop", dest="stop_at_eos", action="store_const", const=False,
                      help="ignore EOS: every response is --max-new-tokens long")
     models = parser.add_argument_group("models (local directories; defaults: the embedded SmolLM2 and its drafters)")
@@ -123,6 +125,7 @@ def _measure(args: argparse.Namespace, config: runner.BenchConfig, shard: runner
                   f"{args.out}", file=sys.stderr)
     harness = runner.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard))
     harness.cost_override = cost
+    harness.chat.enable_thinking = config.enable_thinking
     harness.progress = not args.no_progress
     if shard.rank == 0:
         runner.write_settings(args.out, settings)
