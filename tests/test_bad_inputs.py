@@ -6,6 +6,8 @@ code and the message.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_decoding import _word_tokenizer
@@ -106,3 +108,41 @@ def test_a_budget_beyond_memory_is_refused_up_front():
     with pytest.raises(ValueError, match="exceeds 8192 nodes"):
         treespec.generate(tiny_target(), [1, 2, 3], drafter=MarginalDrafter.random(4, 128), policy="ddtree",
                           budget=10**7, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tokens": [1, 2], "parents": [-1, 0.5]}, "parents must be integers"),
+    ({"tokens": [1, 2], "parents": [-1, 0], "scores": [-0.5, -1.0]}, "root's score must be 0"),
+    ({"tokens": [1, 2, 3], "parents": [-1, 0, 1], "scores": [0.0, -2.0, -1.0]}, "node 2 scores -1.0 above its parent"),
+])
+def test_malformed_trees_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DraftTree.build(**kwargs)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no tree file at"),
+    ("{tokens: [1]}", "is not valid JSON"),
+    ('{"tokens": [1, 2, 3], "parents": [-1, 2, 1]}', "parents are not topological"),  # a cycle 1 -> 2 -> 1
+    ('{"tokens": [1, 2], "parents": [-1, 0], "accepted": [0, 7]}', r"accepted must list node indices in \[0, 2\)"),
+    ('{"tokens": [1, 2], "parents": [-1, 0], "labels": ["a"]}', "one label per node"),
+])
+def test_draw_tree_files_are_checked(tmp_path, capsys, content, message):
+    path = tmp_path / "tree.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["draw", "--tree", str(path), "--out", str(tmp_path / "t.dot")]) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err) and str(path) in err
+
+
+def test_draw_on_a_target_without_a_tokenizer_says_so(tmp_path, capsys):
+    from test_drafters_support import tiny_config
+
+    from drafters.dflash import DFlashDrafter
+
+    tiny_model(dtype=torch.float32).save_pretrained(tmp_path / "target")
+    DFlashDrafter.random(tiny_config(), dtype=torch.float32).save_pretrained(tmp_path / "drafter")
+    assert main(["draw", "--model", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--out", str(tmp_path / "t.dot")]) == 1
+    assert "no tokenizer files in" in capsys.readouterr().err

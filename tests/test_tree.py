@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import networkx as nx
 import pytest
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,10 @@ def random_trees(draw, max_nodes: int = 40) -> DraftTree:
     n = draw(st.integers(1, max_nodes))
     parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
     tokens = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))  # small range: repeated tokens
-    scores = [0.0] + draw(st.lists(st.floats(-30, 0, width=32), min_size=n - 1, max_size=n - 1))
+    steps = draw(st.lists(st.floats(-30, 0, width=32), min_size=n - 1, max_size=n - 1))  # log-probs <= 0
+    scores = [0.0]
+    for parent, step in zip(parents[1:], steps):
+        scores.append(float(np.float32(scores[parent]) + np.float32(step)))  # a path's float32 sum
     return DraftTree.build(tokens, parents, None, scores)
 
 

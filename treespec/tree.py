@@ -43,7 +43,10 @@ def _as_tensor(values, dtype: torch.dtype, name: str) -> torch.Tensor:
         if values.dtype != dtype:
             raise TreeError(f"{name} must have dtype {dtype}, got {values.dtype}")
         return values
-    return torch.as_tensor(values, dtype=dtype)
+    raw = torch.as_tensor(values)
+    if dtype == torch.int64 and raw.numel() and (raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool):
+        raise TreeError(f"{name} must be integers, got {raw.dtype} values")
+    return raw.to(dtype)
 
 
 def _check_vector(t: torch.Tensor, name: str, n: int, device: torch.device) -> None:
@@ -180,6 +183,13 @@ class DraftTree:
         self._validate_structure(n)
         if bool(torch.isnan(scores).any()):
             raise TreeError(f"scores contain NaN at nodes {torch.isnan(scores).nonzero().flatten().tolist()}")
+        if float(scores[0]) != 0.0:
+            raise TreeError(f"the root's score must be 0 (scores are path log-probabilities), got {float(scores[0])}")
+        above = (scores[1:] > scores[parents[1:]]).nonzero().flatten()
+        if above.numel():
+            i = int(above[0]) + 1
+            raise TreeError(f"node {i} scores {float(scores[i])} above its parent {int(parents[i])} "
+                            f"({float(scores[int(parents[i])])}): a path log-probability cannot rise")
         if bool((tokens < 0).any()):
             raise TreeError("tokens must be non-negative token ids")
 

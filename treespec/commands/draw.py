@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from treespec import draw
@@ -90,10 +91,34 @@ def drafter_depth(drafter) -> int:
     return int(getattr(config, "block_size", 64))
 
 
+def read_tree_record(path: Path) -> tuple[DraftTree, list | None, list | None]:
+    """(tree, labels, accepted) of a ``--tree`` JSON file; ValueError naming the file and the problem."""
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no tree file at {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object with tokens and parents")
+    try:
+        tree = DraftTree.from_dict(record)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    accepted = record.get("accepted")
+    if accepted is not None:
+        if not isinstance(accepted, list) or not all(isinstance(i, int) and 0 <= i < len(tree) for i in accepted):
+            raise ValueError(f"{path}: accepted must list node indices in [0, {len(tree)}), got {accepted}")
+    labels = record.get("labels")
+    if labels is not None and (not isinstance(labels, list) or len(labels) != len(tree)):
+        raise ValueError(f"{path}: labels must list one label per node ({len(tree)}), got {labels!r}")
+    return tree, labels, accepted
+
+
 def _from_model(args: argparse.Namespace):
     import torch
 
-    from treespec.api import load_drafter, load_target
+    from treespec.api import load_drafter, load_target, load_tokenizer
     from treespec.datasets import encode_chat
     from treespec.embedded import embedded_model_dir
     from treespec.methods import build_policy, parse_method
@@ -103,10 +128,8 @@ def _from_model(args: argparse.Namespace):
         raise SystemExit("treespec draw: AR builds no draft tree; name a policy method, e.g. ddtree@16")
     drafter_dir = args.drafter or _embedded_drafter(method.drafter, args.model)  # before any model loads
     model_dir = args.model or embedded_model_dir()
+    tokenizer = load_tokenizer(model_dir)  # the labels need one: refuse before the target loads
     target = load_target(model_dir, dtype=DTYPES[args.dtype])
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
     drafter = load_drafter(drafter_dir)
     tree, result = live_round(target, drafter, build_policy(method, _cost_model(args, target, drafter)), ids,
@@ -142,11 +165,14 @@ def _embedded_drafter(kind: str, model: Path | None) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.tree is not None and args.drafter is not None:
         raise SystemExit("treespec draw: give either --tree FILE or a real round (--drafter ...), not both")
-    if args.tree is not None:
-        record = json.loads(args.tree.read_text())
-        tree, labels, accepted = DraftTree.from_dict(record), record.get("labels"), record.get("accepted")
-    else:
-        tree, labels, accepted = _from_model(args)
-    render(tree, args.out, labels, accepted, args.title)
+    try:
+        if args.tree is not None:
+            tree, labels, accepted = read_tree_record(args.tree)
+        else:
+            tree, labels, accepted = _from_model(args)
+        render(tree, args.out, labels, accepted, args.title)
+    except (OSError, ValueError) as exc:
+        print(f"treespec draw: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out} ({tree.budget} draft nodes, depth {tree.max_depth})")
     return 0
