@@ -146,3 +146,23 @@ def test_draw_on_a_target_without_a_tokenizer_says_so(tmp_path, capsys):
     assert main(["draw", "--model", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                  "--out", str(tmp_path / "t.dot")]) == 1
     assert "no tokenizer files in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("setup", "flags", "message"), [
+    ("missing", [], "no such directory"),
+    ("empty", [], "no distill-data shards"),
+    ("empty", ["--set", "lr=abc"], "--set lr=abc: not a valid lr"),
+])
+def test_train_drafter_names_its_bad_inputs(tmp_path, setup, flags, message):
+    data = tmp_path / "data"
+    if setup == "empty":
+        data.mkdir()
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["train-drafter", "--data", str(data), "--out", str(tmp_path / "out"), *flags])
+
+
+def test_replay_eval_on_a_file_that_is_not_a_trace(tmp_path, capsys):
+    path = tmp_path / "not-a-trace.safetensors"
+    path.write_bytes(b"\x00" * 64)
+    assert main(["replay", "eval", str(path)]) == 1
+    assert str(path) in capsys.readouterr().err

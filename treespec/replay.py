@@ -169,8 +169,8 @@ class Trace:
                 header = handle.metadata() or {}
                 names = handle.keys()
                 tensors = {key: handle.get_tensor(key) for key in names}
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise TraceError(f"cannot read trace {path}: {exc}") from exc
+        except Exception as exc:  # safetensors raises its own error types for a file that is not one
+            raise TraceError(f"cannot read trace {path}: not a treespec trace file ({exc})") from None
         return _unflatten(_read_meta(header, path), tensors)
 
 

@@ -42,8 +42,19 @@ def _config(args: argparse.Namespace):
         key, _, value = item.partition("=")
         if key not in fields:
             raise SystemExit(f"--set {key}: not a TrainConfig field ({', '.join(fields)})")
-        cfg = attrs.evolve(cfg, **{key: _parse(value, getattr(cfg, key))})
+        try:
+            cfg = attrs.evolve(cfg, **{key: _parse(value, getattr(cfg, key))})
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"--set {key}={value}: not a valid {key} ({exc})") from None
     return cfg
+
+
+def _check_data(path: Path) -> None:
+    """A clear error before the target loads when --data holds no shards."""
+    if not path.is_dir():
+        raise SystemExit(f"--data {path}: no such directory (make one with `treespec distill-data --out {path}`)")
+    if not any(path.glob("shard-*.safetensors")):
+        raise SystemExit(f"--data {path}: no distill-data shards (shard-*.safetensors) in this directory")
 
 
 def _parse(text: str, current):
@@ -72,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = _config(args)
+    _check_data(args.data)
     target, tokenizer = _target(args)
     mask = args.mask_token_id
     if mask is None:
