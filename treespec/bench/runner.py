@@ -222,7 +222,8 @@ class Harness:
     def machine_profile(self) -> CostProfile:
         """This machine's cost profile of the target and every loaded drafter."""
         if self.profile is None:
-            self.profile = machine_profile(self.target, list(self.drafters.values()), progress=self.progress)
+            self.profile = machine_profile(self.target, list(self.drafters.values()), repeats=3,
+                                           progress=self.progress)
         return self.profile
 
     def cost_model(self, kind: str) -> CostModel:

@@ -43,7 +43,7 @@ _DATASETS = (str(_PROMPTS / "chat.jsonl"), str(_PROMPTS / "math.jsonl"), "humane
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per response")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per response")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: the published six)")
     parser.add_argument("--out", type=Path, default=None, help="where the records and report go "
                         "(default: the treespec cache's demo/ folder)")
@@ -62,13 +62,14 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
     ties = Counter(d.method for d in divergences if d.gap <= d.tolerance)
     ar = {r.key: r for r in by_method["ar"]}
     ar_tpt = time_per_token(by_method["ar"])
-    lines = [f"{'method':<16}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * 59]
+    width = max([16] + [len(m) + 2 for m in order if m in by_method])
+    lines = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * (width + 43)]
     for method in (m for m in order if m in by_method):
         rows = by_method[method]
         tpt = time_per_token(rows)
         taus = [t for r in rows for t in r.taus]
         equal = sum(r.hash == ar[r.key].hash for r in rows)
-        lines.append(f"{method:<16}{sum(taus) / len(taus):>7.2f}{1 / tpt:>9.1f}{ar_tpt / tpt:>8.2f}x"
+        lines.append(f"{method:<{width}}{sum(taus) / len(taus):>7.2f}{1 / tpt:>9.1f}{ar_tpt / tpt:>8.2f}x"
                      f"{equal:>5}/{len(rows)}{ties[method]:>10}")
     return "\n".join(lines)
 
