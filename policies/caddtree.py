@@ -14,12 +14,12 @@ by hand, the policy needs one (`treespec.cost.ConvexCost.fit`, or a named ``COST
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import attrs
 
 from policies.best_first import BestFirstPolicy, budget_field, check_logprobs
-from policies.cost import CostAwareStop, CostModel, check_convention, check_cost_model
+from policies.cost import CostAware
 from policies.ddtree import marginal_source
 from policies.sources import FactorizedSource
 from treespec.interfaces import DraftOutput
@@ -28,23 +28,12 @@ __all__ = ["CaDDTree"]
 
 
 @attrs.frozen
-class CaDDTree(BestFirstPolicy):
+class CaDDTree(CostAware, BestFirstPolicy):
     """DDTree with cost-aware stopping (see the module docstring)."""
 
     name: ClassVar[str] = "caddtree"
-    uses_cost_model: ClassVar[bool] = True
 
     budget: int = budget_field(1024)  # cap on non-root nodes (the published harness's); the cost rule ends sooner
-    cost_model: CostModel | None = attrs.field(default=None, validator=check_cost_model)  # C_d, C_v of the machine
-    convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention)  # tree-size accounting (policies/cost.py)
-
-    @property
-    def stop(self) -> CostAwareStop:
-        if self.cost_model is None:
-            raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
-                             "treespec.profile.machine_profile or `treespec profile-cost`)")
-        return CostAwareStop(self.cost_model, self.convention)
-
     def validate(self, draft: DraftOutput) -> None:
         check_logprobs(draft)
         self.stop  # noqa: B018 - refuses a missing cost model before any work

@@ -31,7 +31,7 @@ float64 cost table and agree bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import attrs
 import torch
@@ -48,7 +48,7 @@ from treespec.cost import (  # re-exported: the cost models' home is treespec.co
 from treespec.interfaces import DraftOutput
 
 __all__ = [
-    "COST_PRESETS", "CONVENTIONS", "ConvexCost", "CostAwareStop", "CostModel", "check_convention", "check_cost_model", "LinearCost", "fit_convex_curve",
+    "COST_PRESETS", "CONVENTIONS", "ConvexCost", "CostAwareStop", "CostAware", "CostModel", "check_convention", "check_cost_model", "LinearCost", "fit_convex_curve",
     "load_cost_model",
 ]
 
@@ -128,3 +128,22 @@ class CostAwareStop(StopRule):
         best = int(theta.argmax())  # the first maximum
         ar = 1.0 / float(self.cost.verify_costs(1, draft.position)[1])
         return best if float(theta[best]) > ar else 0
+
+
+@attrs.frozen
+class CostAware:
+    """Mixin of a cost-aware best-first policy: the machine's cost model, the accounting convention
+    and the stop rule they make (keyword-only fields, after the policy's own)."""
+
+    uses_cost_model: ClassVar[bool] = True
+
+    cost_model: CostModel | None = attrs.field(default=None, validator=check_cost_model, kw_only=True)  # C_d, C_v
+    convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention,
+                                                               kw_only=True)  # tree-size accounting (above)
+
+    @property
+    def stop(self) -> CostAwareStop:
+        if self.cost_model is None:
+            raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
+                             "treespec.profile.machine_profile or `treespec profile-cost`)")
+        return CostAwareStop(self.cost_model, self.convention)

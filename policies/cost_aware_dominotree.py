@@ -11,12 +11,12 @@ the machine's cost model, which the harnesses pass from the measured profile.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import attrs
 
 from policies.best_first import BestFirstPolicy, budget_field
-from policies.cost import CostAwareStop, CostModel, check_convention, check_cost_model
+from policies.cost import CostAware
 from policies.dominotree import DominoTree, require_scorer
 from policies.sources import ScorerSource
 from treespec.interfaces import DraftOutput
@@ -25,26 +25,15 @@ __all__ = ["CostAwareDominoTree"]
 
 
 @attrs.frozen
-class CostAwareDominoTree(BestFirstPolicy):
+class CostAwareDominoTree(CostAware, BestFirstPolicy):
     """DominoTree with cost-aware stopping (see the module docstring)."""
 
     name: ClassVar[str] = "cost-aware-dominotree"
     uses_scorer: ClassVar[str] = "required"
-    uses_cost_model: ClassVar[bool] = True
 
     budget: int = budget_field(16)  # cap on non-root nodes
     top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
     node_topk: int = budget_field(8)  # children kept per expanded node
-    cost_model: CostModel | None = attrs.field(default=None, validator=check_cost_model)  # C_d, C_v of the machine
-    convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention)  # tree-size accounting (policies/cost.py)
-
-    @property
-    def stop(self) -> CostAwareStop:
-        if self.cost_model is None:
-            raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
-                             "treespec.profile.machine_profile or `treespec profile-cost`)")
-        return CostAwareStop(self.cost_model, self.convention)
-
     def validate(self, draft: DraftOutput) -> None:
         require_scorer(draft, "cost-aware DominoTree")
         self.stop  # noqa: B018 - refuses a missing cost model before any work

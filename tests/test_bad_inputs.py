@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from test_decoding import _word_tokenizer
+from test_decoding import model_dir  # noqa: F401 - the fixture: a tiny model directory with a tokenizer
 from test_target import tiny_model, tiny_target
 
 import treespec
@@ -18,14 +18,6 @@ from treespec.cli import main
 from treespec.decoding import SpeculativeDecoder
 from treespec.tree import DraftTree
 from verifiers.match import MatchVerifier
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model(dtype=torch.float32).save_pretrained(path)
-    _word_tokenizer(128).save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize(("flags", "message"), [
