@@ -20,7 +20,7 @@ one `TargetModel` and one drafter per kind ("dflash", "domino"), each loaded onc
   shards in the canonical order (`canonical_key`), so a sharded run merges to the records an
   unsharded run writes (times aside).
 
-Losslessness (DESIGN section 5): every response that differs from AR's gets a `Divergence` giving
+Losslessness (docs/decoding.md, "Verification"): every response that differs from AR's gets a `Divergence` giving
 the first differing position and AR's decision margin there (`decision_gap`: the logits' top-two
 gap at T = 0; at T > 0 that of the position-keyed Gumbel-max scores, in logit units), measured by
 one fresh forward of the prompt and AR's prefix.  It is acceptable only when the margin is within
