@@ -302,3 +302,23 @@ def test_dflash_and_domino_drafters_run_losslessly_in_the_loop(qwen, domino, pol
     drafter.save_pretrained(tmp_path)  # and by directory, through the one-call API
     by_path = treespec.generate(qwen, prompt, drafter=tmp_path, policy=policy, budget=8, max_new_tokens=30)
     assert by_path.tokens.tolist() == reference
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_first_token_from_the_prefill_counts_rounds_as_the_papers_do(temperature):
+    """first_token="prefill": same output; the first token comes from the prefill, so the rounds
+    (and τ) are those after it, as the published loops count them."""
+    from drafters.oracle import OracleConfig, OracleDrafter
+    from policies.ddtree import DDTree
+
+    target = tiny_target("llama")
+    prompt = torch.tensor([5, 9, 2, 7, 1])
+    kwargs = {"max_new_tokens": 30, "temperature": temperature}
+    ar = SpeculativeDecoder(target).generate(prompt, generator=torch.Generator().manual_seed(1), **kwargs)
+    decoder = SpeculativeDecoder(target, OracleDrafter(OracleConfig(depth=4)), DDTree(budget=8))
+    ours = decoder.generate(prompt, generator=torch.Generator().manual_seed(1), **kwargs)
+    papers = decoder.generate(prompt, generator=torch.Generator().manual_seed(1), first_token="prefill", **kwargs)
+    assert papers.tokens.tolist() == ours.tokens.tolist() == ar.tokens.tolist()
+    assert sum(papers.stats.taus) == 29 and sum(ours.stats.taus) == 30  # the first token is not a round's
+    with pytest.raises(ValueError, match="first_token"):
+        decoder.generate(prompt, max_new_tokens=2, first_token="paper")

@@ -51,7 +51,7 @@ from treespec.interfaces import (
     VerifyResult,
     check_single_batch,
 )
-from treespec.sampling import sampling_key
+from treespec.sampling import sampling_key, target_tokens
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
@@ -181,16 +181,27 @@ class SpeculativeDecoder:
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: Iterable[int] | None = None,
                  generator: torch.Generator | None = None, backend: str = "torch",
-                 position_keyed: bool = True) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([P] or [1, P])."""
+                 position_keyed: bool = True, first_token: str = "round") -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([P] or [1, P]).
+
+        ``first_token="round"`` (default): the first round anchors on the prompt's last token and
+        yields the first new token.  ``"prefill"``: the published loops' counting: the whole prompt is
+        prefilled, the target's own token after it (argmax, or a draw at T > 0) is the first new
+        token and the first round's anchor, and rounds (so τ) start after it.  Same output."""
         sampling = SamplingParams(temperature, top_k, top_p, position_keyed)
         prompt = check_single_batch(input_ids).to(self.target.device)
         self._check_request(prompt, max_new_tokens, backend)
         generator = _generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
+        if first_token not in ("round", "prefill"):
+            raise ValueError(f"first_token must be 'round' or 'prefill', got {first_token!r}")
         stats = GenerationStats()
         seq = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), stats)
+        if first_token == "prefill":
+            clock = _Stopwatch(self.target.device)
+            clock.run("prefill", self._first_from_prefill, seq, sampling, generator)
+            stats.prefill_time += clock.times["prefill"]  # the published loops time it with the prefill
         clock = _Stopwatch(self.target.device)
         start = clock.now()
         while not seq.done:
@@ -223,6 +234,17 @@ class SpeculativeDecoder:
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
         stats.prefill_time = clock.times["prefill"]
         return _Sequence(buffer, prompt.numel(), prompt.numel(), stops, features=prefill.features)
+
+    def _first_from_prefill(self, seq: _Sequence, sampling: SamplingParams,
+                            generator: torch.Generator | None) -> None:
+        """Run the anchor too (untimed, as a prefill) and commit the target's token after the prompt."""
+        anchor = seq.tokens[seq.length - 1:seq.length]  # [1]
+        out = self.target.forward_tree(DraftTree.root_only(int(anchor), device=self.target.device), self.taps)
+        self.target.commit(torch.zeros(1, dtype=torch.int64, device=self.target.device))
+        chosen = target_tokens(out.logits, torch.tensor([seq.length], device=out.logits.device), sampling, generator)
+        if out.features is not None:
+            seq.features = out.features if seq.features is None else torch.cat([seq.features, out.features])
+        seq.append([int(chosen[0])])
 
     # ------------------------------------------------------------------ one round
     def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,

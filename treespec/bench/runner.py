@@ -98,6 +98,7 @@ class BenchConfig:
     backend: str = "torch"  # policy backend: "torch" or "networkx"
     stop_at_eos: bool = True  # stop responses at the tokenizer's EOS (False: always max_new_tokens)
     enable_thinking: bool = False  # the Qwen3 chat template's thinking switch (off, as published)
+    first_token: str = "round"  # "prefill": the first token from the prefill, τ counted as the papers count it
 
     def __attrs_post_init__(self) -> None:
         _check_positive(prompts=self.prompts, max_new_tokens=self.max_new_tokens)
@@ -109,6 +110,8 @@ class BenchConfig:
             raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.warmup_tokens < 0:
             raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
+        if self.first_token not in ("round", "prefill"):
+            raise ValueError(f"first_token must be 'round' or 'prefill', got {self.first_token!r}")
 
 
 def _check_positive(**values: int) -> None:
@@ -377,7 +380,8 @@ class _Runner:
     def generate(self, name: str, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
         return self.decoders[name].generate(
             ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=self.stops,
-            generator=torch.Generator().manual_seed(seed), backend=self.config.backend)
+            generator=torch.Generator().manual_seed(seed), backend=self.config.backend,
+            first_token=self.config.first_token)
 
     def warm_up(self, prompt: PromptRecord) -> None:
         """One short untimed generation per method (first-call allocations, lazy imports, caches)."""

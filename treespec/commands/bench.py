@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up generation per method")
     run.add_argument("--gap-tolerance", type=float, help="T = 0 divergence tolerance on the AR top-two logit gap")
     run.add_argument("--backend", choices=("torch", "networkx"), help="policy backend")
+    run.add_argument("--first-token", choices=("round", "prefill"),
+                     help="prefill: the first token from the prefill and τ counted from the rounds after it, as "
+                          "the published loops count it (default round: the first round yields it)")
     run.add_argument("--enable-thinking", action="store_const", const=True, default=None,
                      help="Qwen3 templates: turn thinking on (off by default, as the published harnesses run)")
     run.add_argument("--no-stop", dest="stop_at_eos", action="store_const", const=False,
