@@ -322,3 +322,15 @@ def test_first_token_from_the_prefill_counts_rounds_as_the_papers_do(temperature
     assert sum(papers.stats.taus) == 29 and sum(ours.stats.taus) == 30  # the first token is not a round's
     with pytest.raises(ValueError, match="first_token"):
         decoder.generate(prompt, max_new_tokens=2, first_token="paper")
+
+
+def test_the_length_cut_of_a_last_round_does_not_back_drafting_off():
+    """A round cut to the root by max_new_tokens is not the policy saying no tree pays."""
+    from drafters.oracle import OracleConfig, OracleDrafter
+    from policies.ddtree import DDTree
+
+    decoder = SpeculativeDecoder(tiny_target("qwen3"), OracleDrafter(OracleConfig(depth=4)), DDTree(budget=8))
+    for _ in range(3):
+        decoder.generate(torch.tensor([4, 8, 1]), max_new_tokens=1)
+    out = decoder.generate(torch.tensor([4, 8, 1]), max_new_tokens=20)
+    assert all("draft" in r.times for r in out.stats.rounds) and decoder.gate.skip == 0

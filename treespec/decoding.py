@@ -253,8 +253,6 @@ class SpeculativeDecoder:
         drafted = not self.autoregressive and self.gate.drafts_now()
         draft = clock.run("draft", self._draft, seq) if drafted else None
         tree = clock.run("build", self._build, draft, seq, backend)
-        if drafted:
-            self.gate.record(len(tree))
         result, verified = clock.run("verify", self._verify, tree, draft, seq, sampling, generator)
         if self.on_round is not None:
             self.on_round(tree, result)
@@ -276,6 +274,7 @@ class SpeculativeDecoder:
         if draft is None:
             return DraftTree.root_only(anchor, device=self.target.device)
         tree = self.policy.build(draft, backend=backend)
+        self.gate.record(len(tree))  # the policy's answer, before the window and the length cut it
         if tree.root_token != anchor:
             raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {anchor}")
         room = self.target.max_positions - 1 - seq.anchor_position  # deepest position still in the window

@@ -551,8 +551,9 @@ def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
             tau = 1
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
-            tree = limit_depth(policy.build(draft, backend=backend), min(total - done - 1, room - 1 - anchor))
-            gate.record(len(tree))
+            built = policy.build(draft, backend=backend)
+            gate.record(len(built))  # the policy's answer, before the length cut, as the live loop
+            tree = limit_depth(built, min(total - done - 1, room - 1 - anchor))
             _check_recorded(tree)
             tau = accepted_length(tree, seq[anchor + 1:])
         taus.append(tau)

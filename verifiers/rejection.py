@@ -79,7 +79,7 @@ class RejectionVerifier(Verifier):
 
     def _proposal_probs(self, tree: DraftTree, draft: DraftOutput | None, vocab: int) -> torch.Tensor:
         tokens = tree.tokens[1:]
-        if self.proposal == "point":
+        if self.proposal == "point" or tokens.numel() == 0:  # a root-only tree proposes nothing
             return torch.nn.functional.one_hot(tokens, vocab).to(torch.float64)
         if draft is None:
             raise ValueError("proposal='draft' needs the DraftOutput (pass draft=...)")
