@@ -24,6 +24,10 @@ Two conventions:
   (scores never rise along the pop order, so with a convex C_v the ratio is unimodal and this is
   its first argmax), no comparison against AR.  For the same curve it builds the released tree.
 
+``calibration`` κ (default 1) corrects a drafter whose probabilities promise more (κ < 1) or less
+than the target accepts: δ_j = min(1, κ exp(s_j)).  `treespec.profile.fit_calibration` fits it from
+recorded rounds (accepted draft tokens over promised ones), and the machine profile stores it.
+
 The rule keeps no state between builds; `keep` (torch) and `reference` + `trim` (networkx) read one
 float64 cost table and agree bit for bit.
 """
@@ -66,6 +70,12 @@ def _is_cost_model(instance, attribute, value) -> None:
         raise TypeError(f"{attribute.name} must be a CostModel, got {type(value).__name__}")
 
 
+def check_calibration(instance, attribute, value) -> None:
+    """attrs validator: a calibration factor κ > 0 (finite)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value < float("inf"):
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
 def check_cost_model(instance, attribute, value) -> None:
     """attrs validator of a policy's ``cost_model`` field: a `CostModel`, or None until one is given."""
     if value is not None:
@@ -78,6 +88,12 @@ class CostAwareStop(StopRule):
 
     cost: CostModel = attrs.field(validator=_is_cost_model)  # C_d and C_v(n; ctx) of this machine
     convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention)
+    calibration: float = attrs.field(default=1.0, validator=check_calibration)  # κ: δ_j = min(1, κ exp(s_j))
+
+    def _deltas(self, scores: torch.Tensor) -> torch.Tensor:
+        """[m] float64 acceptance chances of the candidates: exp(score), calibrated by κ, at most 1."""
+        deltas = scores.double().exp()
+        return deltas if self.calibration == 1.0 else (self.calibration * deltas).clamp(max=1.0)
 
     def _costs(self, draft: DraftOutput, count: int) -> torch.Tensor:
         """[count + 1] float64: C_d + C_v(n_j; ctx) for j = 0..count."""
@@ -96,7 +112,7 @@ class CostAwareStop(StopRule):
 
         def should_stop(score: float) -> bool:
             j = state["j"] + 1
-            phi = state["phi"] + float(torch.tensor(score, dtype=torch.float64).exp())
+            phi = state["phi"] + float(self._deltas(torch.tensor([score], dtype=torch.float32))[0])
             theta = (1.0 + phi) / costs[j]
             if theta <= state["theta"]:
                 return True
@@ -108,7 +124,7 @@ class CostAwareStop(StopRule):
     def _thetas(self, draft: DraftOutput, scores: torch.Tensor) -> torch.Tensor:
         """[m + 1] float64 θ_0..θ_m of the first candidates (scores [m], pop order)."""
         costs = self._costs(draft, scores.numel()).to(scores.device)
-        phi = scores.double().exp().cumsum(0)  # [m] Φ_j
+        phi = self._deltas(scores).cumsum(0)  # [m] Φ_j
         return torch.cat([1.0 / costs[:1], (1.0 + phi) / costs[1:]])
 
     def keep(self, draft: DraftOutput, scores: torch.Tensor) -> torch.Tensor:
@@ -140,10 +156,11 @@ class CostAware:
     cost_model: CostModel | None = attrs.field(default=None, validator=check_cost_model, kw_only=True)  # C_d, C_v
     convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention,
                                                                kw_only=True)  # tree-size accounting (above)
+    calibration: float = attrs.field(default=1.0, validator=check_calibration, kw_only=True)  # κ of the drafter
 
     @property
     def stop(self) -> CostAwareStop:
         if self.cost_model is None:
             raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
                              "treespec.profile.machine_profile or `treespec profile-cost`)")
-        return CostAwareStop(self.cost_model, self.convention)
+        return CostAwareStop(self.cost_model, self.convention, self.calibration)

@@ -129,3 +129,21 @@ def test_the_one_token_point_is_kept_as_measured():
     assert float(costs[1]) == 0.064
     assert bool((costs[2:] >= 0.14).all()) and bool((costs[1:].diff() >= 0).all())
     assert profile.verify_in_steps(1) == 1.0 and profile.verify_in_steps(17) > 2.0
+
+
+def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_path):
+    from treespec.profile import fit_calibration, save_profile
+
+    assert fit_calibration([(0.5, 0), (1.5, 1), (2.0, 1)]) == 0.5  # 2 accepted of 4 promised
+    assert fit_calibration([]) == 1.0 and fit_calibration([(0.7, 0)]) == 1.0
+    target = _tiny_target()
+
+    class Named:
+        def identity(self) -> str:
+            return "a-drafter"
+
+    profile = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
+    assert profile.calibration(Named()) == 1.0
+    save_profile(target, profile.with_calibration(Named(), 0.8), sizes=(1, 2), contexts=(8,), cache_dir=tmp_path)
+    again = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
+    assert again.calibration(Named()) == 0.8 and again.calibration("other") == 1.0

@@ -294,3 +294,22 @@ def test_cost_aware_dominotree_is_dominotree_with_the_cost_stop(convention):
         CostAwareDominoTree().build(draft)
     with pytest.raises(ValueError, match="convention"):
         CostAwareDominoTree(cost_model=cost, convention="paper")
+
+
+def test_a_calibration_scales_the_promise_and_the_backends_still_agree():
+    """κ < 1 (a drafter that promises more than the target accepts) never grows the tree; κ = 1 is the plain rule."""
+    cost = LinearCost(draft=0.002, base=0.02, per_token=4e-4)
+    sizes = []
+    for seed in range(6):
+        draft = draft_at(300, 8, 200, seed, 4.0)
+        plain = CaDDTree(budget=64, cost_model=cost).build(draft)
+        assert plain.equal(CaDDTree(budget=64, cost_model=cost, calibration=1.0).build(draft))
+        for kappa in (0.3, 0.7):
+            policy = CaDDTree(budget=64, cost_model=cost, calibration=kappa)
+            tree = policy.build(draft)
+            assert tree.equal(policy.build(draft, backend="networkx"))
+            assert tree.budget <= plain.budget
+            sizes.append((plain.budget, tree.budget))
+    assert any(small < big for big, small in sizes)  # the calibration changed some decisions
+    with pytest.raises(ValueError, match="calibration must be a finite number > 0"):
+        CaDDTree(cost_model=cost, calibration=0.0)

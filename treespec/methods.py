@@ -78,8 +78,9 @@ def policy_class(name: str) -> type[TreePolicy]:
     return registry.resolve("policy", name)
 
 
-def build_policy(method: Method, cost_model: CostModel | None = None) -> TreePolicy | None:
-    """The method's policy instance (None for AR); ``cost_model`` goes to a policy that uses one."""
+def build_policy(method: Method, cost_model: CostModel | None = None, calibration: float = 1.0) -> TreePolicy | None:
+    """The method's policy instance (None for AR); ``cost_model`` and the drafter's ``calibration``
+    go to a policy that uses a cost model."""
     if method.autoregressive:
         return None
     kwargs = dict(method.options)
@@ -87,6 +88,8 @@ def build_policy(method: Method, cost_model: CostModel | None = None) -> TreePol
         kwargs["budget"] = method.budget
     if getattr(policy_class(method.policy), "uses_cost_model", False) and "cost_model" not in kwargs:
         kwargs["cost_model"] = cost_model
+        if calibration != 1.0:
+            kwargs.setdefault("calibration", calibration)
     return registry.create("policy", method.policy, **kwargs)
 
 

@@ -28,7 +28,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -40,8 +40,8 @@ from treespec.interfaces import DraftContext, Drafter
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
 
-__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "machine_profile", "target_identity",
-           "time_draft", "time_verify"]
+__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "fit_calibration", "machine_profile", "save_profile",
+           "target_identity", "time_draft", "time_verify"]
 
 PROFILE_SIZES = (1, 2, 3, 5, 9, 17, 33)  # tree tokens n (root included) of the verify samples
 PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
@@ -98,6 +98,16 @@ class CostProfile:
 
     verify: tuple[tuple[int, int, float], ...]  # (n tokens, context length, median seconds)
     drafts: Mapping[str, float] = attrs.field(factory=dict)  # drafter identity -> median seconds per round
+    calibrations: Mapping[str, float] = attrs.field(factory=dict)  # drafter identity -> κ (`fit_calibration`)
+
+    def calibration(self, drafter: Drafter | str | None) -> float:
+        """The drafter's fitted κ, 1.0 (its probabilities taken as they are) when none was fitted."""
+        if drafter is None:
+            return 1.0
+        return float(self.calibrations.get(drafter if isinstance(drafter, str) else drafter.identity(), 1.0))
+
+    def with_calibration(self, drafter: Drafter, kappa: float) -> CostProfile:
+        return attrs.evolve(self, calibrations={**self.calibrations, drafter.identity(): float(kappa)})
 
     def cost_model(self, drafter: Drafter | str | None = None) -> ConvexCost:
         """The fitted C_v with this drafter's C_d (0 without a drafter)."""
@@ -124,14 +134,33 @@ class CostProfile:
         return float((model.draft_cost + costs[nodes + 1]) / costs[1])
 
     def to_record(self) -> dict:
-        return {"format": _FORMAT, "verify": [list(s) for s in self.verify], "drafts": dict(self.drafts)}
+        return {"format": _FORMAT, "verify": [list(s) for s in self.verify], "drafts": dict(self.drafts),
+                "calibrations": dict(self.calibrations)}
 
     @classmethod
     def from_record(cls, record: Mapping) -> CostProfile:
         if record.get("format") != _FORMAT:
             raise ValueError(f"profile format {record.get('format')!r}, expected {_FORMAT}")
         verify = tuple((int(n), int(c), float(s)) for n, c, s in record["verify"])
-        return cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()})
+        calibrations = {str(k): float(v) for k, v in dict(record.get("calibrations", {})).items()}
+        return cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations)
+
+
+def fit_calibration(rounds: Iterable[tuple[float, int]]) -> float:
+    """κ from recorded rounds (Φ promised by the tree, draft tokens the target accepted): the ratio of
+    their sums, the least-squares-free estimate of one factor on every δ (1.0 with no promise)."""
+    promised, accepted = 0.0, 0
+    for phi, kept in rounds:
+        promised, accepted = promised + float(phi), accepted + int(kept)
+    return accepted / promised if promised > 0 and accepted > 0 else 1.0
+
+
+def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,
+                 contexts: Sequence[int] = PROFILE_CONTEXTS, cache_dir: Path | None = None) -> None:
+    """Write ``profile`` (a calibration added, say) where `machine_profile` finds it."""
+    contexts = sorted({min(c, target.max_positions - max(sizes) - 1) for c in contexts})
+    key = _profile_key(target, sizes, contexts)
+    write_cached(machine_file("profile", key, cache_dir), key, profile.to_record())
 
 
 def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -193,7 +222,7 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
         bar.update(1)
     bar.close()
     target.reset()
-    profile = CostProfile(profile.verify, drafts)
+    profile = CostProfile(profile.verify, drafts, profile.calibrations)
     if cache:
         write_cached(path, key, profile.to_record())
     return profile

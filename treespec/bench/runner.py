@@ -241,9 +241,10 @@ class Harness:
         if method.drafter not in self.drafters:
             raise ValueError(f"method {method.name!r} needs a {method.drafter} drafter, and none was loaded")
         drafter = self.drafters[method.drafter]
-        uses_cost = getattr(policy_class(method.policy), "uses_cost_model", False)
-        cost = self.cost_model(method.drafter) if uses_cost else None
-        return SpeculativeDecoder(self.target, drafter, build_policy(method, cost))
+        if not getattr(policy_class(method.policy), "uses_cost_model", False):
+            return SpeculativeDecoder(self.target, drafter, build_policy(method))
+        kappa = 1.0 if self.cost_override is not None else self.machine_profile().calibration(drafter)
+        return SpeculativeDecoder(self.target, drafter, build_policy(method, self.cost_model(method.drafter), kappa))
 
 
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",

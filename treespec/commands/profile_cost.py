@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 from treespec.commands import CPU_DTYPES, DTYPES
-from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, time_draft, time_verify
+import torch
+
+from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, fit_calibration, time_draft, time_verify
 
 __all__ = ["add_arguments", "run", "time_draft", "time_verify"]
 
@@ -39,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=_ints, default=PROFILE_CONTEXTS, help="context lengths")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point (median kept)")
     parser.add_argument("--fresh", action="store_true", help="measure again even if this machine's profile is cached")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="also fit each drafter's calibration κ (accepted draft tokens over the Φ its 16-node trees "
+                             "promised, on the demo's six prompts) and store it with the profile")
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once)")
 
@@ -59,11 +64,42 @@ def run(args: argparse.Namespace) -> int:
         return 1
     profile = machine_profile(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats,
                               cache=not args.fresh, progress=True)
+    if args.calibrate and drafters:
+        from treespec.api import load_tokenizer
+        from treespec.profile import save_profile
+
+        tokenizer = load_tokenizer(args.model or embedded_model_dir())
+        for drafter, name in zip(drafters, paths):
+            phi, accepted, rounds = calibration_rounds(target, tokenizer, drafter)
+            kappa = fit_calibration(zip(phi, accepted))
+            print(f"calibration {name}: {len(rounds)} rounds, trees promised {sum(phi) / len(rounds):.2f} draft tokens "
+                  f"a round, the target accepted {sum(accepted) / len(rounds):.2f}: kappa {kappa:.3f}")
+            profile = profile.with_calibration(drafter, kappa)
+        save_profile(target, profile, sizes=args.sizes, contexts=args.contexts)
     print(describe_profile(profile, drafters, [str(p) for p in paths]))
     if args.out is not None:
         profile.cost_model(drafters[0] if drafters else None).save(args.out)
         print(f"wrote {args.out}")
     return 0
+
+
+def calibration_rounds(target, tokenizer, drafter, tokens: int = 24):
+    """(Φ promised, draft tokens accepted, rounds) of 16-node trees (DominoTree over a Domino drafter,
+    DDTree otherwise) over the demo's chat, math and code prompts, drafting every round."""
+    from treespec import registry
+    from treespec.commands.demo import _DATASETS
+    from treespec.datasets import encode_chat, load_prompts
+    from treespec.decoding import SpeculativeDecoder
+
+    conditional = bool(getattr(getattr(drafter, "config", None), "is_domino", False))
+    policy = registry.create("policy", "dominotree" if conditional else "ddtree", budget=16)
+    rounds = []
+    decoder = SpeculativeDecoder(target, drafter, policy, draft_backoff=0,
+                                 on_round=lambda tree, result: rounds.append((tree, result)))
+    for prompt in (p for name in _DATASETS for p in load_prompts(name, limit=2)):
+        decoder.generate(torch.tensor(encode_chat(tokenizer, prompt.turns[:1])), max_new_tokens=tokens)
+    phi = [float(tree.scores[1:].double().exp().sum()) for tree, _ in rounds]
+    return phi, [result.tau - 1 for _, result in rounds], rounds
 
 
 def describe_profile(profile, drafters, names) -> str:
@@ -73,5 +109,6 @@ def describe_profile(profile, drafters, names) -> str:
     lines.append(f"verify cost in AR steps (tokens: steps) {steps}")
     for drafter, name in zip(drafters, names):
         lines.append(f"draft {name}: {1e3 * profile.drafts[drafter.identity()]:.2f} ms per round; a 16-node tree "
-                     f"breaks even with AR at tau {profile.break_even_tau(drafter, 16):.2f}")
+                     f"breaks even with AR at tau {profile.break_even_tau(drafter, 16):.2f}; calibration kappa "
+                     f"{profile.calibration(drafter):.3f}")
     return "\n".join(lines)
