@@ -96,9 +96,8 @@ def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any]
     if getattr(registry.resolve("policy", policy), "uses_cost_model", False) and "cost_model" not in kwargs:
         from treespec.profile import machine_profile
 
-        profile = machine_profile(target, [drafter])
-        kappa = {"calibration": profile.calibration(drafter)} if profile.calibration(drafter) != 1.0 else {}
-        kwargs = {**kappa, **kwargs, "cost_model": profile.cost_model(drafter)}
+        cost, kappa = machine_profile(target, [drafter]).pricing(drafter)
+        kwargs = {**({"calibration": kappa} if kappa != 1.0 else {}), **kwargs, "cost_model": cost}
     return registry.create("policy", policy, **kwargs)
 
 

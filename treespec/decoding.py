@@ -237,7 +237,7 @@ class SpeculativeDecoder:
 
     def _first_from_prefill(self, seq: _Sequence, sampling: SamplingParams,
                             generator: torch.Generator | None) -> None:
-        """Run the anchor too (untimed, as a prefill) and commit the target's token after the prompt."""
+        """Run the anchor too (timed with the prefill by the caller) and commit the target's token after it."""
         anchor = seq.tokens[seq.length - 1:seq.length]  # [1]
         out = self.target.forward_tree(DraftTree.root_only(int(anchor), device=self.target.device), self.taps)
         self.target.commit(torch.zeros(1, dtype=torch.int64, device=self.target.device))

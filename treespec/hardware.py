@@ -33,7 +33,7 @@ import attrs
 import torch
 
 __all__ = [
-    "CACHE_ENV", "DTYPE_NAMES", "DtypeChoice", "cache_root", "choose_dtype", "linear_shapes", "machine_identity",
+    "CACHE_ENV", "DTYPE_NAMES", "DtypeChoice", "cache_root", "choose_dtype", "digest", "linear_shapes", "machine_identity",
     "machine_file", "measure_linear_speed", "read_cached", "resolve_dtype", "write_cached",
 ]
 
@@ -71,13 +71,14 @@ def machine_identity(device: str | torch.device = "cpu") -> dict[str, Any]:
     return ident
 
 
-def _digest(obj: Any) -> str:
+def digest(obj: Any) -> str:
+    """A short sha256 of a JSON-ready object (keys sorted): cache file names and identities."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def machine_file(kind: str, key: Mapping[str, Any], cache_dir: Path | None = None) -> Path:
     """The cache file of one measurement ``kind`` for ``key`` (a JSON-ready mapping)."""
-    return (cache_dir or cache_root() / "machine") / f"{kind}-{_digest(key)}.json"
+    return (cache_dir or cache_root() / "machine") / f"{kind}-{digest(key)}.json"
 
 
 def read_cached(path: Path, key: Mapping[str, Any]) -> dict | None:

@@ -23,8 +23,6 @@ the figure the demo prints.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 import sys
 import time
@@ -35,7 +33,7 @@ import attrs
 import torch
 
 from treespec.cost import ConvexCost, fit_convex_curve
-from treespec.hardware import machine_file, machine_identity, read_cached, write_cached
+from treespec.hardware import digest, machine_file, machine_identity, read_cached, write_cached
 from treespec.interfaces import DraftContext, Drafter
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
@@ -52,7 +50,7 @@ def target_identity(target: TargetModel) -> str:
     """A digest of the target's architecture (its config without paths and dtype)."""
     config = {k: v for k, v in target.config.to_dict().items()
               if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return digest(config)
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -106,6 +104,10 @@ class CostProfile:
             return 1.0
         return float(self.calibrations.get(drafter if isinstance(drafter, str) else drafter.identity(), 1.0))
 
+    def pricing(self, drafter: Drafter) -> tuple[ConvexCost, float]:
+        """(cost model, calibration κ) a cost-aware policy over ``drafter`` prices its trees with."""
+        return self.cost_model(drafter), self.calibration(drafter)
+
     def with_calibration(self, drafter: Drafter, kappa: float) -> CostProfile:
         return attrs.evolve(self, calibrations={**self.calibrations, drafter.identity(): float(kappa)})
 
@@ -158,9 +160,8 @@ def fit_calibration(rounds: Iterable[tuple[float, int]]) -> float:
 def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,
                  contexts: Sequence[int] = PROFILE_CONTEXTS, cache_dir: Path | None = None) -> None:
     """Write ``profile`` (a calibration added, say) where `machine_profile` finds it."""
-    contexts = sorted({min(c, target.max_positions - max(sizes) - 1) for c in contexts})
-    key = _profile_key(target, sizes, contexts)
-    write_cached(machine_file("profile", key, cache_dir), key, profile.to_record())
+    path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
+    write_cached(path, key, profile.to_record())
 
 
 def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -173,10 +174,17 @@ def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[float, ...], tupl
     return (1.0, *knots), (min(statistics.median(single), values[0]), *values)
 
 
-def _profile_key(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int]) -> dict:
-    return {"machine": machine_identity(target.device), "target": target_identity(target),
-            "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-            "sizes": list(sizes), "contexts": list(contexts)}
+def _profile_file(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int],
+                  cache_dir: Path | None) -> tuple[Path, dict, list[int]]:
+    """(cache file, key, contexts as measured): contexts are cut so the largest tree still fits."""
+    room = target.max_positions - max(sizes)  # the longest context a sample's tree still fits after
+    if room < 1:
+        raise ValueError(f"a {max(sizes)}-token tree does not fit the target's {target.max_positions} positions")
+    contexts = sorted({min(c, room - 1) for c in contexts})
+    key = {"machine": machine_identity(target.device), "target": target_identity(target),
+           "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+           "sizes": list(sizes), "contexts": list(contexts)}
+    return machine_file("profile", key, cache_dir), key, contexts
 
 
 def _cached_profile(path: Path, key: dict) -> CostProfile | None:
@@ -196,12 +204,7 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     """This machine's `CostProfile` of ``target`` and ``drafters`` (cached; see the module docstring)."""
     if any(n < 1 for n in sizes) or not sizes or not contexts or repeats < 1:
         raise ValueError("a profile needs sizes >= 1, at least one context and repeats >= 1")
-    room = target.max_positions - max(sizes)  # the longest context a sample's tree still fits after
-    if room < 1:
-        raise ValueError(f"a {max(sizes)}-token tree does not fit the target's {target.max_positions} positions")
-    contexts = sorted({min(c, room - 1) for c in contexts})
-    key = _profile_key(target, sizes, contexts)
-    path = machine_file("profile", key, cache_dir)
+    path, key, contexts = _profile_file(target, sizes, contexts, cache_dir)
     profile = _cached_profile(path, key) if cache else None
     generator = torch.Generator().manual_seed(0)
     missing = [d for d in drafters if profile is None or d.identity() not in profile.drafts]

@@ -408,7 +408,8 @@ def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: 
                        "dtype": str(target.dtype).removeprefix("torch.")},
             "prompts": [{"id": pid, "prompt_len": int(p.numel())} for pid, p in zip(prompt_ids, prompts, strict=True)],
             "drafters": {kind: meta for kind, (_, meta) in records.items()},
-            "cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()}}
+            "cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()},
+            "calibrations": {kind: profile.calibration(d) for kind, d in drafters.items()}}
     return Trace(meta, tuple(sequences), {kind: rec for kind, (rec, _) in records.items()})
 
 
@@ -591,11 +592,13 @@ def _drafts_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts]) ->
     return cache[method.drafter]
 
 
-def _cost_for(trace: Trace, method: Method, given: CostModel | None) -> CostModel | None:
+def _pricing(trace: Trace, method: Method, given: CostModel | None) -> tuple[CostModel | None, float]:
+    """(cost model, calibration): the one given, else those measured when the trace was recorded."""
     if given is not None or method.drafter is None:
-        return given
+        return given, 1.0
     recorded = trace.meta.get("cost_models", {}).get(method.drafter)
-    return None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")
+    kappa = float(trace.meta.get("calibrations", {}).get(method.drafter, 1.0))
+    return (None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")), kappa
 
 
 def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "torch",
@@ -610,7 +613,7 @@ def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "t
     stops = tuple(stop_token_ids)
     results = []
     for method in parsed:
-        drafts, policy = _drafts_for(trace, method, cache), build_policy(method, _cost_for(trace, method, cost_model))
+        drafts, policy = _drafts_for(trace, method, cache), build_policy(method, *_pricing(trace, method, cost_model))
         if drafts is not None:
             check_replayable(policy, drafts.meta)
         start, gate = time.perf_counter(), DraftGate(DRAFT_BACKOFF)  # one decoder's gate, prompts in order

@@ -229,11 +229,11 @@ class Harness:
                                            progress=self.progress)
         return self.profile
 
-    def cost_model(self, kind: str) -> CostModel:
-        """What a cost-aware policy over the ``kind`` drafter prices trees with."""
+    def pricing(self, kind: str) -> tuple[CostModel, float]:
+        """(cost model, calibration) a cost-aware policy over the ``kind`` drafter prices trees with."""
         if self.cost_override is not None:
-            return self.cost_override
-        return self.machine_profile().cost_model(self.drafters[kind])
+            return self.cost_override, 1.0
+        return self.machine_profile().pricing(self.drafters[kind])
 
     def _decoder(self, method: Method) -> SpeculativeDecoder:
         if method.autoregressive:
@@ -243,8 +243,7 @@ class Harness:
         drafter = self.drafters[method.drafter]
         if not getattr(policy_class(method.policy), "uses_cost_model", False):
             return SpeculativeDecoder(self.target, drafter, build_policy(method))
-        kappa = 1.0 if self.cost_override is not None else self.machine_profile().calibration(drafter)
-        return SpeculativeDecoder(self.target, drafter, build_policy(method, self.cost_model(method.drafter), kappa))
+        return SpeculativeDecoder(self.target, drafter, build_policy(method, *self.pricing(method.drafter)))
 
 
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",
@@ -477,6 +476,11 @@ def _complete_lines(path: Path) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
+def _conversation(row: dict) -> tuple[str, str, float]:
+    """The (dataset, prompt id, temperature) a JSON record or divergence belongs to."""
+    return row["dataset"], row["prompt_id"], row["temperature"]
+
+
 def resume_shard(rec_path: Path, div_path: Path, prompts: Sequence[PromptRecord], temperatures: Sequence[float],
                  methods: Sequence[str]) -> set[tuple[str, str, float]]:
     """Keep the records of the conversations a previous run of this shard completed (every turn of every
@@ -489,8 +493,7 @@ def resume_shard(rec_path: Path, div_path: Path, prompts: Sequence[PromptRecord]
     done = {key for key, got in seen.items() if (key[0], key[1]) in turns and key[2] in temperatures
             and got >= {(m, t) for m in methods for t in range(turns[key[0], key[1]])}}
     kept = [r for r in records if (r.dataset, r.prompt_id, r.temperature) in done]
-    divergences = [line for line in _complete_lines(div_path)
-                   if (lambda d: (d["dataset"], d["prompt_id"], d["temperature"]) in done)(json.loads(line))]
+    divergences = [line for line in _complete_lines(div_path) if _conversation(json.loads(line)) in done]
     write_records(rec_path.with_suffix(".tmp"), kept)
     rec_path.with_suffix(".tmp").replace(rec_path)
     div_path.with_suffix(".tmp").write_text("".join(divergences))

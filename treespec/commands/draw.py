@@ -132,23 +132,23 @@ def _from_model(args: argparse.Namespace):
     target = load_target(model_dir, dtype=DTYPES[args.dtype])
     ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
     drafter = load_drafter(drafter_dir)
-    tree, result = live_round(target, drafter, build_policy(method, _cost_model(args, target, drafter)), ids,
+    tree, result = live_round(target, drafter, build_policy(method, *_pricing(args, target, drafter)), ids,
                               args.round)
     labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
     return tree, labels, result.accepted.tolist()
 
 
-def _cost_model(args: argparse.Namespace, target, drafter):
-    """--cost-model, else this machine's profile when the method's policy prices trees."""
+def _pricing(args: argparse.Namespace, target, drafter) -> tuple:
+    """(cost model, calibration): --cost-model, else this machine's profile when the policy prices trees."""
     from treespec.cost import resolve_cost_model
     from treespec.methods import parse_method, policy_class
     from treespec.profile import machine_profile
 
     if args.cost_model is not None:
-        return resolve_cost_model(args.cost_model)
+        return resolve_cost_model(args.cost_model), 1.0
     if not getattr(policy_class(parse_method(args.method).policy), "uses_cost_model", False):
-        return None
-    return machine_profile(target, [drafter], progress=True).cost_model(drafter)
+        return None, 1.0
+    return machine_profile(target, [drafter], progress=True).pricing(drafter)
 
 
 def _embedded_drafter(kind: str, model: Path | None) -> Path:

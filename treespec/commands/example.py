@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     for name in _METHODS:
         method = parse_method(name)
         drafter = oracle[method.drafter] if method.drafter else None
-        cost = profile.cost_model(drafter) if drafter is not None else None
-        decoder = SpeculativeDecoder(target, drafter, build_policy(method, cost))
+        pricing = profile.pricing(drafter) if drafter is not None else ()
+        decoder = SpeculativeDecoder(target, drafter, build_policy(method, *pricing))
         results = [decoder.generate(p, max_new_tokens=args.max_new_tokens) for p in prompts]
         outputs[name] = [r.tokens.tolist() for r in results]
         taus = [t for r in results for t in r.stats.taus]
