@@ -347,3 +347,67 @@ def test_distill_config_rejects_nonsense():
 
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         DistillConfig(batch_size=0)
+
+
+def test_sampled_shards_are_seeded_per_shard_and_differ_from_greedy(tiny_llama, tmp_path):
+    from treespec.selfdistill import DistillConfig, iter_sequences, write_shards
+
+    def run(out, **kw):
+        cfg = DistillConfig(num_prompts=8, max_new_tokens=6, batch_size=3, shard_size=4, **kw)
+        write_shards(tiny_llama, _PROMPTS[:8], out, cfg, stop_ids=[_NEVER], pad_id=0, progress=False)
+        return [s.tokens.tolist() for s in iter_sequences(out)]
+
+    greedy = run(tmp_path / "g")
+    sampled = run(tmp_path / "s", temperature=1.0, seed=3)
+    assert sampled == run(tmp_path / "s2", temperature=1.0, seed=3)  # the seed fixes the data
+    assert sampled != greedy and sampled != run(tmp_path / "s3", temperature=1.0, seed=4)
+    (tmp_path / "s" / "shard-00001.safetensors").unlink()
+    assert run(tmp_path / "s", temperature=1.0, seed=3) == sampled  # a resumed shard is the same shard
+
+
+def test_sampling_needs_a_generator_and_a_sane_temperature(tiny_llama):
+    from treespec.selfdistill import DistillConfig, generate_responses
+
+    with pytest.raises(ValueError, match="explicit torch.Generator"):
+        generate_responses(tiny_llama, [[1, 2]], max_new_tokens=2, stop_ids=[_NEVER], pad_id=0, temperature=0.5)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            DistillConfig(temperature=bad)
+
+
+def test_second_turn_chats_continue_the_first_answer(tiny_llama, tmp_path):
+    from treespec.selfdistill import DistillConfig, generate_greedy, iter_sequences, read_shard, write_shards
+
+    calls = []
+
+    def second_prompt(pid, ids, response):
+        calls.append((pid, ids, response))
+        return ids + response + [5, 6]  # a stand-in for the templated follow-up turn
+
+    stop = 7
+    cfg = DistillConfig(num_prompts=8, max_new_tokens=6, batch_size=3, shard_size=4, second_turn=True)
+    with pytest.raises(ValueError, match="needs second_prompt"):
+        write_shards(tiny_llama, _PROMPTS[:8], tmp_path, cfg, stop_ids=[stop], pad_id=0, progress=False)
+    write_shards(tiny_llama, _PROMPTS[:8], tmp_path, cfg, stop_ids=[stop], pad_id=0, progress=False,
+                 second_prompt=second_prompt)
+    firsts = {pid: generate_greedy(tiny_llama, [ids], max_new_tokens=6, stop_ids=[stop], pad_id=0)[0]
+              for pid, ids in _PROMPTS[:8]}
+    assert {pid for pid, *_ in calls} == {pid for pid, (_, done) in firsts.items() if done}  # cut answers left out
+    for seq in iter_sequences(tmp_path):
+        prompt = dict(_PROMPTS)[seq.id] + firsts[seq.id][0] + [5, 6]
+        assert seq.tokens[: seq.response_start].tolist() == prompt
+        assert seq.tokens[seq.response_start:].tolist() == generate_greedy(
+            tiny_llama, [prompt], max_new_tokens=6, stop_ids=[stop], pad_id=0)[0][0]
+    count = len(calls)
+    write_shards(tiny_llama, _PROMPTS[:8], tmp_path, cfg, stop_ids=[stop], pad_id=0, progress=False,
+                 second_prompt=second_prompt)
+    assert len(calls) == count  # resumed: shards keyed by the prompts they cover, not the rows kept
+    assert [s.id for s in read_shard(tmp_path / "shard-00000.safetensors")] == [
+        pid for pid, _ in _PROMPTS[:4] if firsts[pid][1]]
+
+
+def test_follow_ups_are_fixed_by_the_prompt_id():
+    from treespec.selfdistill import FOLLOW_UPS, follow_up
+
+    chosen = {follow_up(f"alpaca-{i}") for i in range(400)}
+    assert chosen == set(FOLLOW_UPS) and follow_up("alpaca-3") == follow_up("alpaca-3")

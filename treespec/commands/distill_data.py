@@ -1,7 +1,8 @@
-"""``treespec distill-data``: the target's greedy responses to training prompts, as safetensors shards.
+"""``treespec distill-data``: the target's responses to training prompts, as safetensors shards.
 
-Resumable: rerunning the same command skips the shards already written.  Multi-turn records
-contribute their first turn only (later turns would need the target's earlier answers).
+Greedy by default, sampled with ``--temperature`` (seeded by ``--seed``); ``--second-turn`` stores
+two-turn chats (a follow-up after the target's own first answer).  Resumable: rerunning the same
+command skips the shards already written.  Multi-turn records contribute their first turn only.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from treespec.embedded import EmbeddedError
 from treespec.selfdistill import (
     SMOLLM2_CPU,
     DistillConfig,
+    follow_up,
     iter_sequences,
     write_shards,
 )
-
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SMOLLM2_CPU
@@ -38,28 +37,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--shard-size", type=int, default=d.shard_size)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    parser.add_argument("--temperature", type=float, default=d.temperature,
+                        help="0: greedy responses; > 0: sampled at this temperature")
+    parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed (with the shard index)")
+    parser.add_argument("--second-turn", action="store_true",
+                        help="store two-turn chats: a follow-up request after the target's first answer")
+    parser.add_argument("--dtype", default="auto", help="target dtype: auto (the faster here), bfloat16, float32, ...")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
 def _config(args: argparse.Namespace) -> DistillConfig:
     return DistillConfig(dataset=args.dataset, split=args.split, num_prompts=args.num_prompts,
                          max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                         batch_size=args.batch_size, shard_size=args.shard_size)
+                         batch_size=args.batch_size, shard_size=args.shard_size, temperature=args.temperature,
+                         seed=args.seed, second_turn=args.second_turn)
 
 
-def _load_target(model_dir: Path | None, dtype: torch.dtype):
-    """(model, tokenizer, description) of the target."""
-    if model_dir is None:
-        from treespec.embedded import SMOLLM2_135M_INSTRUCT, load_embedded
+def _load_target(model_dir: Path | None, dtype_name: str):
+    """(model, tokenizer, description) of the target (default: the embedded SmolLM2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        model, tokenizer = load_embedded(dtype)
-        return model, tokenizer, f"{SMOLLM2_135M_INSTRUCT.requirement} sha256:{SMOLLM2_135M_INSTRUCT.wheel_sha256}"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from treespec.embedded import SMOLLM2_135M_INSTRUCT, embedded_model_dir
+    from treespec.hardware import resolve_dtype
 
+    source = SMOLLM2_135M_INSTRUCT
+    description = str(model_dir) if model_dir else f"{source.requirement} sha256:{source.wheel_sha256}"
+    model_dir = model_dir or embedded_model_dir()
+    dtype = resolve_dtype(dtype_name, config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    return model.eval(), tokenizer, str(model_dir)
+    return model.eval(), tokenizer, description
 
 
 def _stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
@@ -73,12 +80,21 @@ def _stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
     return sorted(stops), pad
 
 
-def _encoded_prompts(cfg: DistillConfig, tokenizer) -> tuple[list[tuple[str, list[int]]], int]:
-    """(prompt id, chat-templated ids) for the run's prompts, and how many were too long to keep."""
+def _encoded_prompts(cfg: DistillConfig, tokenizer) -> tuple[list[tuple[str, list[int]]], int, dict[str, str]]:
+    """(prompt id, chat-templated ids) for the run's prompts, how many were too long to keep, and the
+    first user turn of each prompt id."""
     records = load_prompts(cfg.dataset, split=cfg.split, limit=cfg.num_prompts)
     encoded = [(r.id, encode_chat(tokenizer, r.turns[:1])) for r in records]
     kept = [(pid, ids) for pid, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
-    return kept, len(encoded) - len(kept)
+    return kept, len(encoded) - len(kept), {r.id: r.turns[0] for r in records}
+
+
+def _second_prompt(tokenizer, first_turns: dict[str, str], stops: list[int]):
+    """The `write_shards` callback that templates (first turn, the target's answer, a follow-up)."""
+    def build(prompt_id: str, _ids: list[int], response: list[int]) -> list[int]:
+        answer = tokenizer.decode([t for t in response if t not in stops], skip_special_tokens=False)
+        return encode_chat(tokenizer, [first_turns[prompt_id], follow_up(prompt_id)], [answer])
+    return build
 
 
 def _summary(out_dir: Path) -> str:
@@ -94,17 +110,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         cfg = _config(args)
-        model, tokenizer, description = _load_target(args.model_dir, _DTYPES[args.dtype])
-        prompts, skipped = _encoded_prompts(cfg, tokenizer)
+        model, tokenizer, description = _load_target(args.model_dir, args.dtype)
+        prompts, skipped, first_turns = _encoded_prompts(cfg, tokenizer)
         stops, pad = _stop_and_pad(model, tokenizer)
     except (DatasetError, EmbeddedError, ValueError, OSError) as exc:
         print(f"treespec distill-data: {exc}", file=sys.stderr)
         return 1
     print(f"{len(prompts)} prompts from {cfg.dataset} ({cfg.split}), {skipped} left out as longer than "
           f"{cfg.max_prompt_tokens} tokens; stop ids {stops}; shards in {args.out}", flush=True)
-    metadata = {"model": description, "dtype": args.dtype, "stop_ids": json.dumps(stops)}
+    metadata = {"model": description, "dtype": str(model.dtype).removeprefix("torch."), "stop_ids": json.dumps(stops)}
+    second = _second_prompt(tokenizer, first_turns, stops) if cfg.second_turn else None
     try:
-        write_shards(model, prompts, args.out, cfg, stop_ids=stops, pad_id=pad, metadata=metadata)
+        write_shards(model, prompts, args.out, cfg, stop_ids=stops, pad_id=pad, metadata=metadata,
+                     second_prompt=second)
     except ValueError as exc:  # shards left by a run with other settings
         print(f"treespec distill-data: {exc}", file=sys.stderr)
         return 1
