@@ -12,6 +12,9 @@ Contract
 * ``block_size`` and ``num_target_layers`` at the top level (``dflash_config`` is accepted too);
 * ``dflash_config.mask_token_id`` and ``dflash_config.target_layer_ids`` (0-based target layers;
   the hidden state read is ``hidden_states[id + 1]``, one past the embedding output);
+* ``draft_vocab_size`` (optional, top level, as EAGLE-3's draft configs): the head covers only N
+  target tokens, listed by the ``d2t`` buffer of the weights (target id = draft id + ``d2t[id]``);
+  absent for a full-vocabulary head;
 * Domino only: ``dflash_config.projector_type = "domino"``, ``dflash_config.emb_dim`` (also
   duplicated at the top level), ``dflash_config.gru_hidden_dim``,
   ``dflash_config.pure_draft_prefix_len`` and ``dflash_config.shift_label``.
@@ -80,6 +83,7 @@ class DFlashConfig:
     attention_bias: bool = False  # q/k/v/o projections carry biases
     hidden_act: str = "silu"  # MLP activation (transformers ACT2FN name)
     domino: DominoHeadConfig | None = None  # the Domino head, None for plain DFlash
+    draft_vocab_size: int | None = None  # N: target tokens the head covers (listed by d2t); None: all V
     extra: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)  # uninterpreted config.json keys
 
     def __attrs_post_init__(self) -> None:
@@ -94,6 +98,9 @@ class DFlashConfig:
             raise ConfigError(f"dflash_config.mask_token_id {self.mask_token_id} is outside the vocabulary "
                               f"(vocab_size {self.vocab_size})")
         self._check_layer_ids()
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), "
+                              f"got {self.draft_vocab_size}")
         if self.domino is not None and self.domino.pure_draft_prefix_len > self.num_drafted:
             raise ConfigError(f"dflash_config.pure_draft_prefix_len {self.domino.pure_draft_prefix_len} exceeds "
                               f"the {self.num_drafted} drafted positions")
@@ -269,6 +276,7 @@ def _backbone_fields(reader: _Reader) -> dict[str, Any]:
         rope_theta=_rope_theta(reader),
         attention_bias=reader.top("attention_bias", bool, False),
         hidden_act=reader.top("hidden_act", str, "silu"),
+        draft_vocab_size=reader.top("draft_vocab_size", int, None),
     )
 
 
@@ -301,7 +309,7 @@ def _backbone_json(cfg: DFlashConfig) -> dict[str, Any]:
         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, attention_bias=cfg.attention_bias,
         hidden_act=cfg.hidden_act, block_size=cfg.block_size, num_target_layers=cfg.num_target_layers,
         tie_word_embeddings=False,
-    )
+    ) | ({} if cfg.draft_vocab_size is None else {"draft_vocab_size": cfg.draft_vocab_size})
 
 
 # ---------------------------------------------------------------------------- presets

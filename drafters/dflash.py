@@ -22,6 +22,10 @@ Each ``draft(ctx)``:
 3. returns ``DraftOutput(logprobs [L, V] float32, root_token=anchor, position=P)`` where row
    d-1 = log_softmax(lm_head(z)) at the block position predicting depth d: L = B-1 and rows from
    block position 1 (``shift_label = false``), or L = B from position 0 (``shift_label = true``).
+
+A reduced draft vocabulary (``config.draft_vocab_size`` = N, the ``d2t`` buffer) computes only the
+head rows of those N target tokens (gathered once at bind) and gives every other token log-prob
+−inf: the policies never draft it, and verification, hence the output, is unchanged.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class DFlashDrafter(Drafter):
         self.tap_layers = config.tap_layers
         self.cache = ContextCache(config.num_hidden_layers)
         self._target: Any = None
+        self._head_rows: torch.Tensor | None = None  # [N, H] head rows of a reduced vocabulary
 
     # ------------------------------------------------------------------ construction and I/O
     @classmethod
@@ -113,7 +118,30 @@ class DFlashDrafter(Drafter):
         _check_target(self.config, target, self.kind)
         self._target = target
         self.model.to(device=target.device, dtype=self._dtype or target.dtype)
+        ids = self.draft_token_ids
+        self._head_rows = None if ids is None else target.lm_head.weight.detach().index_select(0, ids)
         self.reset()
+
+    # ------------------------------------------------------------------ reduced vocabulary
+    @property
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """[N] target ids the head covers (draft id order), or None for the full vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        d2t = self.model.d2t
+        return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Make the head cover ``token_ids`` [N] (distinct target ids), stored in ``d2t``."""
+        n = self.config.draft_vocab_size
+        ids = torch.as_tensor(token_ids, dtype=torch.int64)
+        if n is None or ids.shape != (n,):
+            raise ValueError(f"the draft vocabulary needs exactly draft_vocab_size = {n} token ids, got "
+                             f"{tuple(ids.shape)}")
+        if ids.unique().numel() != n or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be distinct and in 0..{self.config.vocab_size - 1}")
+        self.model.d2t.copy_(ids.to(self.model.d2t.device) - torch.arange(n, device=self.model.d2t.device))
 
     def reset(self) -> None:
         self.cache.reset()
@@ -181,10 +209,14 @@ class DFlashDrafter(Drafter):
         return self.model.context_kv(empty, torch.empty(0, dtype=torch.int64, device=self.device))
 
     def _head_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """The target's LM head on ``rows`` [L, H], as float32 logits [L, V]."""
+        """The target's LM head on ``rows`` [L, H], as float32 logits [L, V] (−inf outside a reduced vocabulary)."""
         head = self._target.lm_head
-        head_dtype = next(head.parameters(), rows).dtype
-        return head(rows.to(head_dtype)).float()
+        if self._head_rows is None:
+            head_dtype = next(head.parameters(), rows).dtype
+            return head(rows.to(head_dtype)).float()
+        reduced = (rows.to(self._head_rows.dtype) @ self._head_rows.T).float()  # [L, N]
+        logits = reduced.new_full((rows.shape[0], self.config.vocab_size), float("-inf"))  # [L, V]
+        return logits.index_copy_(1, self.draft_token_ids, reduced)
 
 
 def _random_like(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

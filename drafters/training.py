@@ -5,8 +5,10 @@ Contract
 `DrafterTrainer` trains a `DFlashDrafter` / `DominoDrafter` against a frozen target on token
 sequences (the target's own responses: self-distillation).  One step takes one sequence:
 
-1. The target runs once over the sequence (no grad): its hidden-state taps give the drafter's
-   context features, its logits give soft labels (the target's next-token distribution).
+1. The teacher's view of the sequence (`drafters.teacher.TeacherRecord`): the target's hidden-state
+   taps (rounded to bf16) give the drafter's context features, its top-K next-token log-probs plus
+   the remaining mass give the soft labels.  Read from a teacher cache (`drafters.teacher`), so
+   the step never runs the target, or computed live by a target forward (the same record).
 2. ``anchors_per_sequence`` anchors a are drawn in the response.  Block j is
    ``[token_a, mask, ..., mask]`` at positions ``a .. a+B-1``; it sees the context features of
    positions ``< a`` and itself (bidirectionally), as at inference.  All blocks of a sequence run
@@ -14,7 +16,12 @@ sequences (the target's own responses: self-distillation).  One step takes one s
 3. Drafted depth d of block j predicts the token at ``a + d``.  Its loss is
    ``w_d * [(1 - s) CE(hard label) + s CE(target distribution)]`` with the position-decayed weight
    ``w_d = exp(-(d - 1) / gamma)`` of the published recipe (gamma 7 / 5 / 4 for blocks 16 / 10 / 8)
-   and soft-label share s.
+   and soft-label share s.  The soft CE is over the teacher's top K tokens plus one class for the
+   rest: -sum_k p_k log q_k - p_rest log(1 - sum_k q_k).
+   With a reduced draft vocabulary (``draft_vocab_size`` = N, the N most frequent response tokens)
+   the drafter's distribution q is over those N tokens (the head rows of the target's LM head
+   for them, as at inference); a hard label outside them adds no hard-label term and teacher mass
+   outside them counts as rest.
 4. Domino adds its GRU, teacher-forced on the true path: s_0 = GRU(e(token_a)),
    s_i = GRU(s_{i-1}, e(token_{a+i})); corrected logits = base + embed_proj([z ; s]) beyond the
    pure-draft prefix, normalised over the top-M base candidates as DominoTree does at inference
@@ -31,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -41,8 +48,10 @@ from safetensors.torch import load_file, save_file
 from drafters.config import DFlashConfig, DominoHeadConfig
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
+from drafters.teacher import TeacherCache, TeacherRecord, TeacherSpec, live_record
 
-__all__ = ["DrafterTrainer", "TRAIN_PRESETS", "TrainConfig", "decay_weights", "draft_config_for", "init_from_target", "new_drafter"]
+__all__ = ["DrafterTrainer", "TRAIN_PRESETS", "TrainConfig", "coverage", "decay_weights", "draft_config_for",
+           "draft_vocabulary", "init_from_target", "new_drafter", "response_token_counts"]
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -70,6 +79,8 @@ class TrainConfig:
     pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
     top_m: int = 64  # Domino: base candidates the correction is normalised over (as DominoTree's M)
     autocast_bf16: bool = True  # drafter forward/backward in bf16 autocast (fp32 master weights)
+    draft_vocab_size: int | None = None  # N: head over the N most frequent response tokens; None: all V
+    teacher_top_k: int = 32  # K: teacher log-probs kept per position (soft labels: top K + the rest)
     seed: int = 0  # data order, anchors and fresh weights
     save_every: int = 200  # steps between checkpoints
 
@@ -90,7 +101,7 @@ def decay_weights(depths: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(depths, dtype=torch.float32) / gamma)
 
 
-def _spread_layers(num_target_layers: int, taps: int = 4) -> tuple[int, ...]:
+def spread_layers(num_target_layers: int, taps: int = 4) -> tuple[int, ...]:
     """Evenly spread tap layers from layer 1 to the second-to-last (like the released drafters)."""
     last = num_target_layers - 2
     return tuple(sorted({round(1 + i * (last - 1) / (taps - 1)) for i in range(taps)}))
@@ -110,9 +121,10 @@ def draft_config_for(target_config, cfg: TrainConfig, mask_token_id: int) -> DFl
         num_hidden_layers=cfg.num_layers, num_attention_heads=target_config.num_attention_heads,
         num_key_value_heads=target_config.num_key_value_heads, head_dim=head_dim,
         vocab_size=target_config.vocab_size, num_target_layers=n_layers,
-        target_layer_ids=cfg.target_layer_ids or _spread_layers(n_layers), mask_token_id=mask_token_id,
+        target_layer_ids=cfg.target_layer_ids or spread_layers(n_layers), mask_token_id=mask_token_id,
         block_size=cfg.block_size, shift_label=cfg.kind == "domino", rms_norm_eps=target_config.rms_norm_eps,
-        rope_theta=float(rope), hidden_act=target_config.hidden_act, domino=domino)
+        rope_theta=float(rope), hidden_act=target_config.hidden_act, domino=domino,
+        draft_vocab_size=cfg.draft_vocab_size)
 
 
 @torch.no_grad()
@@ -139,9 +151,10 @@ class Batch:
     """One sequence's training blocks."""
 
     features: torch.Tensor  # [T, k*H] target taps
-    target_logits: torch.Tensor  # [T, V] float32 target logits (row t predicts token t+1)
     tokens: torch.Tensor  # [T] int64
     anchors: torch.Tensor  # [n] int64 anchor positions
+    top_ids: torch.Tensor  # [T, K] int64 teacher's most likely next tokens (row t predicts token t+1)
+    top_logp: torch.Tensor  # [T, K] float32 their log-probs
 
 
 class DrafterTrainer:
@@ -151,6 +164,13 @@ class DrafterTrainer:
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.out_dir = Path(out_dir)
         self.embed, self.head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.spec = TeacherSpec(drafter.config.target_layer_ids, cfg.teacher_top_k, cfg.max_seq_len)
+        ids = drafter.draft_token_ids
+        vocab = drafter.config.vocab_size
+        self.draft_ids = torch.arange(vocab, device=self.embed.weight.device) if ids is None else ids  # [N]
+        self.head_rows = self.head.weight.detach().index_select(0, self.draft_ids)  # [N, H] frozen
+        self.to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=self.draft_ids.device)  # [V]
+        self.to_draft[self.draft_ids] = torch.arange(self.draft_ids.numel(), device=self.draft_ids.device)
         self.params = [p for p in drafter.model.parameters()]
         for p in self.params:
             p.requires_grad_(True)
@@ -173,18 +193,18 @@ class DrafterTrainer:
         return max(0.0, 1.0 - step / max(1, self.cfg.steps))
 
     # ------------------------------------------------------------------ data
-    @torch.no_grad()
-    def make_batch(self, tokens: torch.Tensor, response_start: int, generator: torch.Generator) -> Batch | None:
-        """Target forward over one sequence and the anchors to train on (None when too short)."""
-        tokens = tokens[: self.cfg.max_seq_len].to(self.embed.weight.device)
-        first, last = max(response_start - 1, 0), tokens.numel() - 2  # an anchor needs >= 1 label
+    def make_batch(self, record: TeacherRecord, generator: torch.Generator) -> Batch | None:
+        """The anchors to train on in one teacher record (None when too short)."""
+        device = self.embed.weight.device
+        tokens = record.tokens[: self.cfg.max_seq_len].to(device)
+        first, last = max(record.response_start - 1, 0), tokens.numel() - 2  # an anchor needs >= 1 label
         if last < first:
             return None
-        out = self.target(input_ids=tokens[None], output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[t][0] for t in self.drafter.tap_layers], dim=-1)  # [T, k*H]
         count = min(self.cfg.anchors_per_sequence, last - first + 1)
         anchors = first + torch.randperm(last - first + 1, generator=generator)[:count].sort().values
-        return Batch(feats.float(), out.logits[0].float(), tokens, anchors.to(tokens.device))
+        n = tokens.numel()
+        return Batch(record.features[:n].to(device).float(), tokens, anchors.to(device),
+                     record.top_ids[:n].to(device), record.top_logp[:n].to(device).float())
 
     # ------------------------------------------------------------------ forward and loss
     def block_mask(self, anchors: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -214,30 +234,46 @@ class DrafterTrainer:
         return self.drafter.model.fc.weight.dtype
 
     def labels(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hard labels [n, L], soft labels [n, L, V] and validity [n, L] of every drafted depth."""
+        """Hard labels [n, L] (target ids), soft labels [n, L, N] and validity [n, L] of every drafted depth.
+
+        The soft labels are the teacher's top-K probabilities on the draft vocabulary (zero
+        elsewhere); the teacher mass they lack is the "rest" class of `position_loss`.
+        """
         depth = torch.arange(1, self.drafter.config.num_drafted + 1, device=batch.anchors.device)
         pos = batch.anchors[:, None] + depth[None, :]  # [n, L] position of the predicted token
         valid = pos < batch.tokens.numel()
         pos = pos.clamp(max=batch.tokens.numel() - 1)
-        soft = torch.softmax(batch.target_logits[pos - 1], dim=-1)  # target's distribution for that token
+        top = self.to_draft[batch.top_ids[pos - 1]]  # [n, L, K] draft ids of the teacher's top-K (-1: outside)
+        probs = batch.top_logp[pos - 1].exp() * (top >= 0)  # [n, L, K]
+        soft = probs.new_zeros(*pos.shape, self.draft_ids.numel())  # [n, L, N]
+        soft.scatter_add_(-1, top.clamp(min=0), probs)
         return batch.tokens[pos], soft, valid
 
     def position_loss(self, logits: torch.Tensor, hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
-        """[n, L] per-position (1 - s) CE(hard) + s CE(soft)."""
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [n, L, V]
-        ce_hard = -logp.gather(-1, hard[..., None])[..., 0]
-        ce_soft = -(soft * logp).sum(-1)
+        """[n, L] per-position (1 - s) CE(hard) + s CE(soft) over the draft vocabulary.
+
+        ``logits`` [n, L, N] are over draft ids, ``hard`` [n, L] target ids, ``soft`` [n, L, N].
+        CE(soft) = -sum_v p_v log q_v - p_rest log q_rest, with p_rest = 1 - sum_v p_v and
+        q_rest = 1 - sum_{v: p_v > 0} q_v (the drafter's mass outside the teacher's kept tokens).
+        """
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [n, L, N]
+        label = self.to_draft[hard]  # [n, L]; -1: outside the draft vocabulary
+        ce_hard = -logp.gather(-1, label.clamp(min=0)[..., None])[..., 0] * (label >= 0)
+        kept = soft > 0
+        p_rest = (1 - soft.sum(-1)).clamp(min=0)  # [n, L]
+        q_rest = (1 - (logp.exp() * kept).sum(-1)).clamp(min=1e-6)
+        ce_soft = -(soft * logp).sum(-1) - p_rest * q_rest.log()
         s = self.cfg.soft_label_share
         return (1 - s) * ce_hard + s * ce_soft
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Weighted block loss (Domino: mixed base / corrected) and per-depth top-1 accuracy."""
         z = self.drafted_states(batch)  # [n, L, H]
-        base = self.head(z.to(self.head.weight.dtype)).float()  # [n, L, V]
+        base = (z.to(self.head_rows.dtype) @ self.head_rows.T).float()  # [n, L, N] over draft ids
         hard, soft, valid = self.labels(batch)
         weights = decay_weights(z.shape[1], self.cfg.gamma).to(z.device)[None] * valid  # [n, L]
         per_pos = self.position_loss(base, hard, soft)
-        pred = base.argmax(-1)  # [n, L]
+        pred = self.draft_ids[base.argmax(-1)]  # [n, L] target ids
         if self.drafter.config.is_domino:
             corrected, pred = self.corrected_loss(z, base, hard, soft, batch)
             lam = self.base_share(self.step)
@@ -260,11 +296,12 @@ class DrafterTrainer:
         path_tokens = batch.tokens[path.clamp(max=batch.tokens.numel() - 1)]  # [n, L]
         states, _ = model.prefix_gru(self.embed(path_tokens).to(self.dtype))  # [n, L, G]: s_0 .. s_{L-1}
         hidden = model.embed_proj[1](model.embed_proj[0](torch.cat([z, states], dim=-1)))  # [n, L, E]
-        cand = base.detach().topk(self.cfg.top_m, dim=-1).indices  # [n, L, M]
-        w2 = model.embed_proj[2].weight[cand]  # [n, L, M, E]
+        cand = base.detach().topk(min(self.cfg.top_m, base.shape[-1]), dim=-1).indices  # [n, L, M] draft ids
+        cand_ids = self.draft_ids[cand]  # [n, L, M] target ids
+        w2 = model.embed_proj[2].weight[cand_ids]  # [n, L, M, E]
         logits = base.gather(-1, cand) + (w2 @ hidden[..., None])[..., 0].float()  # [n, L, M]
         logp = torch.log_softmax(logits, dim=-1)
-        found = cand == hard[..., None]  # [n, L, M]
+        found = cand_ids == hard[..., None]  # [n, L, M]
         ce_hard = -(logp * found).sum(-1)
         target = soft.gather(-1, cand)
         ce_soft = -(target / target.sum(-1, keepdim=True).clamp(min=1e-12) * logp).sum(-1)
@@ -273,7 +310,8 @@ class DrafterTrainer:
         pure = torch.arange(depth, device=z.device)[None, :] < cfg.domino.pure_draft_prefix_len  # [1, L]
         fallback = self.position_loss(base, hard, soft)
         use_base = pure | ~found.any(-1)
-        pred = torch.where(pure, base.argmax(-1), cand.gather(-1, logits.argmax(-1, keepdim=True))[..., 0])
+        pred = torch.where(pure, self.draft_ids[base.argmax(-1)],
+                           cand_ids.gather(-1, logits.argmax(-1, keepdim=True))[..., 0])
         return torch.where(use_base, fallback, corrected), pred
 
     # ------------------------------------------------------------------ loop
@@ -290,9 +328,20 @@ class DrafterTrainer:
         self.step += 1
         return logs
 
-    def train(self, sequences: Sequence[tuple[torch.Tensor, int]], *, until: int | None = None,
+    def record(self, source: Sequence, index: int) -> TeacherRecord:
+        """The teacher's view of sequence ``index``: from a `TeacherCache`, else a live target forward."""
+        if isinstance(source, TeacherCache):
+            record = source[index]
+            taps = source.select_taps(record.features, self.drafter.config.target_layer_ids)
+            return attrs.evolve(record, features=taps)
+        tokens, response_start = source[index]
+        return live_record(self.target, tokens, response_start, self.spec)
+
+    def train(self, sequences: Sequence, *, until: int | None = None,
               progress: bool = True) -> list[dict[str, float]]:
         """Run to step ``until`` (default ``cfg.steps``), one sequence per step in a seeded order.
+
+        ``sequences``: a `TeacherCache`, or (tokens, response_start) pairs taught live.
 
         Checkpoints every ``save_every`` steps and at the end; stopping early keeps the schedule of
         the full run, so a later call (after `resume`) continues it exactly.
@@ -307,8 +356,8 @@ class DrafterTrainer:
         bar = tqdm(total=stop, initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
         start, tokens_seen = time.perf_counter(), 0
         while self.step < stop:
-            tokens, response_start = sequences[order[self.step % len(order)]]
-            batch = self.make_batch(tokens, response_start, torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step))
+            record = self.record(sequences, order[self.step % len(order)])
+            batch = self.make_batch(record, torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step))
             if batch is None:
                 self.step += 1
                 continue
@@ -349,6 +398,8 @@ class DrafterTrainer:
         with torch.no_grad():
             for p, q in zip(self.drafter.model.parameters(), loaded.model.parameters(), strict=True):
                 p.copy_(q)
+            for b, c in zip(self.drafter.model.buffers(), loaded.model.buffers(), strict=True):
+                b.copy_(c)
         moments = load_file(str(self.out_dir / "optimizer.safetensors"), device=str(self.drafter.device))
         for name, p in self.drafter.model.named_parameters():
             if f"{name}::exp_avg" in moments:
@@ -359,12 +410,41 @@ class DrafterTrainer:
         return True
 
 
-def new_drafter(target, cfg: TrainConfig, mask_token_id: int) -> DFlashDrafter:
-    """A fresh drafter for ``target`` (random weights; top layers copied from the target if asked)."""
+def new_drafter(target, cfg: TrainConfig, mask_token_id: int,
+                draft_vocab: torch.Tensor | None = None) -> DFlashDrafter:
+    """A fresh drafter for ``target`` (random weights; top layers copied from the target if asked).
+
+    ``draft_vocab`` [N]: the target ids of a reduced head (required when ``cfg.draft_vocab_size``).
+    """
     dcfg = draft_config_for(target.config, cfg, mask_token_id)
     cls = DominoDrafter if cfg.kind == "domino" else DFlashDrafter
     device = target.get_input_embeddings().weight.device  # train where the target runs (CPU or CUDA)
     drafter = cls.random(dcfg, seed=cfg.seed, dtype=torch.float32, device=device)
+    if cfg.draft_vocab_size is not None:
+        if draft_vocab is None:
+            raise ValueError("draft_vocab_size is set: pass the draft vocabulary (see draft_vocabulary)")
+        drafter.set_draft_vocab(draft_vocab)
     if cfg.init_from_target:
         init_from_target(drafter, target)
     return drafter
+
+
+def response_token_counts(sequences: Iterable[tuple[torch.Tensor, int]], vocab_size: int) -> torch.Tensor:
+    """[V] int64 how often each token occurs in the responses of (tokens, response_start) pairs."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for tokens, start in sequences:
+        counts += torch.bincount(tokens[start:].long().cpu(), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """[size] the ``size`` most frequent token ids (ties and unseen tokens by ascending id), ascending."""
+    if not 1 <= size <= counts.numel():
+        raise ValueError(f"a draft vocabulary of {size} tokens needs 1 <= size <= {counts.numel()}")
+    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor(sorted(order[:size]), dtype=torch.int64)
+
+
+def coverage(draft_vocab: torch.Tensor, counts: torch.Tensor) -> float:
+    """Share of the counted tokens that the draft vocabulary covers."""
+    return float(counts[draft_vocab].sum()) / max(int(counts.sum()), 1)

@@ -223,3 +223,76 @@ def test_a_one_token_prompt_drafts_from_an_empty_context(domino):
     spec = SpeculativeDecoder(target, drafter, policy).generate(prompt, max_new_tokens=12)
     ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=12)
     assert torch.equal(spec.tokens, ar.tokens)
+
+
+# --- a reduced draft vocabulary (draft_vocab_size + d2t) -------------------------------------------
+
+
+def _reduced_pair(target, *, domino: bool = False, n: int = 9):
+    """A full-vocabulary drafter and the same weights with a head over ``n`` scattered tokens."""
+    import attrs
+
+    from drafters.domino import DominoDrafter
+
+    cls = DominoDrafter if domino else DFlashDrafter
+    full = cls.random(tiny_config(domino=domino), dtype=torch.float64)
+    reduced = cls(attrs.evolve(full.config, draft_vocab_size=n), dtype=torch.float64)
+    reduced.model.load_state_dict(full.model.state_dict(), strict=False)
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(1))[:n]
+    reduced.set_draft_vocab(ids)
+    for d in (full, reduced):
+        d.bind(target)
+    return full, reduced, ids
+
+
+@pytest.mark.parametrize("domino", [False, True])
+def test_a_reduced_head_drafts_the_full_heads_logits_renormalised_over_its_tokens(target, domino):
+    full, reduced, ids = _reduced_pair(target, domino=domino)
+    ctx = Rounds(target, full.tap_layers).context()
+    a, b = full.draft(ctx), reduced.draft(ctx)
+    assert torch.equal(reduced.draft_token_ids, ids)
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(b.logprobs[:, outside]).all()
+    torch.testing.assert_close(b.logprobs[:, ids], torch.log_softmax(a.logprobs[:, ids], dim=-1), rtol=0, atol=1e-6)
+    if domino:  # the correction's candidates come from the reduced head's tokens only
+        first = b.scorer.expand(b.scorer.root_state()[None], 0, top_m=4, k=4)
+        second = b.scorer.expand(first.states[0], 1, top_m=4, k=4)
+        assert torch.isin(first.tokens, ids).all() and torch.isin(second.tokens, ids).all()
+
+
+def test_a_reduced_head_round_trips_and_loads_strictly(target, tmp_path):
+    import json
+
+    from drafters._checkpoint import CheckpointError
+
+    full, reduced, ids = _reduced_pair(target)
+    reduced.save_pretrained(tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["draft_vocab_size"] == 9
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "r")
+    loaded.bind(target)
+    assert torch.equal(loaded.draft_token_ids, ids) and loaded.model.d2t.dtype == torch.int64
+    full.save_pretrained(tmp_path / "f")
+    assert "draft_vocab_size" not in json.loads((tmp_path / "f" / "config.json").read_text())
+    assert DFlashDrafter.from_pretrained(tmp_path / "f").draft_token_ids is None
+    raw = json.loads((tmp_path / "f" / "config.json").read_text())
+    (tmp_path / "f" / "config.json").write_text(json.dumps(raw | {"draft_vocab_size": 9}))
+    with pytest.raises(CheckpointError, match="missing keys: d2t"):
+        DFlashDrafter.from_pretrained(tmp_path / "f")
+    (tmp_path / "r" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="unexpected keys: d2t"):
+        DFlashDrafter.from_pretrained(tmp_path / "r")
+
+
+def test_a_draft_vocabulary_must_be_distinct_ids_of_the_right_count(target):
+    import attrs
+
+    from drafters.config import ConfigError
+
+    drafter = DFlashDrafter.random(attrs.evolve(tiny_config(), draft_vocab_size=3), dtype=torch.float64)
+    for bad, message in (([1, 2], "exactly draft_vocab_size = 3"), ([1, 1, 2], "distinct"),
+                         ([1, 2, target.vocab_size], "distinct and in")):
+        with pytest.raises(ValueError, match=message):
+            drafter.set_draft_vocab(torch.tensor(bad))
+    with pytest.raises(ConfigError, match="draft_vocab_size must be in 1..vocab_size"):
+        attrs.evolve(tiny_config(), draft_vocab_size=0)

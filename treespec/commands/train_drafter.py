@@ -1,6 +1,8 @@
 """``treespec train-drafter``: train a DFlash or Domino drafter on self-distillation data.
 
-Resumable: rerunning with the same ``--out`` continues from the last checkpoint (weights, optimizer
+``--teacher DIR`` reads a teacher cache (``treespec teacher-cache``) instead of running the target
+every step; ``--set draft_vocab_size=N`` gives the drafter a head over the N most frequent response
+tokens of the training data.  Resumable: rerunning with the same ``--out`` continues from the last checkpoint (weights, optimizer
 moments and data order).  The final drafter is ``OUT/drafter/`` in the released checkpoint layout.
 """
 
@@ -16,14 +18,16 @@ from treespec.commands import CPU_DTYPES, DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, required=True, help="directory of distill-data shards")
+    parser.add_argument("--data", type=Path, default=None, help="directory of distill-data shards (or --teacher)")
+    parser.add_argument("--teacher", type=Path, default=None,
+                        help="a teacher cache (treespec teacher-cache): train without running the target")
     parser.add_argument("--out", type=Path, required=True, help="run directory (checkpoints; resumed if present)")
     parser.add_argument("--target", type=Path, default=None, help="local HF target directory (default: the embedded SmolLM2)")
     parser.add_argument("--preset", default="smollm2-dflash", help="named TrainConfig (see drafters.training.TRAIN_PRESETS)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a TrainConfig field, e.g. --set steps=4000 --set lr=5e-4")
     parser.add_argument("--mask-token-id", type=int, default=None, help="mask token (default: the tokenizer's unk/pad/eos)")
-    parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="bfloat16", help="dtype of the frozen target")
+    parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="auto", help="dtype of the frozen target")
     parser.add_argument("--until", type=int, default=None, help="stop at this step (the schedule stays that of the full run)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target and the drafter train")
@@ -49,8 +53,15 @@ def _config(args: argparse.Namespace):
     return cfg
 
 
-def _check_data(path: Path) -> None:
+def _check_data(path: Path | None, teacher: Path | None) -> None:
     """A clear error before the target loads when --data holds no shards."""
+    if teacher is not None:
+        if not (teacher / "manifest.json").is_file():
+            raise SystemExit(f"--teacher {teacher}: no teacher cache here (make one with `treespec teacher-cache`)")
+        if path is None:
+            return
+    if path is None:
+        raise SystemExit("give --data (distill-data shards) or --teacher (a teacher cache)")
     if not path.is_dir():
         raise SystemExit(f"--data {path}: no such directory (make one with `treespec distill-data --out {path}`)")
     if not any(path.glob("shard-*.safetensors")):
@@ -62,35 +73,62 @@ def _parse(text: str, current):
         return text.lower() in ("1", "true", "yes")
     if isinstance(current, tuple) or current is None and "," in text:
         return tuple(int(x) for x in text.split(","))
-    return type(current)(text) if current is not None else float(text)
+    if current is None:  # an optional field: an integer if it reads as one
+        return int(text) if text.lstrip("-").isdigit() else float(text)
+    return type(current)(text)
 
 
-def _target(args: argparse.Namespace):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _sequences(args: argparse.Namespace, target, identity, cfg):
+    """What training reads: the teacher cache (checked against the run), else the data's pairs."""
+    from drafters.teacher import TeacherCache, TeacherCacheError
+    from drafters.training import spread_layers
+    from treespec.selfdistill import iter_sequences
 
-    from treespec.embedded import embedded_model_dir
+    if args.teacher is None:
+        return [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
+    try:
+        cache = TeacherCache(args.teacher)
+        layers = cfg.target_layer_ids or spread_layers(target.config.num_hidden_layers)
+        cache.check(identity=identity, target_layer_ids=layers, top_k=cfg.teacher_top_k)
+    except TeacherCacheError as exc:
+        raise SystemExit(f"--teacher: {exc}") from None
+    if cache.manifest.get("max_seq_len", cfg.max_seq_len) < cfg.max_seq_len:
+        raise SystemExit(f"--teacher: the cache cut sequences at {cache.manifest['max_seq_len']} tokens, the run "
+                         f"asks for max_seq_len {cfg.max_seq_len}")
+    return cache
 
-    path = args.target or embedded_model_dir()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.target_dtype]).eval().requires_grad_(False)
-    model.to(args.device)
-    return model, AutoTokenizer.from_pretrained(path)
+
+def _draft_vocab(cfg, sequences, vocab_size: int):
+    """The reduced head's token ids (None for a full head), with its coverage printed."""
+    from drafters.training import coverage, draft_vocabulary, response_token_counts
+
+    if cfg.draft_vocab_size is None:
+        return None
+    pairs = ((r.tokens, r.response_start) for r in sequences) if hasattr(sequences, "manifest") else sequences
+    counts = response_token_counts(pairs, vocab_size)
+    vocab = draft_vocabulary(counts, cfg.draft_vocab_size)
+    print(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens cover "
+          f"{coverage(vocab, counts):.2%} of the training responses")
+    return vocab
 
 
 def run(args: argparse.Namespace) -> int:
     from drafters.training import DrafterTrainer, new_drafter
-    from treespec.selfdistill import iter_sequences
+    from treespec.commands.teacher_cache import load_frozen_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = _config(args)
-    _check_data(args.data)
-    target, tokenizer = _target(args)
+    _check_data(args.data, args.teacher)
+    target, tokenizer, identity = load_frozen_target(args.target, args.target_dtype, args.device)
     mask = args.mask_token_id
     if mask is None:
         mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)
-    data = [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
-    print(f"{len(data)} sequences, {sum(t.numel() for t, _ in data)} tokens; config: {cfg}")
-    trainer = DrafterTrainer(target, new_drafter(target, cfg, mask), cfg, out_dir=args.out)
+    data = _sequences(args, target, identity, cfg)
+    source = f"teacher cache {args.teacher}" if args.teacher else f"{args.data}"
+    print(f"{len(data)} sequences from {source}; config: {cfg}")
+    drafter = new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
+    trainer = DrafterTrainer(target, drafter, cfg, out_dir=args.out)
     if trainer.resume():
         print(f"resumed at step {trainer.step}")
     trainer.train(data, until=args.until)
