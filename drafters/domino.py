@@ -16,9 +16,14 @@ drafted hidden state for depth i+1, i.e. ``DraftOutput`` row i):
 `DominoScorer.expand(states, depth, top_m=M, k=k)` scores the children (depth+1) of n parents at
 ``depth`` at once.  Children within the pure-draft prefix (depth + 1 <= pure_draft_prefix_len)
 take the base log_softmax over the full vocabulary.  Otherwise the candidates are the top-M base
-tokens of row ``depth``; once per round and depth the scorer gathers their base logits, their M
-rows of W2 and W1_z z_i, so a node costs O(G E + M E) for the correction plus the GRU update of
-its k children, not O(V).  The log-softmax is over the M candidates.  Rows are sorted by
+tokens of row ``depth``; once per round and depth the scorer gathers their base logits and their
+M rows of W2 in (at least) float32, so a node costs O((H + G) E + M E) for the correction plus
+the GRU update of its k children, not O(V).  As the released head computes it: the first
+projection W1 [z_i ; s_i] is one matmul in the drafter's dtype, its silu is cast to float32 and
+the last matmul (the M gathered W2 rows) runs in float32.  The log-softmax is over the M
+candidates.  In reduced precision (bf16/fp16 GRU weights) the children's GRU states come from
+the ``nn.GRU`` module itself, as in the released builder, so the bf16 states are its bits; in
+float32/float64 they come from `gru_step` (the same maths) over the precomputed input table.  Rows are sorted by
 log-prob descending, ties by token id ascending.  `expand_reference` is the plain full-vocabulary
 evaluation through the ``nn`` modules themselves (``M = V``), for tests.  The top-M set of a row
 comes from one two-stage top-(M+1) selection; only a tie across the M-th place falls back to the
@@ -30,7 +35,7 @@ completes them.  A tree policy expands few of the children it scores, so it pays
 only for those (policies/sources.py drives a scorer this way when it offers both methods).
 
 The GRU input projection W_ih e(t) is precomputed for every vocabulary token at bind time
-(``gru_input_table=True``, the default: a [V, 3G] table) so a child's update is a gather; per
+(``gru_input_table=True``, the default: a [V, 3G] table; float32/float64 only) so a child's update is a gather; per
 node it measured 2-7x faster at SmolLM2 sizes and 5-14x at Qwen3-4B sizes (benchmarks/
 bench_expand.py, docs/drafters.md).  ``gru_input_table=False`` projects each child's embedding.
 """
@@ -148,11 +153,10 @@ class DominoScorer(ConditionalScorer):
         self.anchor = anchor
         self.prefix_len = pure_draft_prefix_len
         self.gru_table = gru_table  # [V, 3G] W_ih e(t) for every token, or None
-        hidden = rows.shape[-1]
         self.w_ih, self.w_hh = prefix_gru.weight_ih_l0, prefix_gru.weight_hh_l0  # [3G, H], [3G, G]
-        w1 = embed_proj[0].weight  # [E, H + G]
-        self.w1_z, self.w1_s = w1[:, :hidden], w1[:, hidden:]  # [E, H], [E, G]
+        self.w1 = embed_proj[0].weight  # [E, H + G]
         self.w2 = embed_proj[2].weight  # [V, E]
+        self.module_gru = self.w_hh.dtype in (torch.bfloat16, torch.float16)  # states from nn.GRU (see docstring)
         self._prefix: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._gathered: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
@@ -172,7 +176,10 @@ class DominoScorer(ConditionalScorer):
     # ------------------------------------------------------------------ ConditionalScorer
     @torch.no_grad()
     def root_state(self) -> torch.Tensor:
-        gi = self._input_gates(torch.tensor([self.anchor], device=self.rows.device))[0]  # [3G]
+        anchor = torch.tensor([self.anchor], device=self.rows.device)
+        if self.module_gru:
+            return self._module_step(self.w_hh.new_zeros(1, self.state_size), anchor)[0]
+        gi = self._input_gates(anchor)[0]  # [3G]
         return gru_step(gi, torch.zeros_like(gi), gi.new_zeros(self.state_size))  # from h = 0: W_hh h = 0
 
     @torch.no_grad()
@@ -194,6 +201,8 @@ class DominoScorer(ConditionalScorer):
         if pending.dim() != 2 or pending.shape[1] != size + 1:
             raise ValueError(f"pending states must be [n, {size + 1}], got {tuple(pending.shape)}")
         h = pending[:, :size].to(self.w_hh.dtype)  # [n, G] parent states
+        if self.module_gru:
+            return self._module_step(h, pending[:, size].long())
         gh = h @ self.w_hh.T  # [n, 3G]
         return gru_step(self._input_gates(pending[:, size].long()), gh, h)
 
@@ -256,8 +265,17 @@ class DominoScorer(ConditionalScorer):
 
     def _child_states(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """GRU states [n, k, G] of each parent's path extended by each of its child tokens [n, k]."""
+        if self.module_gru:
+            n, k = tokens.shape
+            return self._module_step(states.repeat_interleave(k, dim=0), tokens.reshape(-1)).view(n, k, -1)
         gh = states @ self.w_hh.T  # [n, 3G], shared by a parent's k children
         return gru_step(self._input_gates(tokens), gh[:, None], states[:, None])
+
+    def _module_step(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[r, G] one step of the ``nn.GRU`` module from ``states`` [r, G] on tokens [r] (reduced precision)."""
+        x = self.embed(tokens).to(self.w_ih.dtype)[:, None]  # [r, 1, H]
+        _, h = self.prefix_gru(x, states.to(self.w_hh.dtype)[None].contiguous())  # [1, r, G]
+        return h[0]
 
     def base_logprobs(self, depth: int) -> torch.Tensor:
         """[V] float32 base log-probs of a pure-draft ``depth``: the rows given, else log_softmax of the logits.
@@ -281,26 +299,28 @@ class DominoScorer(ConditionalScorer):
         return self._prefix[key]
 
     def _candidates(self, depth: int, top_m: int) -> tuple[torch.Tensor, ...]:
-        """Once per round and depth: top-M ids [M], their base logits [M], W2 rows [M, E], W1_z z [E]."""
+        """Once per round and depth: top-M ids [M], their base logits [M] and W2 rows [M, E], in >= float32."""
         m = min(top_m, self.vocab_size)
         key = (depth, m)
         if key not in self._gathered:
             row = self.base_logits[depth]  # [V]
             ids = _top_sets(row[None], m)[0]  # [M]
-            self._gathered[key] = (ids, row[ids], self.w2[ids], self.w1_z @ self.rows[depth])
+            dtype = self._score_dtype(self.w2)
+            self._gathered[key] = (ids, row[ids].to(dtype), self.w2[ids].to(dtype))
         return self._gathered[key]
 
     def _corrected_children(self, states: torch.Tensor, depth: int, top_m: int,
                             k: int) -> tuple[torch.Tensor, torch.Tensor]:
         if top_m < 1:
             raise ValueError(f"top_m must be >= 1, got {top_m}")
-        ids, base, w2_rows, z_part = self._candidates(depth, top_m)
+        ids, base, w2_rows = self._candidates(depth, top_m)
         if k > ids.numel():
             raise ValueError(f"k = {k} children requested but only top_m = {ids.numel()} candidates exist")
-        hidden = F.silu(z_part + states @ self.w1_s.T)  # [n, E]
-        correction = hidden @ w2_rows.T  # [n, M]
-        dtype = self._score_dtype(correction)
-        logprobs = torch.log_softmax(base.to(dtype) + correction.to(dtype), dim=-1)  # [n, M]
+        z = self.rows[depth].expand(states.shape[0], -1)  # [n, H]
+        x = torch.cat([z, states.to(z.dtype)], dim=-1)  # [n, H + G]
+        hidden = F.silu(x @ self.w1.T).to(w2_rows.dtype)  # [n, E]: first projection in the drafter's dtype
+        correction = hidden @ w2_rows.T  # [n, M] in >= float32
+        logprobs = torch.log_softmax(base + correction, dim=-1)  # [n, M]
         tokens, chosen = _best_k(logprobs, ids, k)
         return tokens, chosen.float()
 
@@ -327,7 +347,8 @@ class DominoDrafter(DFlashDrafter):
 
     def bind(self, target: TargetModel) -> None:
         super().bind(target)
-        self._gru_table = self._build_gru_table() if self.gru_input_table else None
+        reduced = self.dtype in (torch.bfloat16, torch.float16)  # the scorer then steps nn.GRU itself
+        self._gru_table = self._build_gru_table() if self.gru_input_table and not reduced else None
 
     @torch.no_grad()
     def _build_gru_table(self, chunk: int = 8192) -> torch.Tensor:

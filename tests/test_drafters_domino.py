@@ -187,3 +187,35 @@ def test_top_sets_equal_the_per_row_top_set(vocab):
     for m in (1, 3, 8, vocab):
         expected = torch.stack([_top_set(row, m) for row in values])
         assert torch.equal(_top_sets(values, m), expected)
+
+
+# ---------------------------------------------------------------------------- bf16, as released
+def test_bf16_children_are_computed_as_the_released_head_computes_them():
+    """bf16: W1 [z ; s] as one bf16 matmul, silu cast to float32, the last matmul in float32 on the
+    gathered W2 rows, and child states from the nn.GRU module (its bits)."""
+    bf16_target = tiny_target(dtype=torch.bfloat16)
+    config = tiny_config(domino=True, block_size=5, prefix_len=1)
+    drafter = DominoDrafter.random(config, dtype=torch.bfloat16, seed=3)
+    drafter.bind(bf16_target)
+    draft = drafter.draft(Rounds(bf16_target, drafter.tap_layers).context())
+    scorer, m = draft.scorer, 9
+    assert scorer.gru_table is None  # no input table in reduced precision: nn.GRU reads the embedding
+    model = drafter.model
+    root = scorer.root_state()
+    _, h0 = model.prefix_gru(bf16_target.embed_tokens(torch.tensor([[draft.root_token]])))
+    assert torch.equal(root, h0[0, 0])
+    first = scorer.expand(root[None], 0, top_m=m, k=K)  # depth 0 is the pure-draft prefix
+    states = first.states[0]  # [K, G] bf16
+    out = scorer.expand(states, 1, top_m=m, k=K)
+    cand = _top_set(scorer.base_logits[1], m)  # [M] ascending ids
+    z = scorer.rows[1].expand(K, -1)
+    hidden = model.embed_proj[1](model.embed_proj[0](torch.cat([z, states], dim=-1))).float()  # [K, E]
+    corrected = scorer.base_logits[1][cand].float() + hidden @ model.embed_proj[2].weight[cand].float().T
+    logprobs = torch.log_softmax(corrected, dim=-1)  # [K, M]
+    order = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :K]
+    assert torch.equal(out.tokens, cand[order]) and torch.equal(out.logprobs, logprobs.gather(-1, order))
+    emb = bf16_target.embed_tokens(out.tokens.reshape(-1))[:, None]  # [K*K, 1, H]
+    _, h = model.prefix_gru(emb, states.repeat_interleave(K, dim=0)[None].contiguous())
+    assert out.states.dtype == torch.bfloat16 and torch.equal(out.states, h[0].view(K, K, -1))
+    pending = scorer.expand_deferred(states, 1, top_m=m, k=K)
+    assert torch.equal(scorer.advance(pending.states.reshape(K * K, -1)), h[0])

@@ -186,3 +186,41 @@ def test_from_local_loads_safetensors(tmp_path):
     loaded = TargetModel.from_local(tmp_path, dtype="checkpoint")
     assert loaded.model.config._attn_implementation == "sdpa" and loaded.dtype == torch.float32
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+
+
+# ---------------------------------------------------------------------------- float32 head
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_target_computes_its_final_norm_and_head_in_float32(family):
+    model = tiny_model(family, dtype=torch.bfloat16)
+    w = model.get_output_embeddings().weight.detach().float().clone()
+    norm = model.get_decoder().norm
+    seen = []
+    norm.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0]))
+    target = TargetModel(model)
+    assert target.dtype == torch.bfloat16 and target.lm_head.weight.dtype == torch.float32
+    prompt = torch.tensor([3, 9, 27, 4, 8])
+    out = target.prefill(prompt, taps=(1, 2))
+    assert out.logits.dtype == torch.float32
+    pre_norm = seen[-1][0, -1:]  # the last layer's output, bf16, fed to the norm as float32
+    assert seen[-1].dtype == torch.float32
+    expected = torch.nn.functional.linear(norm(pre_norm.float()), w)  # float32 throughout
+    assert torch.equal(out.logits, expected)
+    assert out.features.dtype == torch.float32  # the last tap is the final norm's float32 output
+
+
+def test_float32_head_off_keeps_the_models_dtype_and_float_models_are_untouched():
+    bf16 = TargetModel(tiny_model(dtype=torch.bfloat16), float32_head=False)
+    assert bf16.prefill(torch.tensor([1, 2, 3])).logits.dtype == torch.bfloat16
+    f64 = TargetModel(tiny_model(dtype=torch.float64))
+    assert type(f64.lm_head) is torch.nn.Linear and f64.prefill(torch.tensor([1, 2])).logits.dtype == torch.float64
+
+
+def test_a_bf16_target_with_a_float32_head_keeps_tree_forwards_equal_to_causal_ones():
+    target = TargetModel(tiny_model(dtype=torch.bfloat16))
+    first = target.prefill(torch.tensor([5, 6, 7])).logits  # the cache holds 5 6 7; the root 8 comes next
+    chain = DraftTree.build([8, 11, 12], [-1, 0, 1])
+    logits = target.forward_tree(chain).logits  # [3, V]: a chain is a causal continuation
+    again = TargetModel(tiny_model(dtype=torch.bfloat16))
+    assert first.dtype == logits.dtype == torch.float32
+    reference = again.model(torch.tensor([[5, 6, 7, 8, 11, 12]])).logits[0, -3:].float()
+    torch.testing.assert_close(logits, reference, rtol=0, atol=0.05)  # bf16 trunk: same maths, other batching

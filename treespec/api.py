@@ -58,15 +58,18 @@ class GenerateOutput:
 
 
 def load_target(model: PathLike | TargetModel | torch.nn.Module, *, dtype: torch.dtype | str = "auto",
-                device: str | torch.device = "cpu") -> TargetModel:
-    """A `TargetModel` from a directory, a transformers model, or itself."""
+                device: str | torch.device = "cpu", float32_head: bool | None = None) -> TargetModel:
+    """A `TargetModel` from a directory, a transformers model, or itself.
+
+    ``float32_head``: the final norm and LM head of a bf16/fp16 target in float32 (None: on).
+    """
     if isinstance(model, TargetModel):
         return model
     if isinstance(model, torch.nn.Module):
-        return TargetModel(model)
+        return TargetModel(model, float32_head=float32_head)
     if not Path(model).is_dir():
         raise FileNotFoundError(f"no local model directory at {model}")
-    return TargetModel.from_local(model, dtype=dtype, device=device)
+    return TargetModel.from_local(model, dtype=dtype, device=device, float32_head=float32_head)
 
 
 def load_drafter(drafter: Drafter | PathLike | None, **kwargs: Any) -> Drafter | None:

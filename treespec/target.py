@@ -19,6 +19,14 @@ Hidden-state taps: tap t is ``hidden_states[t]`` of the model (0 = embedding out
 decoder layer t, the last one after the final norm, as transformers returns it); the taps are
 concatenated on the last dim, giving features of shape ``[n, len(taps) * hidden_size]``.
 
+Reduced precision: for a bf16/fp16 model, ``float32_head`` (default on) runs the final norm and
+the LM head in float32: the model's own norm module on float32 input, then the head on a float32
+copy of its weight (the trunk stays in the model's dtype; a tied embedding stays as it is).  A
+bf16 logit has 8 bits of mantissa, so two candidates within about 0.4% of each other often tie
+exactly; float32 logits make a tie between AR's and a tree's forward rare.  The swap is made once
+on the model passed in (``model.get_output_embeddings()`` then returns the float32 head), so the
+logits are float32 and the last tap (after the final norm) too.
+
 Attention: the custom 4D mask needs the ``eager`` or ``sdpa`` implementation (``from_local``
 loads with sdpa); sliding-window layers are refused because one mask serves every layer.
 Overflowing ``max_positions`` raises `ContextOverflowError` before the model is called.
@@ -35,7 +43,8 @@ import torch
 
 from treespec.tree import DraftTree
 
-__all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "TargetModel", "TargetOutput", "crop_cache"]
+__all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
+           "crop_cache", "use_float32_head"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
 
@@ -55,11 +64,15 @@ class TargetOutput:
 class TargetModel:
     """A Hugging Face causal LM with a KV cache, tree forwards and accepted-path compaction."""
 
-    def __init__(self, model: torch.nn.Module, *, max_positions: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_positions: int | None = None,
+                 float32_head: bool | None = None) -> None:
         self.model = model.eval()
         self.config = model.config
         _check_attention(self.config)
         self.embed_tokens = model.get_input_embeddings()
+        reduced = self.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
+        if (reduced if float32_head is None else float32_head) and reduced:
+            use_float32_head(model)
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = int(self.lm_head.weight.shape[0])  # the logits' width (may exceed the tokenizer's)
         self.hidden_size = int(self.config.hidden_size)
@@ -75,10 +88,12 @@ class TargetModel:
 
     @classmethod
     def from_local(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
-                   attn_implementation: str = "sdpa", max_positions: int | None = None) -> TargetModel:
+                   attn_implementation: str = "sdpa", max_positions: int | None = None,
+                   float32_head: bool | None = None) -> TargetModel:
         """Load a causal LM from a local directory (safetensors; never remote code).
 
-        ``dtype="auto"`` is this machine's faster dtype for the model (`treespec.hardware`)."""
+        ``dtype="auto"`` is this machine's faster dtype for the model (`treespec.hardware`);
+        ``float32_head``: see the module docstring (None: on for bf16/fp16)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from treespec.hardware import resolve_dtype
@@ -92,12 +107,13 @@ class TargetModel:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
             trust_remote_code=False, use_safetensors=True)
-        return cls(model.to(device), max_positions=max_positions)
+        return cls(model.to(device), max_positions=max_positions, float32_head=float32_head)
 
     # ------------------------------------------------------------------ properties
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The trunk's dtype (the logits are float32 under ``float32_head``)."""
+        return self.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -114,7 +130,7 @@ class TargetModel:
         if ids.numel() == 0:  # nothing to run: a one-token prompt leaves only the root
             width = len(taps) * self.hidden_size
             features = torch.empty(0, width, dtype=self.dtype, device=self.device) if taps else None
-            return TargetOutput(torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device), features)
+            return TargetOutput(torch.empty(0, self.vocab_size, dtype=self.lm_head.weight.dtype, device=self.device), features)
         out = self._call(ids[None], None, None, taps, logits_to_keep=1)
         self.length = ids.numel()
         return TargetOutput(out.logits[0].clone(), self._features(out, taps))
@@ -192,6 +208,43 @@ class TargetModel:
         if last_position >= self.max_positions:
             raise ContextOverflowError(
                 f"position {last_position} would overflow the target's context of {self.max_positions} positions")
+
+
+class Float32Norm(torch.nn.Module):
+    """Runs a norm module on float32 input, so its output stays float32 (see the module docstring)."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.float())
+
+
+class Float32Head(torch.nn.Module):
+    """A linear LM head evaluated in float32 on a float32 copy of its weight."""
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(head.weight.detach().float(), requires_grad=False)  # [V, H]
+        bias = getattr(head, "bias", None)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight, self.bias)
+
+
+def use_float32_head(model: torch.nn.Module) -> None:
+    """Swap in `Float32Norm` for the decoder's final ``norm`` (when it has one) and `Float32Head`."""
+    head = model.get_output_embeddings()
+    if isinstance(head, Float32Head):
+        return
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"float32_head needs a linear LM head, this model's is {type(head).__name__}")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+        decoder.norm = Float32Norm(decoder.norm)
+    model.set_output_embeddings(Float32Head(head))
 
 
 def crop_cache(cache, length: int) -> None:

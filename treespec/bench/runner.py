@@ -247,13 +247,13 @@ class Harness:
 
 
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",
-                 device: str | torch.device = "cpu") -> Harness:
+                 device: str | torch.device = "cpu", float32_head: bool | None = None) -> Harness:
     """The target, its tokenizer and the drafters ("dflash" / "domino" -> checkpoint), from local files."""
     from transformers import AutoTokenizer
 
     from treespec.api import load_target
 
-    target = load_target(model_dir, dtype=dtype, device=device)
+    target = load_target(model_dir, dtype=dtype, device=device, float32_head=float32_head)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     drafters = {kind: _load_drafter(kind, Path(path)) for kind, path in drafter_dirs.items()}
     return Harness(target, Chat(tokenizer), drafters)

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost model of cost-aware methods: a JSON file or preset:NAME (default: this machine's "
                              "profile, measured once and cached)")
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    models.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
+                        help="a bf16/fp16 target's final norm and LM head: in float32 (default; fewer exact "
+                             "logit ties) or in the model's dtype")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="output directory")
     out.add_argument("--report-only", action="store_true", help="only re-derive the report from --out")
@@ -118,7 +121,7 @@ def _measure(args: argparse.Namespace, config: runner.BenchConfig, shard: runner
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
     settings = runner.run_settings(config, methods, {
-        "model": model, "drafters": drafters, "dtype": args.dtype, "torch": torch.__version__,
+        "model": model, "drafters": drafters, "dtype": args.dtype, "logits_dtype": args.logits_dtype, "torch": torch.__version__,
         "cost_model": args.cost_model or "this machine's profile", "device": args.device})
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +129,8 @@ def _measure(args: argparse.Namespace, config: runner.BenchConfig, shard: runner
         if state != "new":
             print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
                   f"{args.out}", file=sys.stderr)
-    harness = runner.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard))
+    harness = runner.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
+                                  float32_head=args.logits_dtype == "float32")
     harness.cost_override = cost
     harness.chat.enable_thinking = config.enable_thinking
     harness.progress = not args.no_progress

@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 on this machine, measured once)")
+    parser.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
+                        help="a bf16 target's final norm and LM head: in float32 (default) or in bf16")
 
 
 def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
               "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
         return 2
     harness = runner.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
-                                  dtype=DTYPES[args.dtype])
+                                  dtype=DTYPES[args.dtype], float32_head=args.logits_dtype == "float32")
     harness.progress = True
     print(machine_header(harness, args.dtype), flush=True)
     out = args.out or cache_root() / "demo"

@@ -1,0 +1,133 @@
+"""Drafter training throughput: label positions per CPU-second, arms side by side in one run.
+
+Arms (same recipe, same sequences, same steps): the target run live every step or a teacher
+cache read instead; the full 49,152-token head or a reduced draft vocabulary; bf16 autocast or
+float32.  Each arm trains ``--steps`` steps from fresh weights on the first sequences of the data
+directory; the first ``--warmup`` steps are not timed.  Arms are interleaved step by step, so a
+change in the machine's load hits all of them alike.  CPU time is the process's
+(`time.process_time`), so pin threads (``--threads``) for a per-core figure.
+
+Also prints the draft forward time per round of the two heads at inference (one block of B rows
+through the drafter, its head and the log-softmax), median of ``--rounds`` rounds, side by side.
+
+    python benchmarks/bench_training.py --data runs/data/greedy --cache runs/teacher/greedy
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+from drafters.teacher import TeacherCache
+from drafters.training import (
+    TRAIN_PRESETS,
+    DrafterTrainer,
+    coverage,
+    draft_vocabulary,
+    new_drafter,
+    response_token_counts,
+)
+from treespec.selfdistill import iter_sequences
+
+
+def _arms(args) -> dict[str, dict]:
+    base = attrs.evolve(TRAIN_PRESETS[args.preset], steps=10_000, save_every=10**9)
+    arms = {}
+    for autocast in (True, False):
+        suffix = "bf16-autocast" if autocast else "fp32"
+        cfg = attrs.evolve(base, autocast_bf16=autocast)
+        arms[f"live, full head, {suffix}"] = dict(cfg=cfg, cached=False)
+        arms[f"cache, full head, {suffix}"] = dict(cfg=cfg, cached=True)
+        arms[f"cache, {args.vocab} head, {suffix}"] = dict(cfg=attrs.evolve(cfg, draft_vocab_size=args.vocab),
+                                                         cached=True)
+    return arms
+
+
+def _trainers(args, target, pairs, cache, vocab, out: Path) -> dict[str, tuple[DrafterTrainer, object]]:
+    trainers = {}
+    for name, arm in _arms(args).items():
+        cfg = arm["cfg"]
+        drafter = new_drafter(target, cfg, args.mask_token_id,
+                              draft_vocab=vocab if cfg.draft_vocab_size else None)
+        trainers[name] = (DrafterTrainer(target, drafter, cfg, out_dir=out / name), cache if arm["cached"] else pairs)
+    return trainers
+
+
+def _step(trainer: DrafterTrainer, source, index: int) -> tuple[float, int]:
+    """(CPU seconds, label positions) of one training step on sequence ``index``."""
+    start = time.process_time()
+    record = trainer.record(source, index)
+    batch = trainer.make_batch(record, torch.Generator().manual_seed(index))
+    trainer.train_step(batch)
+    return time.process_time() - start, batch.anchors.numel() * trainer.drafter.config.num_drafted
+
+
+@torch.no_grad()
+def _draft_ms(trainer: DrafterTrainer, target, rounds: int) -> float:
+    """Median ms of one inference round's block forward, head and log-softmax (context of 128)."""
+    from treespec.target import TargetModel
+
+    drafter = trainer.drafter
+    drafter.model.eval()
+    drafter.bind(TargetModel(target))
+    features = torch.randn(128, len(drafter.tap_layers) * drafter.config.hidden_size)
+    drafter._append_features(features, 0)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        z = drafter._block_states(5, 128)[drafter.config.first_drafted_position:]
+        torch.log_softmax(drafter._head_logits(z), dim=-1)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True, help="distill-data directory")
+    parser.add_argument("--cache", type=Path, required=True, help="teacher cache of that directory")
+    parser.add_argument("--preset", default="smollm2-domino")
+    parser.add_argument("--vocab", type=int, default=8192, help="reduced draft vocabulary size")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--mask-token-id", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-training"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from treespec.commands.teacher_cache import load_frozen_target
+
+    target, _, _ = load_frozen_target(None, "float32")
+    pairs = [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
+    cache = TeacherCache(args.cache)
+    counts = response_token_counts(pairs, target.config.vocab_size)
+    vocab = draft_vocabulary(counts, args.vocab)
+    trainers = _trainers(args, target, pairs, cache, vocab, args.out)
+    seconds = {name: 0.0 for name in trainers}
+    labels = dict.fromkeys(trainers, 0)
+    for step in range(args.warmup + args.steps):
+        for name, (trainer, source) in trainers.items():
+            cpu, n = _step(trainer, source, step % len(cache))
+            if step >= args.warmup:
+                seconds[name] += cpu
+                labels[name] += n
+    print(f"{torch.get_num_threads()} thread(s); {args.steps} timed steps per arm on {args.data} "
+          f"({args.preset}); draft vocabulary {args.vocab}: coverage {coverage(vocab, counts):.2%} of these responses")
+    print(f"{'arm':40s} {'labels/CPU-s':>12s} {'ms/step':>8s}")
+    for name in trainers:
+        print(f"{name:40s} {labels[name] / seconds[name]:12.0f} {1000 * seconds[name] / args.steps:8.0f}")
+    print("\ndraft forward per round (block + head + log-softmax), float32, median of "
+          f"{args.rounds}:")
+    for name, (trainer, _) in trainers.items():
+        if name.endswith("fp32") and name.startswith("cache"):
+            print(f"  {name.split(', ')[1]:12s} {_draft_ms(trainer, target, args.rounds):6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
