@@ -51,7 +51,7 @@ from drafters.domino import DominoDrafter
 from drafters.teacher import TeacherCache, TeacherRecord, TeacherSpec, live_record
 
 __all__ = ["DrafterTrainer", "TRAIN_PRESETS", "TrainConfig", "coverage", "decay_weights", "draft_config_for",
-           "draft_vocabulary", "init_from_target", "new_drafter", "response_token_counts"]
+           "draft_vocabulary", "init_from_target", "new_drafter", "response_token_counts", "use_autocast"]
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -78,7 +78,7 @@ class TrainConfig:
     emb_dim: int = 64  # Domino: embed_proj bottleneck E
     pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
     top_m: int = 64  # Domino: base candidates the correction is normalised over (as DominoTree's M)
-    autocast_bf16: bool = True  # drafter forward/backward in bf16 autocast (fp32 master weights)
+    autocast_bf16: bool | None = None  # bf16 autocast (fp32 master weights); None: on CUDA, or where bf16 is faster
     draft_vocab_size: int | None = None  # N: head over the N most frequent response tokens; None: all V
     teacher_top_k: int = 32  # K: teacher log-probs kept per position (soft labels: top K + the rest)
     seed: int = 0  # data order, anchors and fresh weights
@@ -94,6 +94,19 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "smollm2-dflash": TrainConfig(kind="dflash", block_size=8, num_layers=2, anchors_per_sequence=48),
     "smollm2-domino": TrainConfig(kind="domino", block_size=8, num_layers=2, anchors_per_sequence=48),
 }
+
+
+def use_autocast(setting: bool | None, device: torch.device, target_config) -> bool:
+    """Whether to train under bf16 autocast: ``setting``, else on CUDA, else where this CPU's bf16
+    matmul beats fp32 for the target's shapes (`treespec.hardware`; on a CPU without bf16 hardware
+    a bf16-autocast step measured about 10x slower than a float32 one)."""
+    if setting is not None:
+        return setting
+    if torch.device(device).type == "cuda":
+        return True
+    from treespec.hardware import cpu_dtype_choice
+
+    return cpu_dtype_choice(target_config).dtype == torch.bfloat16
 
 
 def decay_weights(depths: int, gamma: float) -> torch.Tensor:
@@ -176,6 +189,7 @@ class DrafterTrainer:
             p.requires_grad_(True)
         drafter.model.train()
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.autocast = use_autocast(cfg.autocast_bf16, self.embed.weight.device, target.config)
         self.step = 0
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
@@ -319,7 +333,7 @@ class DrafterTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)
         device = self.drafter.model.fc.weight.device.type
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast):
             loss, logs = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -384,7 +398,8 @@ class DrafterTrainer:
             moments[f"{names[id(p)]}::exp_avg"] = st["exp_avg"].contiguous()
             moments[f"{names[id(p)]}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
         save_file(moments, str(self.out_dir / "optimizer.safetensors"))
-        state = {"step": self.step, "config": attrs.asdict(self.cfg), "recent": list(history[-50:])}
+        state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast,
+                 "recent": list(history[-50:])}
         (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
         return self.out_dir
 

@@ -158,3 +158,24 @@ def test_replay_eval_on_a_file_that_is_not_a_trace(tmp_path, capsys):
     path.write_bytes(b"\x00" * 64)
     assert main(["replay", "eval", str(path)]) == 1
     assert str(path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--teacher", "{tmp}/none"], "no teacher cache here"),
+    ([], "give --data (distill-data shards) or --teacher"),
+    (["--data", "{tmp}", "--set", "autocast_bf16=maybe"], "expected true or false"),
+    (["--data", "{tmp}", "--set", "draft_vocab_size=big"], "--set draft_vocab_size=big: not a valid"),
+])
+def test_train_drafter_names_bad_teacher_and_settings(tmp_path, args, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["train-drafter", "--out", str(tmp_path / "out"), *argv])
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--layers", "1,x"], 2, "--layers '1,x' must be comma-separated integers"),
+    ([], 1, "no distill-data shards"),
+])
+def test_teacher_cache_names_its_bad_inputs(tmp_path, capsys, args, code, message):
+    assert main(["teacher-cache", "--data", str(tmp_path), "--out", str(tmp_path / "c"), *args]) == code
+    assert message in capsys.readouterr().err

@@ -47,7 +47,7 @@ def _config(args: argparse.Namespace):
         if key not in fields:
             raise SystemExit(f"--set {key}: not a TrainConfig field ({', '.join(fields)})")
         try:
-            cfg = attrs.evolve(cfg, **{key: _parse(value, getattr(cfg, key))})
+            cfg = attrs.evolve(cfg, **{key: _parse(value, getattr(cfg, key), str(fields[key].type))})
         except (TypeError, ValueError) as exc:
             raise SystemExit(f"--set {key}={value}: not a valid {key} ({exc})") from None
     return cfg
@@ -68,8 +68,12 @@ def _check_data(path: Path | None, teacher: Path | None) -> None:
         raise SystemExit(f"--data {path}: no distill-data shards (shard-*.safetensors) in this directory")
 
 
-def _parse(text: str, current):
-    if isinstance(current, bool):
+def _parse(text: str, current, annotation: str = ""):
+    if current is None and text.lower() in ("none", "auto"):
+        return None
+    if isinstance(current, bool) or current is None and annotation.startswith("bool"):
+        if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(f"expected true or false, got {text!r}")
         return text.lower() in ("1", "true", "yes")
     if isinstance(current, tuple) or current is None and "," in text:
         return tuple(int(x) for x in text.split(","))
