@@ -195,22 +195,42 @@ def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec:
 
 # ---------------------------------------------------------------------------- reading
 class TeacherCache:
-    """Random access to the records of a built cache (rows read from disk on demand)."""
+    """Random access to the records of one or more built caches (rows read from disk on demand).
 
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        manifest = _read_manifest(self.directory)
-        if manifest is None:
-            raise TeacherCacheError(f"{self.directory}: no teacher cache here (no manifest.json); build one with "
-                                    f"`treespec teacher-cache --out {self.directory}`")
-        self.manifest = manifest
-        self.paths = sorted(self.directory.glob("teacher-*.safetensors"))
+    Several directories (e.g. greedy and sampled data) read as one, in the order given; their
+    manifests must agree on the target, the taps, K and the sequence cut.
+    """
+
+    def __init__(self, *directories: str | Path) -> None:
+        if not directories:
+            raise TeacherCacheError("no teacher cache directory given")
+        self.directories = [Path(d) for d in directories]
+        manifests = [self._manifest_of(d) for d in self.directories]
+        for d, m in zip(self.directories[1:], manifests[1:]):
+            problems = _differences(m, manifests[0], ("identity", "target_layer_ids", "top_k", "max_seq_len"))
+            if problems:
+                raise TeacherCacheError(f"teacher caches {self.directories[0]} and {d} do not agree: "
+                                        + "; ".join(problems))
+        self.manifest = manifests[0]
+        self.paths = [p for d in self.directories for p in sorted(d.glob("teacher-*.safetensors"))]
         if not self.paths:
-            raise TeacherCacheError(f"{self.directory}: the teacher cache has no shards yet")
+            raise TeacherCacheError(f"{', '.join(map(str, self.directories))}: no cache shards yet")
         self._offsets: list[list[int]] = []  # per shard: row offsets of its sequences
         self._starts: list[list[int]] = []  # per shard: response starts
         self._handles = [self._open(p) for p in self.paths]
         self._index = [(h, i) for h in range(len(self.paths)) for i in range(len(self._offsets[h]) - 1)]
+
+    @staticmethod
+    def _manifest_of(directory: Path) -> dict:
+        manifest = _read_manifest(directory)
+        if manifest is None:
+            raise TeacherCacheError(f"{directory}: no teacher cache here (no manifest.json); build one with "
+                                    f"`treespec teacher-cache --out {directory}`")
+        return manifest
+
+    @property
+    def directory(self) -> str:
+        return ", ".join(map(str, self.directories))
 
     def _open(self, path: Path):
         try:

@@ -83,6 +83,8 @@ class TrainConfig:
     teacher_top_k: int = 32  # K: teacher log-probs kept per position (soft labels: top K + the rest)
     seed: int = 0  # data order, anchors and fresh weights
     save_every: int = 200  # steps between checkpoints
+    eval_every: int = 0  # steps between held-out τ evaluations (0: none; needs held-out records)
+    eval_methods: tuple[str, ...] = ()  # methods scored on held-out data; the first picks the best; () by kind
 
     @property
     def gamma(self) -> float:
@@ -191,6 +193,8 @@ class DrafterTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.autocast = use_autocast(cfg.autocast_bf16, self.embed.weight.device, target.config)
         self.step = 0
+        self.best_tau = float("-inf")  # best held-out τ of the first eval method so far
+        self._eval_target = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ schedule
@@ -351,11 +355,52 @@ class DrafterTrainer:
         tokens, response_start = source[index]
         return live_record(self.target, tokens, response_start, self.spec)
 
-    def train(self, sequences: Sequence, *, until: int | None = None,
-              progress: bool = True) -> list[dict[str, float]]:
+    # ------------------------------------------------------------------ held-out τ
+    @property
+    def eval_methods(self) -> tuple[str, ...]:
+        """The held-out methods: the config's, else the drafter's tree at budget 16 and its chain."""
+        if self.cfg.eval_methods:
+            return tuple(self.cfg.eval_methods)
+        return ("dominotree@16", "domino") if self.cfg.kind == "domino" else ("ddtree@16", "dflash")
+
+    @torch.no_grad()
+    def evaluate(self, heldout: TeacherCache) -> dict[str, float]:
+        """Held-out τ of each eval method (`drafters.evaluate`) with the current weights."""
+        from drafters.evaluate import heldout_tau
+        from treespec.methods import build_policy, parse_method
+        from treespec.target import TargetModel
+
+        if self._eval_target is None:
+            self._eval_target = TargetModel(self.target)
+        self.drafter.model.eval()
+        self.drafter.bind(self._eval_target)  # fresh per-bind tables (Domino's GRU inputs) from these weights
+        methods = {m: build_policy(parse_method(m)) for m in self.eval_methods}
+        layers = self.drafter.config.target_layer_ids
+        results = heldout_tau(self.drafter, methods, heldout, taps=lambda r: heldout.select_taps(r.features, layers))
+        self.drafter.model.train()
+        return {f"tau/{r.policy}": r.tau for r in results}
+
+    def _maybe_evaluate(self, heldout: TeacherCache | None, history: list[dict[str, float]]) -> None:
+        """Every ``eval_every`` steps: log held-out τ to ``eval.jsonl``; keep the best weights in ``best/``."""
+        if heldout is None or not self.cfg.eval_every or self.step % self.cfg.eval_every:
+            return
+        scores = self.evaluate(heldout) | {"step": self.step}
+        history.append(scores)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "eval.jsonl", "a") as fh:
+            fh.write(json.dumps(scores, sort_keys=True) + "\n")
+        primary = scores[f"tau/{self.eval_methods[0]}"]
+        if primary > self.best_tau:
+            self.best_tau = primary
+            self.drafter.save_pretrained(self.out_dir / "best")
+            (self.out_dir / "best" / "heldout.json").write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
+
+    def train(self, sequences: Sequence, *, until: int | None = None, progress: bool = True,
+              heldout: TeacherCache | None = None) -> list[dict[str, float]]:
         """Run to step ``until`` (default ``cfg.steps``), one sequence per step in a seeded order.
 
         ``sequences``: a `TeacherCache`, or (tokens, response_start) pairs taught live.
+        ``heldout``: a teacher cache of held-out greedy answers, scored every ``eval_every`` steps.
 
         Checkpoints every ``save_every`` steps and at the end; stopping early keeps the schedule of
         the full run, so a later call (after `resume`) continues it exactly.
@@ -381,6 +426,7 @@ class DrafterTrainer:
             bar.set_postfix(loss=f"{logs['loss']:.3f}", acc1=f"{logs.get('acc1', 0):.2f}",
                             tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}", refresh=False)
             bar.update(1)
+            self._maybe_evaluate(heldout, history)
             if self.step % self.cfg.save_every == 0:
                 self.save(history)
         self.save(history)
@@ -399,6 +445,7 @@ class DrafterTrainer:
             moments[f"{names[id(p)]}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
         save_file(moments, str(self.out_dir / "optimizer.safetensors"))
         state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast,
+                 "best_tau": self.best_tau if self.best_tau > float("-inf") else None,
                  "recent": list(history[-50:])}
         (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
         return self.out_dir
@@ -422,6 +469,7 @@ class DrafterTrainer:
                                            "exp_avg": moments[f"{name}::exp_avg"],
                                            "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
         self.step = int(state["step"])
+        self.best_tau = state.get("best_tau") if state.get("best_tau") is not None else float("-inf")
         return True
 
 

@@ -245,3 +245,72 @@ def attrs_evolve(cfg, **kw):
     import attrs
 
     return attrs.evolve(cfg, **kw)
+
+
+# --- held-out τ without the target ------------------------------------------------------------------
+
+
+def test_accepted_length_follows_the_continuation_down_the_tree():
+    from drafters.evaluate import accepted_length
+
+    #        0
+    #      /   \
+    #     1(5)  2(6)
+    #     |      |
+    #     3(7)  4(8)
+    tokens, parents = [9, 5, 6, 7, 8], [-1, 0, 0, 1, 2]
+    assert accepted_length(tokens, parents, [6, 8, 1]) == 2
+    assert accepted_length(tokens, parents, [5, 8]) == 1
+    assert accepted_length(tokens, parents, [4]) == 0
+    assert accepted_length(tokens, parents, []) == 0
+
+
+@pytest.mark.parametrize(("kind", "method"), [("dflash", "ddtree@6"), ("domino", "dominotree@6"), ("domino", "domino")])
+def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
+    from drafters.evaluate import heldout_tau
+    from drafters.teacher import TeacherSpec, live_record
+    from treespec.decoding import SpeculativeDecoder
+    from treespec.methods import build_policy, parse_method
+    from treespec.target import TargetModel
+
+    model = target.double()  # float64: one forward over the sequence = the live tree forwards
+    trainer = make(model, tmp_path, kind=kind, steps=40, anchors_per_sequence=16, top_m=16, autocast_bf16=False)
+    trainer.train(sequences(3, target=model), progress=False)  # a drafter that accepts something
+    drafter = trainer.drafter
+    drafter.model.double().eval()
+    policy = build_policy(parse_method(method))
+    live = SpeculativeDecoder(TargetModel(model, max_positions=256), drafter, policy, draft_backoff=0)
+    spec = TeacherSpec(drafter.config.target_layer_ids, top_k=4, max_seq_len=256)
+    ar = SpeculativeDecoder(TargetModel(model, max_positions=256))
+    records, expected = [], []
+    for prompt, start in sequences(3, seed=9):
+        prompt = prompt[:start]
+        answer = ar.generate(prompt, max_new_tokens=40).tokens  # the target's greedy answer, as distilled
+        out = live.generate(prompt, max_new_tokens=40)
+        assert torch.equal(out.tokens, answer)
+        records.append(live_record(model, torch.cat([prompt, answer]), start, spec))
+        expected.append(out.stats.taus)
+    (result,) = heldout_tau(drafter, {method: policy}, records)
+    got = [round(t * n) for t, n in zip(result.per_sequence, map(len, expected))]
+    assert got == [sum(t) for t in expected] and result.rounds == sum(map(len, expected))
+    assert result.tau > 1.0  # the check is not vacuous
+    target.float()
+
+
+def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_path):
+    import json
+
+    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache
+
+    data = _distill_dir(target, tmp_path)
+    build_teacher_cache(target, data, tmp_path / "held", TeacherSpec((0, 1, 2, 3), top_k=4), _ID, progress=False)
+    heldout = TeacherCache(tmp_path / "held")
+    trainer = make(target, tmp_path, steps=6, save_every=3, eval_every=3, eval_methods=("ddtree@4", "dflash"))
+    trainer.train(sequences(2, target=target), progress=False, heldout=heldout)
+    lines = [json.loads(x) for x in (trainer.out_dir / "eval.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [3, 6] and all(x["tau/ddtree@4"] >= 1 for x in lines)
+    assert trainer.best_tau == max(x["tau/ddtree@4"] for x in lines)
+    best = json.loads((trainer.out_dir / "best" / "heldout.json").read_text())
+    assert best["tau/ddtree@4"] == trainer.best_tau
+    again = make(target, tmp_path, steps=6, eval_every=3, eval_methods=("ddtree@4", "dflash"))
+    assert again.resume() and again.best_tau == trainer.best_tau

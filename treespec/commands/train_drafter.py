@@ -19,9 +19,13 @@ from treespec.commands import CPU_DTYPES, DTYPES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None, help="directory of distill-data shards (or --teacher)")
-    parser.add_argument("--teacher", type=Path, default=None,
-                        help="a teacher cache (treespec teacher-cache): train without running the target")
+    parser.add_argument("--teacher", type=Path, action="append", default=None,
+                        help="a teacher cache (treespec teacher-cache): train without running the target; "
+                             "repeat to train on several (e.g. greedy and sampled data)")
     parser.add_argument("--out", type=Path, required=True, help="run directory (checkpoints; resumed if present)")
+    parser.add_argument("--heldout", type=Path, default=None,
+                        help="a teacher cache of held-out greedy answers: held-out τ every eval_every steps "
+                             "(--set eval_every=N), logged to OUT/eval.jsonl; the best weights go to OUT/best")
     parser.add_argument("--target", type=Path, default=None, help="local HF target directory (default: the embedded SmolLM2)")
     parser.add_argument("--preset", default="smollm2-dflash", help="named TrainConfig (see drafters.training.TRAIN_PRESETS)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -53,11 +57,12 @@ def _config(args: argparse.Namespace):
     return cfg
 
 
-def _check_data(path: Path | None, teacher: Path | None) -> None:
+def _check_data(path: Path | None, teachers: list[Path] | None) -> None:
     """A clear error before the target loads when --data holds no shards."""
-    if teacher is not None:
-        if not (teacher / "manifest.json").is_file():
-            raise SystemExit(f"--teacher {teacher}: no teacher cache here (make one with `treespec teacher-cache`)")
+    if teachers:
+        for teacher in teachers:
+            if not (teacher / "manifest.json").is_file():
+                raise SystemExit(f"--teacher {teacher}: no teacher cache here (make one with `treespec teacher-cache`)")
         if path is None:
             return
     if path is None:
@@ -76,7 +81,8 @@ def _parse(text: str, current, annotation: str = ""):
             raise ValueError(f"expected true or false, got {text!r}")
         return text.lower() in ("1", "true", "yes")
     if isinstance(current, tuple) or current is None and "," in text:
-        return tuple(int(x) for x in text.split(","))
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        return tuple(int(x) if x.lstrip("-").isdigit() else x for x in items)
     if current is None:  # an optional field: an integer if it reads as one
         return int(text) if text.lstrip("-").isdigit() else float(text)
     return type(current)(text)
@@ -91,7 +97,7 @@ def _sequences(args: argparse.Namespace, target, identity, cfg):
     if args.teacher is None:
         return [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
     try:
-        cache = TeacherCache(args.teacher)
+        cache = TeacherCache(*args.teacher)
         layers = cfg.target_layer_ids or spread_layers(target.config.num_hidden_layers)
         cache.check(identity=identity, target_layer_ids=layers, top_k=cfg.teacher_top_k)
     except TeacherCacheError as exc:
@@ -99,6 +105,20 @@ def _sequences(args: argparse.Namespace, target, identity, cfg):
     if cache.manifest.get("max_seq_len", cfg.max_seq_len) < cfg.max_seq_len:
         raise SystemExit(f"--teacher: the cache cut sequences at {cache.manifest['max_seq_len']} tokens, the run "
                          f"asks for max_seq_len {cfg.max_seq_len}")
+    return cache
+
+
+def _heldout(args: argparse.Namespace, identity, layers):
+    """The held-out teacher cache (checked against the target and the drafter's taps), or None."""
+    from drafters.teacher import TeacherCache, TeacherCacheError
+
+    if args.heldout is None:
+        return None
+    try:
+        cache = TeacherCache(args.heldout)
+        cache.check(identity=identity, target_layer_ids=layers)
+    except TeacherCacheError as exc:
+        raise SystemExit(f"--heldout: {exc}") from None
     return cache
 
 
@@ -129,16 +149,20 @@ def run(args: argparse.Namespace) -> int:
     if mask is None:
         mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)
     data = _sequences(args, target, identity, cfg)
-    source = f"teacher cache {args.teacher}" if args.teacher else f"{args.data}"
+    source = f"teacher cache {', '.join(map(str, args.teacher))}" if args.teacher else f"{args.data}"
     print(f"{len(data)} sequences from {source}; config: {cfg}")
     drafter = new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
     trainer = DrafterTrainer(target, drafter, cfg, out_dir=args.out)
     if trainer.resume():
         print(f"resumed at step {trainer.step}")
-    trainer.train(data, until=args.until)
+    heldout = _heldout(args, identity, drafter.config.target_layer_ids)
+    trainer.train(data, until=args.until, heldout=heldout)
     print(f"drafter written to {args.out / 'drafter'}")
     if args.export is not None:
-        export_drafter(args.out / "drafter", args.export, DTYPES[args.export_dtype])
+        best = args.out / "best"
+        source = best if heldout is not None and best.is_dir() else args.out / "drafter"
+        export_drafter(source, args.export, DTYPES[args.export_dtype])
+        print(f"exported {source}")
         print(f"{args.export_dtype} copy written to {args.export}")
     return 0
 
