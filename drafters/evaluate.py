@@ -19,15 +19,16 @@ tree forwards: equal up to float rounding, so τ equals live τ up to near-ties 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import attrs
 import torch
 
 from drafters.teacher import TeacherRecord
 from treespec.interfaces import DraftContext, Drafter, TreePolicy
+from treespec.replay import accepted_length
 
-__all__ = ["HeldoutTau", "accepted_length", "heldout_tau", "sequence_taus"]
+__all__ = ["HeldoutTau", "heldout_tau", "sequence_taus"]
 
 
 @attrs.frozen
@@ -40,20 +41,6 @@ class HeldoutTau:
     per_sequence: tuple[float, ...]  # mean τ of each sequence (for paired comparisons)
 
 
-def accepted_length(tokens: Sequence[int], parents: Sequence[int], continuation: Sequence[int]) -> int:
-    """Depth of the deepest node whose root-to-node tokens equal ``continuation``'s first tokens."""
-    children: dict[int, dict[int, int]] = {}
-    for node in range(1, len(tokens)):
-        children.setdefault(parents[node], {}).setdefault(tokens[node], node)
-    node, depth = 0, 0
-    for token in continuation:
-        node = children.get(node, {}).get(token, -1)
-        if node < 0:
-            break
-        depth += 1
-    return depth
-
-
 @torch.no_grad()
 def sequence_taus(drafter: Drafter, policy: TreePolicy, record: TeacherRecord, features: torch.Tensor) -> list[int]:
     """τ of every round of greedy decoding over one record (``features`` [T, k*H]: the drafter's taps)."""
@@ -64,9 +51,8 @@ def sequence_taus(drafter: Drafter, policy: TreePolicy, record: TeacherRecord, f
         ctx = DraftContext(sequence=record.tokens[:anchor + 1], features=features[cached:anchor],
                            feature_start=cached)
         cached = anchor
-        tree = policy.build(drafter.draft(ctx))
         rest = tokens[anchor + 1:]
-        tau = min(accepted_length(tree.tokens.tolist(), tree.parents.tolist(), rest) + 1, len(rest))
+        tau = min(accepted_length(policy.build(drafter.draft(ctx)), rest), len(rest))
         taus.append(tau)
         anchor += tau
     return taus

@@ -268,3 +268,63 @@ def test_cli_records_and_evaluates_a_trace(small, tmp_path, capsys):
     assert '"max_new_tokens": 12' in capsys.readouterr().out
     assert main(["replay", "eval", str(out), "--methods", "nosuch@4"]) == 1
     assert "unknown policy 'nosuch'" in capsys.readouterr().err
+    assert not out.with_name(out.name + ".parts").exists()  # the parts go once the trace is written
+    record = ["replay", "record", "--out", str(out), "--model", str(tmp_path / "target"), "--dflash",
+              str(tmp_path / "dflash"), "--prompt-ids", str(tmp_path / "prompts.json"), "--max-new-tokens", "4"]
+    before = out.read_bytes()
+    assert main(record) == 1  # an existing trace is never silently replaced
+    assert f"{out} exists; pass --overwrite" in capsys.readouterr().err and out.read_bytes() == before
+    assert main([*record, "--overwrite"]) == 0 and Trace.load(out).max_new_tokens == 4
+
+
+# ---------------------------------------------------------------------------- resumable recording
+def _trace_bytes(trace: Trace, path) -> dict:
+    """A trace's tensors and metadata, compared after a save/load round trip."""
+    trace.save(path)
+    loaded = Trace.load(path)
+    tensors = {k: v.tolist() for k, v in _flatten_for_test(loaded).items()}
+    return {"meta": loaded.meta, "tensors": tensors}
+
+
+def _flatten_for_test(trace: Trace) -> dict:
+    from treespec.replay import _flatten
+
+    return _flatten(trace)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_recording_resumes_into_the_same_trace(compressed, tmp_path):
+    world = compressed
+    config = RecordConfig(max_new_tokens=16, max_budget=80, min_k=4)
+    whole = _trace_bytes(world.trace, tmp_path / "whole.safetensors")
+    domino, calls = world.drafters["domino"], {"n": 0}
+    original = domino.draft
+
+    def failing(ctx):  # the second prompt's recording stops half way (a crash, or SIGINT)
+        calls["n"] += 1
+        if calls["n"] == 16 + 8:
+            raise _Interrupt
+        return original(ctx)
+
+    domino.draft = failing
+    with pytest.raises(_Interrupt):
+        record_trace(world.target, world.drafters, world.prompts, config=config, parts_dir=tmp_path / "parts")
+    domino.draft = original
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["part-00000.safetensors"]  # no torn part
+    resumed = record_trace(world.target, world.drafters, world.prompts, config=config, parts_dir=tmp_path / "parts")
+    assert _trace_bytes(resumed, tmp_path / "resumed.safetensors") == whole
+
+
+def test_parts_of_other_settings_are_refused(compressed, tmp_path):
+    world = compressed
+    config = RecordConfig(max_new_tokens=16, max_budget=80, min_k=4)
+    record_trace(world.target, world.drafters, world.prompts[:1], config=config, parts_dir=tmp_path)
+    with pytest.raises(TraceError, match="recorded with other config"):
+        record_trace(world.target, world.drafters, world.prompts[:1], parts_dir=tmp_path,
+                     config=RecordConfig(max_new_tokens=12, max_budget=80, min_k=4))
+    with pytest.raises(TraceError, match="recorded with other prompt, prompt_sha256"):
+        record_trace(world.target, world.drafters, world.prompts[1:2], config=config, parts_dir=tmp_path,
+                     prompt_ids=["other"])

@@ -250,21 +250,6 @@ def attrs_evolve(cfg, **kw):
 # --- held-out τ without the target ------------------------------------------------------------------
 
 
-def test_accepted_length_follows_the_continuation_down_the_tree():
-    from drafters.evaluate import accepted_length
-
-    #        0
-    #      /   \
-    #     1(5)  2(6)
-    #     |      |
-    #     3(7)  4(8)
-    tokens, parents = [9, 5, 6, 7, 8], [-1, 0, 0, 1, 2]
-    assert accepted_length(tokens, parents, [6, 8, 1]) == 2
-    assert accepted_length(tokens, parents, [5, 8]) == 1
-    assert accepted_length(tokens, parents, [4]) == 0
-    assert accepted_length(tokens, parents, []) == 0
-
-
 @pytest.mark.parametrize(("kind", "method"), [("dflash", "ddtree@6"), ("domino", "dominotree@6"), ("domino", "domino")])
 def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
     from drafters.evaluate import heldout_tau

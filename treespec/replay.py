@@ -62,7 +62,7 @@ from treespec.tree import DraftTree
 
 __all__ = [
     "RECORD_PRESETS", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ScorerRecord", "Trace",
-    "TraceError", "accepted_length", "check_replayable", "evaluate", "record_trace", "replay_prompt",
+    "TraceError", "accepted_length", "check_replayable", "evaluate", "merge_traces", "record_trace", "replay_prompt",
 ]
 
 FORMAT, VERSION = "treespec-trace", 1
@@ -389,28 +389,121 @@ class _Recorder(Drafter):
 
 def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: Sequence[torch.Tensor], *,
                  config: RecordConfig = RECORD_PRESETS["default"], prompt_ids: Sequence[str] | None = None,
-                 target_name: str = "", progress: bool = False) -> Trace:
+                 target_name: str = "", progress: bool = False, parts_dir: str | Path | None = None) -> Trace:
     """Record ``drafters`` (kind -> drafter, e.g. {"dflash": ..., "domino": ...}) along the greedy
-    trajectory of ``target`` for each prompt ([P] token ids); see the module docstring."""
+    trajectory of ``target`` for each prompt ([P] token ids); see the module docstring.
+
+    ``parts_dir``: record prompt by prompt into one part file each there (written whole, then
+    renamed), reuse the parts an interrupted run left (same prompt, settings, target and drafter
+    weights, else `TraceError`) and merge them: an interrupted recording resumes.
+    """
     if not drafters:
         raise ValueError("record_trace needs at least one drafter")
     prompt_ids = [str(i) for i in range(len(prompts))] if prompt_ids is None else list(prompt_ids)
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(prompt_ids)} prompt ids")
+    target_meta = {"name": target_name, "vocab_size": target.vocab_size, "max_positions": target.max_positions,
+                   "dtype": str(target.dtype).removeprefix("torch.")}
+    items = list(zip(prompt_ids, prompts, strict=True))
+    if parts_dir is None:
+        trace = _record_prompts(target, drafters, items, config, target_meta, progress)
+    else:
+        identity = {kind: _weights_digest(d) for kind, d in drafters.items()}
+        parts = [_part(target, drafters, item, config, target_meta, Path(parts_dir), i, identity)
+                 for i, item in enumerate(_progress(items, progress, "record"))]
+        trace = merge_traces(parts)
+    profile = machine_profile(target, list(drafters.values()))  # what cost-aware policies replay with
+    meta = trace.meta | {"cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()},
+                         "calibrations": {kind: profile.calibration(d) for kind, d in drafters.items()}}
+    return attrs.evolve(trace, meta=meta)
+
+
+def _record_prompts(target: TargetModel, drafters: Mapping[str, Drafter], items: Sequence[tuple[str, torch.Tensor]],
+                    config: RecordConfig, target_meta: dict, progress: bool = False) -> Trace:
+    """The trace of ``items`` ((prompt id, prompt) pairs), without cost models."""
     recorder = _Recorder(drafters, config)
     decoder = SpeculativeDecoder(target, recorder, _RootOnly(), draft_backoff=0)  # a draft at every anchor
     sequences = [_record_prompt(decoder, prompt, config.max_new_tokens)
-                 for prompt in _progress(prompts, progress, "record")]
+                 for _, prompt in _progress(items, progress, "record")]
     records = {kind: capture.finish() for kind, capture in recorder.captures.items()}
-    profile = machine_profile(target, list(drafters.values()))  # what cost-aware policies replay with
-    meta = {"format": FORMAT, "version": VERSION, "config": attrs.asdict(config),
-            "target": {"name": target_name, "vocab_size": target.vocab_size, "max_positions": target.max_positions,
-                       "dtype": str(target.dtype).removeprefix("torch.")},
-            "prompts": [{"id": pid, "prompt_len": int(p.numel())} for pid, p in zip(prompt_ids, prompts, strict=True)],
-            "drafters": {kind: meta for kind, (_, meta) in records.items()},
-            "cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()},
-            "calibrations": {kind: profile.calibration(d) for kind, d in drafters.items()}}
+    meta = {"format": FORMAT, "version": VERSION, "config": attrs.asdict(config), "target": target_meta,
+            "prompts": [{"id": pid, "prompt_len": int(p.numel())} for pid, p in items],
+            "drafters": {kind: meta for kind, (_, meta) in records.items()}}
     return Trace(meta, tuple(sequences), {kind: rec for kind, (rec, _) in records.items()})
+
+
+def _weights_digest(drafter: Drafter) -> str:
+    """sha256 over a drafter's tensors (names, shapes, dtypes and bytes), or its class name."""
+    import hashlib
+
+    model = getattr(drafter, "model", None)
+    if not isinstance(model, nn.Module):
+        return type(drafter).__name__
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def _part(target, drafters, item: tuple[str, torch.Tensor], config: RecordConfig, target_meta: dict,
+          parts_dir: Path, index: int, identity: dict) -> Trace:
+    """Prompt ``index``'s one-prompt trace: read from its part file when it fits, else recorded and stored."""
+    import hashlib
+
+    pid, prompt = item
+    key = {"prompt": pid, "prompt_sha256": hashlib.sha256(prompt.to(torch.int64).numpy().tobytes()).hexdigest(),
+           "config": attrs.asdict(config), "target": target_meta, "drafters": identity}
+    path = parts_dir / f"part-{index:05d}.safetensors"
+    if path.exists():
+        part = Trace.load(path)
+        stored = part.meta.get("part")
+        if stored != json.loads(json.dumps(key)):
+            wrong = sorted(k for k in key if (stored or {}).get(k) != json.loads(json.dumps(key[k])))
+            raise TraceError(f"{path} was recorded with other {', '.join(wrong)}; record into another --out "
+                             f"or pass --overwrite")
+        return part
+    part = _record_prompts(target, drafters, [item], config, target_meta)
+    part = attrs.evolve(part, meta=part.meta | {"part": key})
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    tmp = part.save(parts_dir / f".part-{index:05d}.tmp")
+    tmp.replace(path)
+    return part
+
+
+def merge_traces(traces: Sequence[Trace]) -> Trace:
+    """One trace of the prompts of ``traces`` in order (same config, target and drafters)."""
+    if not traces:
+        raise TraceError("no traces to merge")
+    first = traces[0]
+    for other in traces[1:]:
+        for field in ("config", "target", "drafters"):
+            if other.meta[field] != first.meta[field]:
+                raise TraceError(f"cannot merge traces recorded with other {field}")
+    meta = {k: v for k, v in first.meta.items() if k != "part"}
+    meta["prompts"] = [p for t in traces for p in t.meta["prompts"]]
+    drafters = {kind: _merge_records([t.drafters[kind] for t in traces]) for kind in first.drafters}
+    return Trace(meta, tuple(s for t in traces for s in t.sequences), drafters)
+
+
+def _merge_records(records: Sequence[DrafterRecord]) -> DrafterRecord:
+    scorers = [r.scorer for r in records]
+    scorer = None if scorers[0] is None else _merge_scorers(scorers)
+    return DrafterRecord(torch.cat([r.counts for r in records]), torch.cat([r.tokens for r in records]),
+                         torch.cat([r.logprobs for r in records]), scorer)
+
+
+def _merge_scorers(scorers: Sequence[ScorerRecord]) -> ScorerRecord:
+    """Anchors concatenated; the GRU input rows of every token any part read, once each, ascending."""
+    tokens = torch.cat([s.input_tokens for s in scorers])  # [U'] with repeats
+    rows = torch.cat([s.input_rows for s in scorers])
+    unique, inverse = torch.unique(tokens, return_inverse=True)  # ascending
+    first = torch.full((unique.numel(),), tokens.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(tokens.numel()), reduce="amin")
+    cat = lambda name: torch.cat([getattr(s, name) for s in scorers])  # noqa: E731
+    return ScorerRecord(cat("rows"), cat("base_tokens"), cat("base_logits"), cat("prefix_tokens"),
+                        cat("prefix_logprobs"), unique, rows[first], scorers[0].weights)
 
 
 def _record_prompt(decoder: SpeculativeDecoder, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

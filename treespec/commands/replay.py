@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,8 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                         help="target dtype (auto: the faster of bf16 and fp32 on this CPU, measured once)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out (and the parts of an interrupted run with other settings)")
 
 
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,12 +91,26 @@ def _record(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("max_budget", args.max_budget),
                                    ("min_k", args.min_k), ("top_m", args.top_m)) if v is not None}
     config = attrs.evolve(RECORD_PRESETS[args.preset], **overrides)
+    if args.out.exists() and not args.overwrite:
+        raise ValueError(f"{args.out} exists; pass --overwrite to replace it")
+    parts = args.out.with_name(args.out.name + ".parts")  # one file per recorded prompt: a rerun resumes
+    if args.overwrite and parts.exists():
+        shutil.rmtree(parts)
     drafters = _load_drafters(args)  # first: a missing checkpoint fails before the target loads
     target, tokenizer, name = _load_target(args)
     prompts, ids = _prompts(args, tokenizer)
     start = time.perf_counter()
-    trace = record_trace(target, drafters, prompts, config=config, prompt_ids=ids, target_name=name, progress=True)
-    path = trace.save(args.out)
+    try:
+        trace = record_trace(target, drafters, prompts, config=config, prompt_ids=ids, target_name=name,
+                             progress=True, parts_dir=parts)
+    except KeyboardInterrupt:
+        done = len(list(parts.glob("part-*.safetensors"))) if parts.exists() else 0
+        print(f"\ntreespec replay record: interrupted; {done} of {len(prompts)} prompts are kept in {parts}; "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
+    path = trace.save(args.out.with_name(args.out.name + ".tmp"))
+    path = path.replace(args.out)
+    shutil.rmtree(parts, ignore_errors=True)
     print(f"recorded {len(prompts)} prompts x {config.max_new_tokens} tokens with {', '.join(drafters)} in "
           f"{time.perf_counter() - start:.1f} s -> {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
