@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="a local Hugging Face model directory (default: the embedded SmolLM2)")
     parser.add_argument("--dataset", default=d.dataset, help="benchmark name or local prompt file")
-    parser.add_argument("--split", default=d.split, choices=["train", "all"], help="prompt split to answer")
+    parser.add_argument("--split", default=d.split, choices=["train", "bench", "all"],
+                        help="prompt split to answer (bench: held-out answers for evaluation only)")
     parser.add_argument("--num-prompts", type=int, default=d.num_prompts)
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)

@@ -23,9 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a teacher cache (treespec teacher-cache): train without running the target; "
                              "repeat to train on several (e.g. greedy and sampled data)")
     parser.add_argument("--out", type=Path, required=True, help="run directory (checkpoints; resumed if present)")
-    parser.add_argument("--heldout", type=Path, default=None,
-                        help="a teacher cache of held-out greedy answers: held-out τ every eval_every steps "
-                             "(--set eval_every=N), logged to OUT/eval.jsonl; the best weights go to OUT/best")
+    parser.add_argument("--heldout", type=Path, action="append", default=None,
+                        help="a teacher cache of held-out greedy answers (repeatable): held-out τ every "
+                             "eval_every steps (--set eval_every=N), logged to OUT/eval.jsonl; the best weights "
+                             "go to OUT/best")
     parser.add_argument("--target", type=Path, default=None, help="local HF target directory (default: the embedded SmolLM2)")
     parser.add_argument("--preset", default="smollm2-dflash", help="named TrainConfig (see drafters.training.TRAIN_PRESETS)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -112,10 +113,10 @@ def _heldout(args: argparse.Namespace, identity, layers):
     """The held-out teacher cache (checked against the target and the drafter's taps), or None."""
     from drafters.teacher import TeacherCache, TeacherCacheError
 
-    if args.heldout is None:
+    if not args.heldout:
         return None
     try:
-        cache = TeacherCache(args.heldout)
+        cache = TeacherCache(*args.heldout)
         cache.check(identity=identity, target_layer_ids=layers)
     except TeacherCacheError as exc:
         raise SystemExit(f"--heldout: {exc}") from None
