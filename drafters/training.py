@@ -26,7 +26,7 @@ sequences (the target's own responses: self-distillation).  One step takes one s
    s_i = GRU(s_{i-1}, e(token_{a+i})); corrected logits = base + embed_proj([z ; s]) beyond the
    pure-draft prefix, normalised over the top-M base candidates as DominoTree does at inference
    (a label outside them falls back to the base loss); loss ``(1 - lam) L(corrected) + lam L(base)``
-   with lam decayed linearly from 1 to 0 over the run.
+   with lam decayed linearly from 1 to 0 over the run (or to ``base_share_floor``).
 
 Checkpoints are safetensors only: the drafter in its released layout (``drafter/``) and the
 optimizer moments under parameter names plus a JSON record of the step (``trainer_state.json``).
@@ -78,6 +78,7 @@ class TrainConfig:
     emb_dim: int = 64  # Domino: embed_proj bottleneck E
     pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
     top_m: int = 64  # Domino: base candidates the correction is normalised over (as DominoTree's M)
+    base_share_floor: float = 0.0  # Domino: lam never falls below this (its base logits pick depth 1 and top-M)
     autocast_bf16: bool | None = None  # bf16 autocast (fp32 master weights); None: on CUDA, or where bf16 is faster
     draft_vocab_size: int | None = None  # N: head over the N most frequent response tokens; None: all V
     teacher_top_k: int = 32  # K: teacher log-probs kept per position (soft labels: top K + the rest)
@@ -207,8 +208,8 @@ class DrafterTrainer:
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def base_share(self, step: int) -> float:
-        """Domino's lam: the base-logit loss share, decayed linearly from 1 to 0."""
-        return max(0.0, 1.0 - step / max(1, self.cfg.steps))
+        """Domino's lam: the base-logit loss share, decayed linearly from 1 to ``base_share_floor``."""
+        return max(self.cfg.base_share_floor, 1.0 - step / max(1, self.cfg.steps))
 
     # ------------------------------------------------------------------ data
     def make_batch(self, record: TeacherRecord, generator: torch.Generator) -> Batch | None:

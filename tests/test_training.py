@@ -299,3 +299,9 @@ def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_
     assert best["tau/ddtree@4"] == trainer.best_tau
     again = make(target, tmp_path, steps=6, eval_every=3, eval_methods=("ddtree@4", "dflash"))
     assert again.resume() and again.best_tau == trainer.best_tau
+
+
+def test_the_base_share_decays_to_its_floor(target, tmp_path):
+    trainer = make(target, tmp_path, kind="domino", steps=10, base_share_floor=0.25)
+    assert [trainer.base_share(s) for s in (0, 5, 8, 10)] == [1.0, 0.5, 0.25, 0.25]
+    assert make(target, tmp_path, kind="domino", steps=10).base_share(10) == 0.0
