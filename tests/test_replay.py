@@ -89,6 +89,7 @@ class World:
         decoder = SpeculativeDecoder(self.target, self.drafters[parsed.drafter], policy)  # one, as replay's gate
         for i, prompt in enumerate(self.prompts):
             policy.trees = []
+            decoder.gate.reset()  # each prompt on its own, as the bench and replay measure them
             out = decoder.generate(prompt, max_new_tokens=self.trace.max_new_tokens, **kwargs)
             assert out.tokens.tolist() == self.trace.sequences[i][prompt.numel():][:out.tokens.numel()].tolist()
             taus.append(tuple(out.stats.taus))

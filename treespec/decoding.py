@@ -20,7 +20,9 @@ round drafts nothing and runs one AR step, and each further root-only answer dou
 rounds before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off).
 Any larger tree resets the back-off.  The gate belongs to the decoder and carries over between its
 ``generate`` calls: whether trees pay is a property of the machine and the drafter, so a new
-prompt does not pay for probing again.  AR rounds commit exactly what the target chooses, so the
+prompt does not pay for probing again.  Harnesses that measure prompts independently (the bench,
+whose records must not depend on sharding, resumption or prompt order, and replay, which mirrors
+it) call ``gate.reset()`` at each conversation's start.  AR rounds commit exactly what the target chooses, so the
 output is unchanged; the drafter receives the taps of every token committed meanwhile at its
 next draft.
 
@@ -114,6 +116,10 @@ class DraftGate:
             return
         self.wait = min(max(1, 2 * self.wait), self.max_backoff)
         self.skip = self.wait
+
+    def reset(self) -> None:
+        """Forget the back-off: the next round drafts (a harness measuring prompts independently)."""
+        self.skip = self.wait = 0
 
 
 class _Stopwatch:

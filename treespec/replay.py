@@ -635,7 +635,8 @@ def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
                   backend: str = "torch", stop_token_ids: Iterable[int] = (),
                   gate: DraftGate | None = None) -> list[int]:
     """Per-round tau of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop
-    counts; ``gate`` is the decoder's `DraftGate` (pass one across prompts, as a live decoder keeps it)."""
+    counts; ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
+    conversation; pass one across prompts to mirror a decoder used for several generations)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
     taus, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
@@ -709,8 +710,8 @@ def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "t
         drafts, policy = _drafts_for(trace, method, cache), build_policy(method, *_pricing(trace, method, cost_model))
         if drafts is not None:
             check_replayable(policy, drafts.meta)
-        start, gate = time.perf_counter(), DraftGate(DRAFT_BACKOFF)  # one decoder's gate, prompts in order
-        taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops, gate=gate))
+        start = time.perf_counter()  # each prompt with a fresh gate, as the bench measures conversations
+        taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops))
                      for i in chosen)
         results.append(ReplayResult(method.name, taus, time.perf_counter() - start))
     return results

@@ -413,6 +413,9 @@ class _Runner:
     def conversation(self, prompt: PromptRecord, temperature: float) -> Iterator[tuple[list, list]]:
         """(records, divergences) per turn; turn t + 1 is asked after AR's answer to turn t."""
         answers: list[str] = []
+        for decoder in self.decoders.values():  # each conversation on its own: records independent of
+            if isinstance(decoder, SpeculativeDecoder):  # the shard layout, resumption and prompt order
+                decoder.gate.reset()
         for t in range(len(prompt.turns)):
             ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
             turn = _Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t,
