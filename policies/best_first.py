@@ -41,7 +41,7 @@ from treespec.tree import DraftTree
 
 __all__ = [
     "MAX_BUDGET", "BestFirstPolicy", "StopRule", "assemble", "budget_field", "check_backend", "check_budget", "check_logprobs",
-    "expand_frontier", "frontier_selection", "grow_graph", "grow_reference", "score_floor",
+    "expand_frontier", "frontier_selection", "grow_graph", "grow_reference",
 ]
 
 MAX_BUDGET = 8192  # largest tree budget: an [N, N] float32 mask of 256 MiB, a verify forward over N tokens
@@ -455,16 +455,6 @@ def expand_frontier(draft: DraftOutput, source: CandidateSource, budget: int,
         order = order[: int(stop.keep(draft, scores[order]))]
         order = order[: stop.trim(draft, scores[order])]
     return assemble(order, tokens, scores, depths, parents)
-
-
-def score_floor(draft: DraftOutput, source: CandidateSource, budget: int) -> float:
-    """The B-th best node score of the tree over ``source`` (-inf if it has fewer than B nodes)."""
-    frontier = _Frontier(draft, source, budget, static=False)
-    frontier.grow(draft.depth)
-    if frontier.size - 1 < budget:
-        return float("-inf")
-    scores = torch.cat([lv.scores for lv in frontier.levels[1:]])
-    return float(scores.topk(budget, sorted=False).values.min())
 
 
 def assemble(order, tokens, scores, depths, parents) -> DraftTree:

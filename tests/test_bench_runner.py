@@ -25,6 +25,7 @@ from treespec.bench.records import read_records
 from treespec.cli import main
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import SamplingParams
+from treespec.methods import parse_method
 from treespec.sampling import gumbel_noise, sampling_key
 from treespec.target import TargetModel
 
@@ -102,6 +103,8 @@ def test_methods_expand_over_budgets_with_ar_first():
     assert names == ["ar", "dflash", "ddtree@4", "ddtree@8", "dominotree@4:dflash", "dominotree@8:dflash",
                      "domino", "chain"]
     assert [m.budget for m in runner.expand_methods(["ddtree@32"], [4])] == [None, 32]
+    expanded = runner.expand_methods(["ddtree", "dominotree:dflash", "caddtree"], [4, 8])
+    assert all(m == parse_method(m.name) for m in expanded)  # a copy at the budget, as its name parses
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         runner.expand_methods(["nope"], [4])
 

@@ -30,7 +30,7 @@ from treespec import registry
 from treespec.cost import CostModel
 from treespec.interfaces import TreePolicy
 
-__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "parse_method", "policy_class"]
+__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "parse_method", "policy_class", "with_budget"]
 
 # The comparison of the README's demo: the published systems on the embedded default.
 DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
@@ -49,6 +49,12 @@ class Method:
     @property
     def autoregressive(self) -> bool:
         return self.policy is None
+
+
+def with_budget(method: Method, budget: int) -> Method:
+    """``method`` at tree budget ``budget``, named as `parse_method` would name ``POLICY@B[:DRAFTER]``."""
+    spec, sep, drafter = method.name.partition(":")
+    return attrs.evolve(method, name=f"{spec.partition('@')[0]}@{budget}{sep}{drafter}", budget=budget)
 
 
 def parse_method(text: str) -> Method:

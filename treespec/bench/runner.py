@@ -50,7 +50,7 @@ from treespec.datasets import PromptRecord, encode_chat, load_prompts
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, SamplingParams
 from treespec.cost import CostModel
-from treespec.methods import Method, build_policy, parse_method, policy_class
+from treespec.methods import Method, build_policy, parse_method, policy_class, with_budget
 from treespec.profile import CostProfile, machine_profile
 from treespec.sampling import gumbel_noise, sampling_key, work_dtype
 from treespec.target import ContextOverflowError, TargetModel
@@ -150,11 +150,6 @@ class Shard:
 
 
 # ---------------------------------------------------------------------------- methods and seeds
-def _with_budget(name: str, budget: int) -> str:
-    spec, sep, drafter = name.partition(":")
-    return f"{spec}@{budget}{sep}{drafter}"
-
-
 def expand_methods(names: Iterable[str], budgets: Iterable[int]) -> list[Method]:
     """AR first, then each method; one without ``@B`` at every budget (chains and AR at none)."""
     out = [parse_method("ar")]
@@ -165,7 +160,7 @@ def expand_methods(names: Iterable[str], budgets: Iterable[int]) -> list[Method]
         if method.budget is not None or method.policy == "chain":
             out.append(method)
         else:
-            out += [parse_method(_with_budget(method.name, b)) for b in budgets]
+            out += [with_budget(method, b) for b in budgets]
     return list({m.name: m for m in out}.values())  # first occurrence wins, order kept
 
 
