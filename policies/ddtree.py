@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-import numpy as np
 import torch
 
 from policies.best_first import BestFirstPolicy, StopRule, budget_field, check_logprobs
 from policies.sources import FactorizedSource
 from policies.topk import exact_topk, order_key, reference_topk
 from treespec.interfaces import DraftOutput
+from treespec.reach import best_chain, reachable
 
 __all__ = ["DDTree", "marginal_source"]
 
@@ -49,10 +49,10 @@ def _adaptive_source(draft: DraftOutput, budget: int) -> FactorizedSource:
     the tokens that can (at most B, best first).
     """
     values, tokens = exact_topk(draft.logprobs, _FIRST_PASS + 1)  # [L, 33]
-    chain = _best_chain(values[:, 0])  # [L] best score of a parent at each depth
+    chain = best_chain(values[:, 0])  # [L] best score of a parent at each depth
     floor = _score_floor(values[:, :_FIRST_PASS], chain, budget)
     narrow = FactorizedSource.from_rows(tokens[:, :_FIRST_PASS], values[:, :_FIRST_PASS])
-    widen = ((chain + values[:, _FIRST_PASS]) >= floor).nonzero().flatten().tolist()
+    widen = reachable(values[:, _FIRST_PASS:_FIRST_PASS + 1], chain, floor)[:, 0].nonzero().flatten().tolist()
     if not widen:
         return narrow
     rows_t, rows_v = list(narrow.tokens), list(narrow.logprobs)
@@ -75,17 +75,9 @@ def _score_floor(values: torch.Tensor, chain: torch.Tensor, budget: int) -> floa
     return float(scores.topk(budget, sorted=False).values.min())
 
 
-def _best_chain(top1: torch.Tensor) -> torch.Tensor:
-    """[L] float32: 0 then the running float32 sums of the top-1 log-probs (one rounding per step)."""
-    out = [np.float32(0.0)]
-    for value in top1[:-1].tolist():
-        out.append(out[-1] + np.float32(value))
-    return torch.tensor(np.array(out, dtype=np.float32), device=top1.device)
-
-
 def _reachable(row: torch.Tensor, parent: torch.Tensor, floor: float, budget: int):
     """The best min(B, ...) tokens t of ``row`` with float32(parent + row[t]) >= floor, best first."""
-    ids = ((parent + row) >= floor).nonzero().flatten()
+    ids = reachable(row[None], parent.reshape(1), floor)[0].nonzero().flatten()
     top = order_key(row[ids], ids).topk(min(budget, ids.numel()), largest=False, sorted=True).indices
     return ids[top], row[ids[top]]
 

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "treespec"
 KERNEL = ["tree.py", "interfaces.py", "decoding.py", "target.py", "registry.py", "sampling.py", "stats.py",
-          "cost.py", "hardware.py", "profile.py"]
+          "cost.py", "hardware.py", "profile.py", "reach.py"]
 IMPLEMENTATIONS = ("policies", "drafters", "verifiers")
 
 

@@ -57,6 +57,7 @@ from treespec.decoding import DRAFT_BACKOFF, DraftGate, SpeculativeDecoder, limi
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, TreePolicy
 from treespec.methods import Method, build_policy, parse_method
 from treespec.profile import machine_profile
+from treespec.reach import best_chain, reachable
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
 
@@ -229,15 +230,6 @@ def _best(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, values.gather(-1, ids)
 
 
-def _chain_scores(logprobs: torch.Tensor) -> torch.Tensor:
-    """[L] float32: the best path score of a parent at each depth (0, then running top-1 sums)."""
-    top1 = logprobs.amax(-1)  # [L]
-    out = torch.zeros_like(top1)
-    for d in range(1, top1.numel()):
-        out[d] = out[d - 1] + top1[d - 1]  # one float32 rounding per step, as the policies add
-    return out
-
-
 def _budget_floor(draft: DraftOutput, budget: int) -> torch.Tensor:
     """Score of DDTree(budget)'s last node; every node of a tree of at most ``budget`` nodes reaches it."""
     marginal = DraftOutput(draft.logprobs, draft.root_token, draft.position)
@@ -255,7 +247,7 @@ def _marginal_counts(draft: DraftOutput, config: RecordConfig) -> torch.Tensor:
     if config.max_budget >= vocab:
         return torch.full((depth,), vocab, dtype=torch.int64)
     floor = _budget_floor(draft, config.max_budget)
-    reach = ((_chain_scores(draft.logprobs)[:, None] + draft.logprobs) >= floor).sum(-1)  # [L]
+    reach = reachable(draft.logprobs, best_chain(draft.logprobs.amax(-1)), floor).sum(-1)  # [L]
     return reach.clamp_min(min(config.min_k, vocab)).cpu()
 
 
