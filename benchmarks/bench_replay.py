@@ -30,6 +30,7 @@ from treespec.decoding import SpeculativeDecoder
 from treespec.methods import build_policy, embedded_drafter_dir, parse_method
 from treespec.replay import RECORD_PRESETS, Trace, evaluate, record_trace
 from treespec.target import TargetModel
+from treespec.tiny import tiny_causal_lm
 
 METHODS = ["dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "static-corrected@16", "ddtree@64"]
 DATASETS = ["gsm8k", "mt-bench", "alpaca"]
@@ -58,17 +59,11 @@ def parse_args() -> argparse.Namespace:
 # ---------------------------------------------------------------------------- models and prompts
 def tiny_setup(args: argparse.Namespace):
     """A float64 Qwen3 (V 256, H 64, 4 layers), random DFlash / Domino drafters, random prompts."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from drafters.config import DFlashConfig, DominoHeadConfig
     from drafters.dflash import DFlashDrafter
     from drafters.domino import DominoDrafter
 
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         initializer_range=0.3, tie_word_embeddings=False, attn_implementation="sdpa")
-    target = TargetModel(Qwen3ForCausalLM(config).to(torch.float64).eval())
+    target = TargetModel(tiny_causal_lm(vocab=256, hidden=64, layers=4, max_positions=1024, init=0.3))
 
     def drafter_config(domino: bool) -> DFlashConfig:
         head = DominoHeadConfig(emb_dim=32, gru_hidden_dim=64) if domino else None

@@ -9,10 +9,11 @@ can compare an incrementally built drafter with one rebuilt from scratch.
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from drafters.config import DFlashConfig, DominoHeadConfig
 from treespec.interfaces import DraftContext
+from treespec.tiny import tiny_causal_lm
 
 VOCAB, HIDDEN, TARGET_LAYERS = 61, 32, 4
 
@@ -52,10 +53,8 @@ class TinyTarget:
 
 def tiny_target(*, vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = TARGET_LAYERS,
                 dtype: torch.dtype = torch.float64, seed: int = 0) -> TinyTarget:
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-    return TinyTarget(Qwen3ForCausalLM(config).to(dtype).eval())
+    return TinyTarget(tiny_causal_lm(vocab=vocab, hidden=hidden, layers=layers, intermediate=64, head_dim=8,
+                                     init=0.02, seed=seed, dtype=dtype))
 
 
 class Rounds:

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from treespec.target import ContextOverflowError, TargetModel
+from treespec.tiny import tiny_causal_lm
 from treespec.tree import DraftTree
 
 FAMILIES = ("qwen3", "llama")
@@ -20,14 +21,9 @@ FAMILIES = ("qwen3", "llama")
 def tiny_model(family: str = "qwen3", *, vocab: int = 128, hidden: int = 32, layers: int = 2, seed: int = 0,
                dtype: torch.dtype = torch.float64, attn: str = "sdpa", max_positions: int = 512,
                init: float = 0.5) -> torch.nn.Module:
-    """A random-weight causal LM; ``init`` (weight std) large enough for varied greedy text."""
-    common = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-              "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": hidden // 4, "max_position_embeddings": max_positions, "initializer_range": init,
-              "attn_implementation": attn, "tie_word_embeddings": False}
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**common)) if family == "qwen3" else LlamaForCausalLM(LlamaConfig(**common))
-    return model.to(dtype).eval()
+    """A random-weight causal LM (`treespec.tiny.tiny_causal_lm`)."""
+    return tiny_causal_lm(family, vocab=vocab, hidden=hidden, layers=layers, seed=seed, dtype=dtype, attn=attn,
+                          max_positions=max_positions, init=init)
 
 
 def tiny_target(family: str = "qwen3", **kwargs) -> TargetModel:

@@ -30,13 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tiny_target(seed: int) -> TargetModel:
     """A random 2-layer Qwen3 target in float64 (vocab 512)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from treespec.tiny import tiny_causal_lm
 
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                      initializer_range=0.3)
-    return TargetModel(Qwen3ForCausalLM(cfg).to(torch.float64))
+    return TargetModel(tiny_causal_lm(vocab=512, hidden=64, layers=2, max_positions=1024, init=0.3, seed=seed))
 
 
 def run(args: argparse.Namespace) -> int:
