@@ -78,7 +78,8 @@ def run_arm(target, cache, heldout, name: str, budget_s: float, vocab, mask: int
         return json.loads(done.read_text())
     plan = out / name / "plan.json"  # the step count is fixed once, so a resumed arm keeps its schedule
     if plan.exists():
-        steps, per_step = json.loads(plan.read_text())["steps"], json.loads(plan.read_text())["seconds_per_step"]
+        planned = json.loads(plan.read_text())
+        steps, per_step = planned["steps"], planned["seconds_per_step"]
     else:
         per_step = _seconds_per_step(target, cache, name, vocab, mask, probe, out / name)
         steps = max(int(budget_s / per_step), 10)
@@ -129,7 +130,7 @@ def main() -> None:
     cache, heldout = TeacherCache(*args.teacher), TeacherCache(*args.heldout)
     for c in (cache, heldout):
         c.check(identity=identity)
-    counts = response_token_counts(((r.tokens, r.response_start) for r in cache), target.config.vocab_size)
+    counts = response_token_counts(cache.pairs(), target.config.vocab_size)
     sizes = {ARMS[a][1].get("draft_vocab_size") for a in args.arms} - {None}
     vocab = {n: draft_vocabulary(counts, n) for n in sizes}
     mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)

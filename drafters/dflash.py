@@ -75,6 +75,7 @@ class DFlashDrafter(Drafter):
         self.cache = ContextCache(config.num_hidden_layers)
         self._target: Any = None
         self._head_rows: torch.Tensor | None = None  # [N, H] head rows of a reduced vocabulary
+        self._head_ids: torch.Tensor | None = None  # [N] their target ids
 
     # ------------------------------------------------------------------ construction and I/O
     @classmethod
@@ -118,8 +119,9 @@ class DFlashDrafter(Drafter):
         _check_target(self.config, target, self.kind)
         self._target = target
         self.model.to(device=target.device, dtype=self._dtype or target.dtype)
-        ids = self.draft_token_ids
-        self._head_rows = None if ids is None else target.lm_head.weight.detach().index_select(0, ids)
+        self._head_ids = self.draft_token_ids
+        self._head_rows = (None if self._head_ids is None
+                           else target.lm_head.weight.detach().index_select(0, self._head_ids))
         self.reset()
 
     # ------------------------------------------------------------------ reduced vocabulary
@@ -216,7 +218,7 @@ class DFlashDrafter(Drafter):
             return head(rows.to(head_dtype)).float()
         reduced = (rows.to(self._head_rows.dtype) @ self._head_rows.T).float()  # [L, N]
         logits = reduced.new_full((rows.shape[0], self.config.vocab_size), float("-inf"))  # [L, V]
-        return logits.index_copy_(1, self.draft_token_ids, reduced)
+        return logits.index_copy_(1, self._head_ids, reduced)
 
 
 def _random_like(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -53,6 +53,7 @@ __all__ = [
 
 FORMAT = "treespec-teacher-cache/1"
 _FEATURE_DTYPE = torch.bfloat16
+_SETTINGS = ("identity", "target_layer_ids", "top_k", "max_seq_len")  # what two caches must agree on
 
 
 class TeacherCacheError(ValueError):
@@ -174,7 +175,7 @@ def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec:
     wanted = _manifest(spec, identity, data_dir)
     found = _read_manifest(out_dir)
     if found is not None:
-        problems = _differences(found, wanted, ("identity", "target_layer_ids", "top_k", "max_seq_len"))
+        problems = _differences(found, wanted, _SETTINGS)
         if problems:
             raise TeacherCacheError(f"{out_dir} holds a teacher cache made with other settings ("
                                     + "; ".join(problems) + "); use another --out")
@@ -207,7 +208,7 @@ class TeacherCache:
         self.directories = [Path(d) for d in directories]
         manifests = [self._manifest_of(d) for d in self.directories]
         for d, m in zip(self.directories[1:], manifests[1:]):
-            problems = _differences(m, manifests[0], ("identity", "target_layer_ids", "top_k", "max_seq_len"))
+            problems = _differences(m, manifests[0], _SETTINGS)
             if problems:
                 raise TeacherCacheError(f"teacher caches {self.directories[0]} and {d} do not agree: "
                                         + "; ".join(problems))
@@ -275,6 +276,12 @@ class TeacherCache:
 
     def __iter__(self) -> Iterator[TeacherRecord]:
         return (self[i] for i in range(len(self)))
+
+    def pairs(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """(tokens, response_start) of every record, without reading features or teacher rows."""
+        for shard, row in self._index:
+            lo, hi = self._offsets[shard][row], self._offsets[shard][row + 1]
+            yield self._handles[shard].get_slice("tokens")[lo:hi].long(), int(self._starts[shard][row])
 
     def select_taps(self, features: torch.Tensor, target_layer_ids: Sequence[int]) -> torch.Tensor:
         """[T, k'*H] the columns of ``target_layer_ids`` (a subset of the cache's taps, any order)."""

@@ -505,8 +505,8 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
     """[size] the ``size`` most frequent token ids (ties and unseen tokens by ascending id), ascending."""
     if not 1 <= size <= counts.numel():
         raise ValueError(f"a draft vocabulary of {size} tokens needs 1 <= size <= {counts.numel()}")
-    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor(sorted(order[:size]), dtype=torch.int64)
+    order = torch.sort(counts, descending=True, stable=True).indices  # ties keep ascending ids
+    return order[:size].sort().values
 
 
 def coverage(draft_vocab: torch.Tensor, counts: torch.Tensor) -> float:

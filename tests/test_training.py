@@ -153,6 +153,7 @@ def test_the_teacher_cache_holds_the_live_records_and_resumes(target, tmp_path):
             assert torch.equal(getattr(record, name), getattr(live, name)), name
         mass = record.top_logp.exp().sum(-1) + record.rest_logp.exp()
         torch.testing.assert_close(mass, torch.ones_like(mass), rtol=0, atol=1e-5)
+    assert [(t.tolist(), r) for t, r in cache.pairs()] == [(r.tokens.tolist(), r.response_start) for r in cache]
     before = paths[1].read_bytes()
     paths[1].unlink()
     build_teacher_cache(target, data, tmp_path / "cache", spec, _ID, progress=False)
@@ -230,6 +231,8 @@ def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path
     vocab = draft_vocabulary(counts, 24)
     assert vocab.tolist() == sorted(vocab.tolist()) and coverage(vocab, counts) >= 24 / 64
     assert coverage(draft_vocabulary(counts, 64), counts) == 1.0
+    ties = torch.tensor([0, 3, 3, 1, 0, 1])
+    assert draft_vocabulary(ties, 3).tolist() == [1, 2, 3] and draft_vocabulary(ties, 5).tolist() == [0, 1, 2, 3, 5]
     cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=6, steps=4, warmup_steps=1,
                       gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=2)
     with pytest.raises(ValueError, match="pass the draft vocabulary"):

@@ -71,7 +71,7 @@ class TargetModel:
         _check_attention(self.config)
         self.embed_tokens = model.get_input_embeddings()
         reduced = self.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
-        if (reduced if float32_head is None else float32_head) and reduced:
+        if reduced and float32_head is not False:  # None (default) or True: on; float models are left alone
             use_float32_head(model)
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = int(self.lm_head.weight.shape[0])  # the logits' width (may exceed the tokenizer's)

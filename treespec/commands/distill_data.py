@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from treespec.commands.teacher_cache import load_frozen_target
 from treespec.datasets import DatasetError, encode_chat, load_prompts
 from treespec.embedded import EmbeddedError
 from treespec.selfdistill import (
@@ -52,22 +53,6 @@ def _config(args: argparse.Namespace) -> DistillConfig:
                          max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                          batch_size=args.batch_size, shard_size=args.shard_size, temperature=args.temperature,
                          seed=args.seed, second_turn=args.second_turn)
-
-
-def _load_target(model_dir: Path | None, dtype_name: str):
-    """(model, tokenizer, description) of the target (default: the embedded SmolLM2)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from treespec.embedded import SMOLLM2_135M_INSTRUCT, embedded_model_dir
-    from treespec.hardware import resolve_dtype
-
-    source = SMOLLM2_135M_INSTRUCT
-    description = str(model_dir) if model_dir else f"{source.requirement} sha256:{source.wheel_sha256}"
-    model_dir = model_dir or embedded_model_dir()
-    dtype = resolve_dtype(dtype_name, config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    return model.eval(), tokenizer, description
 
 
 def _stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
@@ -111,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         cfg = _config(args)
-        model, tokenizer, description = _load_target(args.model_dir, args.dtype)
+        model, tokenizer, identity = load_frozen_target(args.model_dir, args.dtype)
         prompts, skipped, first_turns = _encoded_prompts(cfg, tokenizer)
         stops, pad = _stop_and_pad(model, tokenizer)
     except (DatasetError, EmbeddedError, ValueError, OSError) as exc:
@@ -119,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"{len(prompts)} prompts from {cfg.dataset} ({cfg.split}), {skipped} left out as longer than "
           f"{cfg.max_prompt_tokens} tokens; stop ids {stops}; shards in {args.out}", flush=True)
-    metadata = {"model": description, "dtype": str(model.dtype).removeprefix("torch."), "stop_ids": json.dumps(stops)}
+    metadata = {"model": f"{identity['name']} sha256:{identity['sha256']}", "dtype": str(model.dtype).removeprefix("torch."), "stop_ids": json.dumps(stops)}
     second = _second_prompt(tokenizer, first_turns, stops) if cfg.second_turn else None
     try:
         write_shards(model, prompts, args.out, cfg, stop_ids=stops, pad_id=pad, metadata=metadata,

@@ -89,18 +89,16 @@ def _parse(text: str, current, annotation: str = ""):
     return type(current)(text)
 
 
-def _sequences(args: argparse.Namespace, target, identity, cfg):
-    """What training reads: the teacher cache (checked against the run), else the data's pairs."""
+def _sequences(args: argparse.Namespace, identity, cfg):
+    """What training reads: the teacher cache (checked against the target and K), else the data's pairs."""
     from drafters.teacher import TeacherCache, TeacherCacheError
-    from drafters.training import spread_layers
     from treespec.selfdistill import iter_sequences
 
     if args.teacher is None:
         return [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
     try:
         cache = TeacherCache(*args.teacher)
-        layers = cfg.target_layer_ids or spread_layers(target.config.num_hidden_layers)
-        cache.check(identity=identity, target_layer_ids=layers, top_k=cfg.teacher_top_k)
+        cache.check(identity=identity, top_k=cfg.teacher_top_k)
     except TeacherCacheError as exc:
         raise SystemExit(f"--teacher: {exc}") from None
     if cache.manifest.get("max_seq_len", cfg.max_seq_len) < cfg.max_seq_len:
@@ -109,27 +107,40 @@ def _sequences(args: argparse.Namespace, target, identity, cfg):
     return cache
 
 
-def _heldout(args: argparse.Namespace, identity, layers):
-    """The held-out teacher cache (checked against the target and the drafter's taps), or None."""
+def _heldout(args: argparse.Namespace, identity):
+    """The held-out teacher cache (checked against the target), or None."""
     from drafters.teacher import TeacherCache, TeacherCacheError
 
     if not args.heldout:
         return None
     try:
         cache = TeacherCache(*args.heldout)
-        cache.check(identity=identity, target_layer_ids=layers)
+        cache.check(identity=identity)
     except TeacherCacheError as exc:
         raise SystemExit(f"--heldout: {exc}") from None
     return cache
 
 
+def _check_taps(caches: dict, layers) -> None:
+    """Every teacher cache given holds the drafter's tap layers (``caches``: option -> cache or None)."""
+    from drafters.teacher import TeacherCache, TeacherCacheError
+
+    for option, cache in caches.items():
+        if isinstance(cache, TeacherCache):
+            try:
+                cache.check(target_layer_ids=layers)
+            except TeacherCacheError as exc:
+                raise SystemExit(f"--{option}: {exc}") from None
+
+
 def _draft_vocab(cfg, sequences, vocab_size: int):
     """The reduced head's token ids (None for a full head), with its coverage printed."""
+    from drafters.teacher import TeacherCache
     from drafters.training import coverage, draft_vocabulary, response_token_counts
 
     if cfg.draft_vocab_size is None:
         return None
-    pairs = ((r.tokens, r.response_start) for r in sequences) if hasattr(sequences, "manifest") else sequences
+    pairs = sequences.pairs() if isinstance(sequences, TeacherCache) else sequences
     counts = response_token_counts(pairs, vocab_size)
     vocab = draft_vocabulary(counts, cfg.draft_vocab_size)
     print(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens cover "
@@ -149,14 +160,14 @@ def run(args: argparse.Namespace) -> int:
     mask = args.mask_token_id
     if mask is None:
         mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)
-    data = _sequences(args, target, identity, cfg)
+    data, heldout = _sequences(args, identity, cfg), _heldout(args, identity)
     source = f"teacher cache {', '.join(map(str, args.teacher))}" if args.teacher else f"{args.data}"
     print(f"{len(data)} sequences from {source}; config: {cfg}")
     drafter = new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
+    _check_taps({"teacher": data, "heldout": heldout}, drafter.config.target_layer_ids)
     trainer = DrafterTrainer(target, drafter, cfg, out_dir=args.out)
     if trainer.resume():
         print(f"resumed at step {trainer.step}")
-    heldout = _heldout(args, identity, drafter.config.target_layer_ids)
     trainer.train(data, until=args.until, heldout=heldout)
     print(f"drafter written to {args.out / 'drafter'}")
     if args.export is not None:
