@@ -53,13 +53,12 @@ from drafters._layers import DFlashModel
 from drafters.config import ConfigError, DFlashConfig
 from drafters.dflash import DFlashDrafter
 from treespec.interfaces import ConditionalScorer, Expansion
+from treespec.topk import exact_topk, top_set
 
 if TYPE_CHECKING:
     from treespec.target import TargetModel
 
 __all__ = ["DominoDrafter", "DominoModel", "DominoScorer", "gru_step"]
-
-_CHUNK = 64  # vocabulary entries per chunk in the two-stage top-M selection
 
 
 class DominoModel(DFlashModel):
@@ -87,57 +86,6 @@ def gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tenso
     rz = torch.sigmoid(gi[..., :2 * size] + gh[..., :2 * size])  # [..., 2G]
     n = torch.tanh(torch.addcmul(gi[..., 2 * size:], rz[..., :size], gh[..., 2 * size:]))  # [..., G]
     return torch.lerp(n, h.expand_as(n), rz[..., size:])
-
-
-def _top_set(values: torch.Tensor, m: int) -> torch.Tensor:
-    """Ids of the m largest ``values`` [V] (ties: lower id first), in ascending id order."""
-    kth = torch.topk(values, m).values[-1]
-    above = (values > kth).nonzero().squeeze(-1)
-    tied = (values == kth).nonzero().squeeze(-1)[: m - above.numel()]
-    return torch.cat([above, tied]).sort().values
-
-
-def _top_sets(values: torch.Tensor, m: int) -> torch.Tensor:
-    """`_top_set` of every row of ``values`` [R, V] as ids [R, m], from one top-(m+1) selection.
-
-    A row's top-m set is unambiguous when its m-th largest value beats its (m+1)-th; only rows
-    with a tie across that boundary (or a NaN) take `_top_set`'s path with its token-id tie rule.
-    """
-    rows, vocab = values.shape
-    if m >= vocab:
-        return torch.arange(vocab, device=values.device).expand(rows, -1).contiguous()
-    top, ids = _largest(values, m + 1)  # [R, m + 1] each, values descending
-    ids = ids[:, :m].sort(dim=-1).values  # [R, m]
-    clear = top[:, m - 1] > top[:, m]  # [R]
-    if not bool(clear.all()):
-        for row in (~clear).nonzero().flatten().tolist():
-            ids[row] = _top_set(values[row], m)
-    return ids
-
-
-def _largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values per row of ``values`` [R, V] (descending) and their ids, ties in any order.
-
-    Over a large vocabulary: the k chunks with the largest maxima hold the k largest values (an
-    entry outside them is matched or beaten by all k chosen maxima), so topk runs on k chunks only.
-    """
-    rows, vocab = values.shape
-    if vocab % _CHUNK or vocab < 4 * _CHUNK * k:
-        return values.topk(k, dim=-1)
-    maxima = values.view(rows, vocab // _CHUNK, _CHUNK).amax(-1)  # [R, V / C]
-    chunks = maxima.topk(k, dim=-1, sorted=False).indices  # [R, k]
-    ids = (chunks[:, :, None] * _CHUNK + torch.arange(_CHUNK, device=values.device)).view(rows, -1)  # [R, k C]
-    top = values.gather(1, ids).topk(k, dim=-1)
-    return top.values, ids.gather(1, top.indices)
-
-
-def _best_k(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best k columns of ``logprobs`` [n, C] whose columns are ``tokens`` [C] in ascending order.
-
-    A stable descending sort keeps tied columns in token order, as the tree contract requires.
-    """
-    order = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :k]  # [n, k]
-    return tokens[order], logprobs.gather(-1, order)
 
 
 class DominoScorer(ConditionalScorer):
@@ -210,14 +158,14 @@ class DominoScorer(ConditionalScorer):
     def expand_reference(self, states: torch.Tensor, depth: int, *, k: int) -> Expansion:
         """Full-vocabulary evaluation through the modules themselves (M = V), node batch at once."""
         self._check(states, depth, k)
-        n, vocab = states.shape[0], self.base_logits.shape[1]
+        n = states.shape[0]
         logits = self.base_logits[depth].expand(n, -1)  # [n, V]
         if not self._is_pure_draft(depth):
             z = self.rows[depth].expand(n, -1)  # [n, H]
             correction = self.embed_proj(torch.cat([z, states], dim=-1))  # [n, V]
             logits = logits.to(self._score_dtype(correction)) + correction
         logprobs = torch.log_softmax(logits.to(self._score_dtype(logits)), dim=-1)
-        tokens, chosen = _best_k(logprobs, torch.arange(vocab, device=logits.device), k)
+        chosen, tokens = exact_topk(logprobs, k)  # [n, k] each, ties by token id
         x = self.embed(tokens).to(states.dtype).reshape(n * k, 1, -1)  # [n*k, 1, H]
         _, h = self.prefix_gru(x, states.repeat_interleave(k, dim=0)[None])  # [1, n*k, G]
         return Expansion(tokens=tokens, logprobs=chosen.float(), states=h[0].view(n, k, -1))
@@ -292,9 +240,7 @@ class DominoScorer(ConditionalScorer):
         key = (depth, k)
         if key not in self._prefix:
             logprobs = self.base_logprobs(depth)  # [V]
-            k = min(k, logprobs.numel())
-            top = _top_sets(logprobs[None], k)[0]
-            tokens, chosen = _best_k(logprobs[top][None], top, k)
+            chosen, tokens = exact_topk(logprobs[None], min(k, logprobs.numel()))
             self._prefix[key] = (tokens[0], chosen[0])
         return self._prefix[key]
 
@@ -304,7 +250,7 @@ class DominoScorer(ConditionalScorer):
         key = (depth, m)
         if key not in self._gathered:
             row = self.base_logits[depth]  # [V]
-            ids = _top_sets(row[None], m)[0]  # [M]
+            ids = top_set(row[None], m)[0]  # [M] ascending
             dtype = self._score_dtype(self.w2)
             self._gathered[key] = (ids, row[ids].to(dtype), self.w2[ids].to(dtype))
         return self._gathered[key]
@@ -321,8 +267,8 @@ class DominoScorer(ConditionalScorer):
         hidden = F.silu(x @ self.w1.T).to(w2_rows.dtype)  # [n, E]: first projection in the drafter's dtype
         correction = hidden @ w2_rows.T  # [n, M] in >= float32
         logprobs = torch.log_softmax(base + correction, dim=-1)  # [n, M]
-        tokens, chosen = _best_k(logprobs, ids, k)
-        return tokens, chosen.float()
+        chosen, order = exact_topk(logprobs, k)  # columns are ids ascending: ties go to the lower id
+        return ids[order], chosen.float()
 
 
 class DominoDrafter(DFlashDrafter):

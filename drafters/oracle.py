@@ -30,6 +30,7 @@ import torch
 from treespec.interfaces import ConditionalScorer, DraftContext, Drafter, DraftOutput, Expansion
 from treespec.sampling import mix_seed
 from treespec.target import crop_cache
+from treespec.topk import exact_topk, top_set
 
 __all__ = ["ORACLE_PRESETS", "GreedyContinuations", "OracleConfig", "OracleDrafter", "OracleScorer"]
 
@@ -252,7 +253,7 @@ class OracleScorer(ConditionalScorer):
             raise IndexError(f"cannot expand parents at depth {depth}: the draft has {self.base.shape[0]} rows")
         row = self.base[depth]  # [V] children sit at depth + 1
         if depth < self.pure_draft_prefix_len:
-            tokens, logprobs = _best(row.expand(states.shape[0], -1), None, k)
+            logprobs, tokens = exact_topk(row.expand(states.shape[0], -1), k)
         else:
             tokens, logprobs = self._corrected(states, row, depth, top_m, k)
         on_path = (states[:, :1] > 0.5) & (tokens == self.truth[depth])  # [n, k]
@@ -260,18 +261,11 @@ class OracleScorer(ConditionalScorer):
         return Expansion(tokens, logprobs, child_states)
 
     def _corrected(self, states: torch.Tensor, row: torch.Tensor, depth: int, top_m: int, k: int):
-        cand = _best(row[None], None, min(top_m, row.numel()))[0][0].sort().values  # [M] token ascending
+        cand = top_set(row[None], top_m)[0]  # [M] token ascending
         on = states[:, :1]  # [n, 1]
         last = states[:, 1:2]  # [n, 1]
         bonus = self.boost * (cand == self.truth[depth]).to(torch.float32)  # [M]
         shuffle = 1.5 * torch.sin(last * 0.7071 + cand.to(torch.float32) * 1.3 + 0.37 * depth)  # [n, M]
         logits = row[cand] + on * bonus + (1.0 - on) * shuffle  # [n, M]
-        return _best(logits.log_softmax(-1), cand, k)
-
-
-def _best(scores: torch.Tensor, tokens: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k per row of ``scores`` [n, C], ties to the smaller token id; ``tokens`` [C] ascending (None: arange)."""
-    order = torch.argsort(-scores, dim=-1, stable=True)[:, :k]  # column order is token ascending
-    ids = order if tokens is None else tokens[order]
-    return ids, scores.gather(1, order)
-
+        chosen, order = exact_topk(logits.log_softmax(-1), k)  # columns: tokens ascending
+        return cand[order], chosen

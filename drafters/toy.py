@@ -37,7 +37,6 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from policies.topk import exact_topk, order_key
 from treespec.interfaces import (
     ConditionalScorer,
     DraftContext,
@@ -45,6 +44,7 @@ from treespec.interfaces import (
     DraftOutput,
     Expansion,
 )
+from treespec.topk import exact_topk, order_key
 
 __all__ = ["TOY_PRESETS", "MarginalDrafter", "ToyConditionalDrafter", "ToyConfig", "ToyScorer"]
 

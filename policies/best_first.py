@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from policies.sources import CandidateSource, FactorizedSource
-from policies.topk import order_key
 from treespec.interfaces import BACKENDS, DraftOutput, TreePolicy
+from treespec.topk import order_key
 from treespec.tree import DraftTree
 
 __all__ = [

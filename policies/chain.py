@@ -23,8 +23,8 @@ from policies.best_first import (
     check_logprobs,
 )
 from policies.sources import CandidateSource, FactorizedSource, ScorerSource
-from policies.topk import exact_topk, reference_topk
 from treespec.interfaces import DraftOutput
+from treespec.topk import exact_topk, reference_topk
 
 __all__ = ["Chain"]
 

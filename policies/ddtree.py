@@ -17,9 +17,9 @@ import torch
 
 from policies.best_first import BestFirstPolicy, StopRule, budget_field, check_logprobs
 from policies.sources import FactorizedSource
-from policies.topk import exact_topk, order_key, reference_topk
 from treespec.interfaces import DraftOutput
 from treespec.reach import best_chain, reachable
+from treespec.topk import exact_topk, order_key, reference_topk
 
 __all__ = ["DDTree", "marginal_source"]
 

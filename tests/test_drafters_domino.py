@@ -6,7 +6,8 @@ import pytest
 import torch
 from test_drafters_support import VOCAB, Rounds, tiny_config, tiny_target
 
-from drafters.domino import DominoDrafter, DominoScorer, _top_set, _top_sets
+from drafters.domino import DominoDrafter, DominoScorer
+from treespec.topk import top_set
 
 K = 4
 
@@ -150,12 +151,6 @@ def test_children_are_sorted_with_ties_broken_by_token_id():
                 assert lps[i] > lps[i + 1] or (lps[i] == lps[i + 1] and tokens[i] < tokens[i + 1])
 
 
-def test_top_set_breaks_ties_at_the_boundary_by_token_id():
-    values = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0, 5.0])
-    assert _top_set(values, 3).tolist() == [1, 2, 5]
-    assert _top_set(values, 6).tolist() == [0, 1, 2, 3, 4, 5]
-
-
 @pytest.mark.parametrize(("call", "message"), [
     (lambda s, st: s.expand(st, 5, top_m=7, k=2), r"depth 5 out of range: children exist for depths 0..4"),
     (lambda s, st: s.expand(st[:, :3], 1, top_m=7, k=2), r"states must be \[n, 20\], got \(2, 3\)"),
@@ -180,15 +175,6 @@ def test_deferred_children_complete_to_the_expanded_states(target):
         torch.testing.assert_close(completed, eager.states, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("vocab", [100, 4096 + 64])
-def test_top_sets_equal_the_per_row_top_set(vocab):
-    values = torch.randint(-6, 6, (5, vocab), generator=torch.Generator().manual_seed(vocab)).float()
-    values[1] = torch.randn(vocab, generator=torch.Generator().manual_seed(1))  # no boundary tie
-    for m in (1, 3, 8, vocab):
-        expected = torch.stack([_top_set(row, m) for row in values])
-        assert torch.equal(_top_sets(values, m), expected)
-
-
 # ---------------------------------------------------------------------------- bf16, as released
 def test_bf16_children_are_computed_as_the_released_head_computes_them():
     """bf16: W1 [z ; s] as one bf16 matmul, silu cast to float32, the last matmul in float32 on the
@@ -207,7 +193,7 @@ def test_bf16_children_are_computed_as_the_released_head_computes_them():
     first = scorer.expand(root[None], 0, top_m=m, k=K)  # depth 0 is the pure-draft prefix
     states = first.states[0]  # [K, G] bf16
     out = scorer.expand(states, 1, top_m=m, k=K)
-    cand = _top_set(scorer.base_logits[1], m)  # [M] ascending ids
+    cand = top_set(scorer.base_logits[1][None], m)[0]  # [M] ascending ids
     z = scorer.rows[1].expand(K, -1)
     hidden = model.embed_proj[1](model.embed_proj[0](torch.cat([z, states], dim=-1))).float()  # [K, E]
     corrected = scorer.base_logits[1][cand].float() + hidden @ model.embed_proj[2].weight[cand].float().T

@@ -14,10 +14,10 @@ from drafters.toy import TOY_PRESETS, MarginalDrafter, ToyConditionalDrafter, To
 from policies.chain import Chain
 from policies.ddtree import DDTree
 from policies.dominotree import DominoTree
-from policies.topk import exact_topk, order_key, reference_topk
 from treespec import registry
 from treespec.analysis import expected_acceptance, path_logprobs
 from treespec.interfaces import DraftContext, DraftOutput
+from treespec.topk import exact_topk, order_key, reference_topk, top_set
 from treespec.tree import DraftTree
 
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
@@ -27,26 +27,35 @@ CTX = DraftContext(sequence=torch.tensor([4, 8, 15, 16, 23, 42]), features=None)
 # ---------------------------------------------------------------------------- exact top-k
 @settings(max_examples=300, **SETTINGS)
 @given(st.integers(1, 5), st.sampled_from([1, 2, 7, 63, 64, 65, 700, 5000, 40000]), st.integers(1, 300),
-       st.sampled_from([None, 0.5, 3.0]), st.booleans(), st.integers(0, 2**31))
-def test_exact_topk_equals_a_stable_sort(rows, vocab, k, quantum, extremes, seed):
+       st.sampled_from([None, 0.5, 3.0]), st.booleans(), st.booleans(), st.sampled_from([torch.float32, torch.float64]),
+       st.integers(0, 2**31))
+def test_exact_topk_equals_a_stable_sort(rows, vocab, k, quantum, extremes, raw, dtype, seed):
     k = min(k, vocab)
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 3
     if quantum is not None:
         logits = torch.round(logits / quantum) * quantum
-    values = torch.log_softmax(logits, dim=-1)
-    if extremes:  # -inf, and both zeros (which must tie)
+    values = logits if raw else torch.log_softmax(logits, dim=-1)  # raw: logits of either sign
+    if extremes:  # -inf, +inf, and both zeros (which must tie)
         values[:, ::7] = -math.inf
         values[:, 1::11] = 0.0
         values[:, 2::13] = -0.0
+        values[:, 5::17] = math.inf if raw else 0.0
     got, ids = exact_topk(values, k)
     want, want_ids = reference_topk(values, k)
     assert torch.equal(ids, want_ids) and torch.equal(got, want)
+    assert torch.equal(top_set(values, k), want_ids.sort(dim=-1).values)
 
 
 def test_order_key_orders_by_value_then_index():
-    values = torch.tensor([-1.0, -0.5, -1.0, 0.0, -0.0, -math.inf])
-    order = order_key(values, torch.arange(6)).argsort().tolist()
-    assert order == [3, 4, 1, 0, 2, 5]
+    values = torch.tensor([-1.0, -0.5, -1.0, 0.0, -0.0, -math.inf, 2.0, math.inf, 0.5, 2.0])
+    order = order_key(values, torch.arange(10)).argsort().tolist()
+    assert order == [7, 6, 9, 8, 3, 4, 1, 0, 2, 5]
+
+
+def test_top_set_breaks_ties_at_the_boundary_by_token_id():
+    values = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 5.0]])
+    assert top_set(values, 3).tolist() == [[1, 2, 5]]
+    assert top_set(values, 9).tolist() == [[0, 1, 2, 3, 4, 5]]  # m above V: the whole row
 
 
 def test_exact_topk_rejects_bad_arguments():

@@ -32,7 +32,6 @@ from treespec.replay import (
     RecordConfig,
     Trace,
     TraceError,
-    _best,
     accepted_length,
     evaluate,
     record_trace,
@@ -173,15 +172,6 @@ def test_accepted_length_is_the_match_verifiers_walk():
         taus.append(accepted_length(tree, future))
         assert taus[-1] == walk_matches(tree, torch.tensor(chosen)).tau
     assert max(taus) >= 5
-
-
-def test_best_orders_by_value_then_token_id():
-    gen = torch.Generator().manual_seed(0)
-    values = torch.randint(-4, 5, (6, 50), generator=gen).float() * 0.25  # many ties, positive and negative
-    values[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])  # signed zeros are one value
-    ids, best = _best(values, 20)
-    expected = torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices[:, :20]
-    assert torch.equal(ids, expected) and torch.equal(best, values.gather(-1, expected))
 
 
 def test_trace_round_trips_through_safetensors(small, tmp_path):

@@ -59,6 +59,7 @@ from treespec.methods import Method, build_policy, parse_method
 from treespec.profile import machine_profile
 from treespec.reach import best_chain, reachable
 from treespec.target import TargetModel
+from treespec.topk import exact_topk
 from treespec.tree import DraftTree
 
 __all__ = [
@@ -215,21 +216,6 @@ def _unflatten(meta: dict, tensors: dict[str, torch.Tensor]) -> Trace:
 
 
 # ---------------------------------------------------------------------------- recording
-def _best(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, values) [R, k] of each float32 row's k largest entries, value descending, ties by id ascending.
-
-    One int64 key per entry: high half = the value's IEEE bits made monotone and negated (so -0.0
-    and +0.0 meet), low half = the id; the k smallest keys are the answer (much faster than a sort).
-    """
-    if values.dtype != torch.float32:
-        raise TypeError(f"expected float32 values, got {values.dtype}")
-    bits = values.contiguous().view(torch.int32).to(torch.int64)  # [R, V]
-    monotone = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # increases with the value
-    key = (-monotone << 32) | torch.arange(values.shape[-1], device=values.device)
-    ids = key.topk(k, dim=-1, largest=False, sorted=True).indices  # [R, k]
-    return ids, values.gather(-1, ids)
-
-
 def _budget_floor(draft: DraftOutput, budget: int) -> torch.Tensor:
     """Score of DDTree(budget)'s last node; every node of a tree of at most ``budget`` nodes reaches it."""
     marginal = DraftOutput(draft.logprobs, draft.root_token, draft.position)
@@ -265,7 +251,7 @@ class _Capture:
     def add(self, draft: DraftOutput) -> None:
         self._check_shape(draft)
         counts = _marginal_counts(draft, self.config)
-        ids, values = _best(draft.logprobs, int(counts.max()))  # [L, k_max]
+        values, ids = exact_topk(draft.logprobs, int(counts.max()))  # [L, k_max]
         keep = (torch.arange(ids.shape[1]) < counts[:, None]).to(ids.device)  # [L, k_max], row-major = depth order
         self.counts.append(counts)
         self.tokens.append(ids[keep].to(torch.int32).cpu())
@@ -310,10 +296,10 @@ class _ScorerCapture:
 
     def add(self, draft: DraftOutput) -> None:
         scorer = draft.scorer
-        base_ids, base_values = _best(scorer.base_logits, self.top_m)  # [L, M]
+        base_values, base_ids = exact_topk(scorer.base_logits, self.top_m)  # [L, M]
         prefix = [scorer.base_logprobs(d) for d in range(self.prefix_len)]
         rows = torch.stack(prefix) if prefix else scorer.base_logits[:0]  # [p, V]
-        prefix_ids, prefix_values = _best(rows, self.top_m)  # [p, M]
+        prefix_values, prefix_ids = exact_topk(rows, self.top_m)  # [p, M]
         self.parts["rows"].append(scorer.rows.detach().cpu().clone())
         self.parts["base"].append((base_ids.to(torch.int32).cpu(), base_values.cpu()))
         self.parts["prefix"].append((prefix_ids.to(torch.int32).cpu(), prefix_values.cpu()))

@@ -1,23 +1,27 @@
-"""Exact per-row top-k of log-probabilities, with the tree contract's tie rule.
+"""Exact per-row top-k with the tree contract's tie rule: the one top-k of treespec.
 
 Contract
 --------
-``exact_topk(values, k)`` returns, for every row of ``values`` [R, V] (float32, every entry <= 0,
-no NaN), the k largest entries ordered by value descending, ties by column index ascending, and
-their column indices.  The result is fully determined (``torch.topk`` alone leaves ties in an
-unspecified order) and uses fixed shapes only, so it can run inside a captured CUDA graph.
+``exact_topk(values, k)`` returns, for every row of ``values`` [R, V] (no NaN), the k largest
+entries ordered by value descending, ties by column index ascending, and their column indices.
+The result is fully determined (``torch.topk`` alone leaves ties in an unspecified order).  Over
+float32 it uses fixed shapes only, so it can run inside a captured CUDA graph; other dtypes take
+one stable sort.  ``top_set(values, m)`` is the same selection as a set (ids ascending), the
+candidate set of a top-M correction.  Policies, drafters and trace replay all select through
+these functions.
 
-``order_key`` turns such values into int64 keys whose ascending order is the value-descending
-order with ties by a given index: for x <= 0 the IEEE bits of |x| grow as x falls, and -0.0 and
-+0.0 share one key.  ``reference_topk`` is the obviously-correct version (one stable sort), used
-by the networkx reference backend and by tests.
+``order_key`` turns float32 values into int64 keys whose ascending order is the value-descending
+order with ties by a given index: the IEEE bits of x, made monotone in x (negative values
+mirrored, so -0.0 and +0.0 share one key), are negated into the high half and the index fills the
+low half.  ``reference_topk`` is the obviously-correct version (one stable sort), used by the
+networkx reference backend and by tests.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["exact_topk", "order_key", "reference_topk"]
+__all__ = ["exact_topk", "order_key", "reference_topk", "top_set"]
 
 _ABS_BITS = 0x7FFFFFFF  # clears the float32 sign bit
 _CHUNK = 64  # tokens per chunk in the two-stage selection
@@ -25,15 +29,13 @@ _CHUNK_FACTOR = 8  # use chunks only when V >= _CHUNK_FACTOR * _CHUNK * k (else 
 
 
 def order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """int64 keys: ascending = ``values`` descending, ties by ``index`` ascending (index < 2**32).
+    """int64 keys: ascending = ``values`` descending, ties by ``index`` ascending (0 <= index < 2**32).
 
-    ``values`` must be float32 and <= 0 (log-probabilities or path scores), never NaN.
+    ``values`` must be float32 and never NaN; any sign, infinities included.
     """
-    key = values.view(torch.int32).to(torch.int64)
-    key &= _ABS_BITS  # |x| bits: monotone in -x for x <= 0, and -0.0 meets +0.0
-    key <<= 32
-    key |= index
-    return key
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    monotone = torch.where(bits < 0, -(bits & _ABS_BITS), bits)  # increases with the value
+    return (-monotone << 32) | index
 
 
 def _dense_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +76,8 @@ def exact_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"exact_topk expects a [R, V] tensor, got shape {tuple(values.shape)}")
     if not 1 <= k <= values.shape[-1]:
         raise ValueError(f"k must be in 1..{values.shape[-1]}, got {k}")
+    if values.dtype != torch.float32:
+        return reference_topk(values, k)
     if values.shape[-1] >= _CHUNK_FACTOR * _CHUNK * k:
         return _chunked_topk(values, k)
     return _dense_topk(values, k)
@@ -83,3 +87,9 @@ def reference_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     """The same result by one stable descending sort (ties keep ascending column order)."""
     order = torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]  # +0.0: -0 -> +0
     return values.gather(-1, order), order
+
+
+def top_set(values: torch.Tensor, m: int) -> torch.Tensor:
+    """[R, min(m, V)] ids of each row's m largest ``values`` [R, V] (ties: lower id first), ids ascending."""
+    m = min(m, values.shape[-1])
+    return exact_topk(values, m)[1].sort(dim=-1).values
