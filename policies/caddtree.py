@@ -20,8 +20,7 @@ import attrs
 
 from policies.best_first import BestFirstPolicy, budget_field, check_logprobs
 from policies.cost import CostAware
-from policies.ddtree import marginal_source
-from policies.sources import FactorizedSource
+from policies.frontier import TopTokens
 from treespec.interfaces import DraftOutput
 
 __all__ = ["CaDDTree"]
@@ -38,5 +37,5 @@ class CaDDTree(CostAware, BestFirstPolicy):
         check_logprobs(draft)
         self.stop  # noqa: B018 - refuses a missing cost model before any work
 
-    def candidates(self, draft: DraftOutput, *, reference: bool, static: bool = False) -> FactorizedSource:
-        return marginal_source(draft, self.budget, reference=reference, static=static)
+    def candidates(self, draft: DraftOutput) -> TopTokens:
+        return TopTokens(draft.logprobs, self.budget)

@@ -22,9 +22,9 @@ from policies.best_first import (
     check_budget,
     check_logprobs,
 )
-from policies.sources import CandidateSource, FactorizedSource, ScorerSource
+from policies.frontier import Candidates, TopTokens
+from policies.sources import ScorerSource
 from treespec.interfaces import DraftOutput
-from treespec.topk import exact_topk, reference_topk
 
 __all__ = ["Chain"]
 
@@ -52,8 +52,7 @@ class Chain(BestFirstPolicy):
         if draft.scorer is None:
             check_logprobs(draft)
 
-    def candidates(self, draft: DraftOutput, *, reference: bool, static: bool = False) -> CandidateSource:
+    def candidates(self, draft: DraftOutput) -> Candidates:
         if draft.scorer is not None:
-            return ScorerSource(draft.scorer, min(self.top_m, draft.vocab_size), 1, check_values=not static)
-        values, tokens = (reference_topk if reference else exact_topk)(draft.logprobs, 1)
-        return FactorizedSource.from_rows(tokens, values)
+            return ScorerSource(draft.scorer, min(self.top_m, draft.vocab_size), 1)
+        return TopTokens(draft.logprobs, 1)

@@ -38,5 +38,5 @@ class CostAwareDominoTree(CostAware, BestFirstPolicy):
         require_scorer(draft, "cost-aware DominoTree")
         self.stop  # noqa: B018 - refuses a missing cost model before any work
 
-    def candidates(self, draft: DraftOutput, *, reference: bool, static: bool = False) -> ScorerSource:
-        return DominoTree(self.budget, self.top_m, self.node_topk).candidates(draft, reference=reference, static=static)
+    def candidates(self, draft: DraftOutput) -> ScorerSource:
+        return DominoTree(self.budget, self.top_m, self.node_topk).candidates(draft)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from policies.best_first import BestFirstPolicy, assemble, frontier_selection
+from policies.best_first import BestFirstPolicy
+from policies.frontier import assemble, frontier_selection
 from treespec.interfaces import DraftOutput
 from treespec.tree import DraftTree
 
@@ -44,7 +45,7 @@ class GraphedBuild:
             self.outputs = self._run(template)
 
     def _run(self, draft: DraftOutput) -> tuple[torch.Tensor, ...]:
-        source = self.policy.candidates(draft, reference=False, static=True)
+        source = self.policy.source(draft, "static")
         return frontier_selection(draft, source, self.policy.max_nodes(draft), static=True)
 
     def build(self, draft: DraftOutput) -> DraftTree:

@@ -51,6 +51,6 @@ class DominoTree(BestFirstPolicy):
     def validate(self, draft: DraftOutput) -> None:
         require_scorer(draft, "DominoTree")
 
-    def candidates(self, draft: DraftOutput, *, reference: bool, static: bool = False) -> ScorerSource:
+    def candidates(self, draft: DraftOutput) -> ScorerSource:
         top_m = min(self.top_m, draft.vocab_size)
-        return ScorerSource(draft.scorer, top_m, min(self.node_topk, top_m), check_values=not static)
+        return ScorerSource(draft.scorer, top_m, min(self.node_topk, top_m))

@@ -57,5 +57,5 @@ class StaticCorrected(BestFirstPolicy):
     def validate(self, draft: DraftOutput) -> None:
         require_scorer(draft, "StaticCorrected")
 
-    def candidates(self, draft: DraftOutput, *, reference: bool, static: bool = False) -> FactorizedSource:
+    def candidates(self, draft: DraftOutput) -> FactorizedSource:
         return greedy_corrected_lists(draft, self.top_m, keep=self.budget)  # ranks past B never make the tree
