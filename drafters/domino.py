@@ -42,6 +42,7 @@ bench_expand.py, docs/drafters.md).  ``gru_input_table=False`` projects each chi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -52,7 +53,7 @@ from torch import nn
 from drafters._layers import DFlashModel
 from drafters.config import ConfigError, DFlashConfig
 from drafters.dflash import DFlashDrafter
-from treespec.interfaces import ConditionalScorer, Expansion
+from treespec.interfaces import Expansion, RecordableScorer
 from treespec.topk import exact_topk, top_set
 
 if TYPE_CHECKING:
@@ -88,8 +89,10 @@ def gru_step(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tenso
     return torch.lerp(n, h.expand_as(n), rz[..., size:])
 
 
-class DominoScorer(ConditionalScorer):
+class DominoScorer(RecordableScorer):
     """Path-dependent child distributions of one round (see the module docstring)."""
+
+    record_kind: ClassVar[str] = "domino"
 
     def __init__(self, *, rows: torch.Tensor, base_logits: torch.Tensor, prefix_gru: nn.GRU,
                  embed_proj: nn.Sequential, embed: nn.Embedding, anchor: int, pure_draft_prefix_len: int,
@@ -228,7 +231,7 @@ class DominoScorer(ConditionalScorer):
     def base_logprobs(self, depth: int) -> torch.Tensor:
         """[V] float32 base log-probs of a pure-draft ``depth``: the rows given, else log_softmax of the logits.
 
-        Trace replay (treespec/replay.py) records these rows and gives them back, because its base
+        Trace replay (treespec/replay/) records these rows and gives them back, because its base
         logits hold only the top-M candidates and cannot be renormalised over the vocabulary.
         """
         if self.prefix_logprobs is not None:
@@ -269,6 +272,93 @@ class DominoScorer(ConditionalScorer):
         logprobs = torch.log_softmax(base + correction, dim=-1)  # [n, M]
         chosen, order = exact_topk(logprobs, k)  # columns are ids ascending: ties go to the lower id
         return ids[order], chosen.float()
+
+    # ------------------------------------------------------------------ RecordableScorer (trace replay)
+    def record_round(self, top_m: int) -> dict[str, torch.Tensor]:
+        """The drafted rows z [L, H], the top-M base logits of every depth and the top-M base
+        log-probs of the pure-draft depths (ties by token id), and the anchor, on the CPU."""
+        m, prefix_len = min(top_m, self.vocab_size), min(self.prefix_len, self.depth)
+        base_values, base_ids = exact_topk(self.base_logits, m)  # [L, M]
+        prefix = [self.base_logprobs(d) for d in range(prefix_len)]
+        prefix_rows = torch.stack(prefix) if prefix else self.base_logits[:0]  # [p, V]
+        prefix_values, prefix_ids = exact_topk(prefix_rows, m)  # [p, M]
+        tensors = {"rows": self.rows, "base_tokens": base_ids.to(torch.int32), "base_logits": base_values,
+                   "prefix_tokens": prefix_ids.to(torch.int32), "prefix_logprobs": prefix_values,
+                   "anchor": torch.tensor([self.anchor], dtype=torch.int64)}
+        return {name: t.detach().cpu().clone() for name, t in tensors.items()}
+
+    def record_shared(self, rounds: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """The correction head's weights and the GRU input row (W_ih e(t) from the table, else e(t))
+        of every token a replayed round can read: its candidates and its anchor."""
+        read = torch.cat([rounds[name].reshape(-1).long() for name in ("base_tokens", "prefix_tokens", "anchor")])
+        tokens = torch.unique(read)  # [U] ascending
+        source = self.gru_table if self.gru_table is not None else self.embed.weight  # [V, W]
+        weights = (self.w_ih, self.w_hh, self.w1, self.w2)
+        shared = {name: w.detach().cpu().clone() for name, w in zip(_HEAD_KEYS, weights, strict=True)}
+        shared |= {"input_tokens": tokens, "input_rows": source[tokens.to(source.device)].detach().cpu().clone()}
+        meta = {"prefix_len": min(self.prefix_len, self.depth), "gru_table": self.gru_table is not None,
+                "dtype": str(self.rows.dtype).removeprefix("torch.")}
+        return shared, meta
+
+    @classmethod
+    def merge_shared(cls, parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The weights of the first part; the input rows of every token any part read, once each, ascending."""
+        tokens = torch.cat([p["input_tokens"] for p in parts])  # [U'] with repeats
+        rows = torch.cat([p["input_rows"] for p in parts])
+        unique, inverse = torch.unique(tokens, return_inverse=True)
+        first = torch.full((unique.numel(),), tokens.numel(), dtype=torch.int64)
+        first.scatter_reduce_(0, inverse, torch.arange(tokens.numel()), reduce="amin")
+        return {name: parts[0][name] for name in _HEAD_KEYS} | {"input_tokens": unique, "input_rows": rows[first]}
+
+    @classmethod
+    def replayer(cls, shared: Mapping[str, torch.Tensor], meta: Mapping,
+                 vocab_size: int) -> Callable[[Mapping[str, torch.Tensor], int], DominoScorer]:
+        """Modules built once around the recorded weights; each round's scorer reads its recorded
+        candidates only (-inf elsewhere) and the recorded input rows (NaN for tokens never read)."""
+        gru, proj, embed, table = _replay_modules(shared, vocab_size, bool(meta["gru_table"]))
+        prefix_len = int(meta["prefix_len"])
+
+        def scorer(round_: Mapping[str, torch.Tensor], anchor: int) -> DominoScorer:
+            return cls(rows=round_["rows"], base_logits=_dense(round_["base_tokens"], round_["base_logits"], vocab_size),
+                       prefix_gru=gru, embed_proj=proj, embed=embed, anchor=anchor, pure_draft_prefix_len=prefix_len,
+                       gru_table=table,
+                       prefix_logprobs=_dense(round_["prefix_tokens"], round_["prefix_logprobs"], vocab_size))
+
+        return scorer
+
+
+_HEAD_KEYS = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight")
+
+
+def _dense(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, V] rows holding ``values`` [R, k] at ``ids`` and -inf elsewhere."""
+    out = torch.full((ids.shape[0], vocab), float("-inf"), dtype=values.dtype)
+    return out.scatter_(1, ids.long(), values)
+
+
+def _module_from(module: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """``module`` (built on the meta device) holding the tensors of ``state`` themselves."""
+    module.load_state_dict(dict(state), assign=True)
+    return module.requires_grad_(False).eval()
+
+
+def _replay_modules(shared: Mapping[str, torch.Tensor], vocab: int, table: bool):
+    """(GRU, correction head, embedding, input table or None) around the recorded tensors."""
+    w_ih, w_hh, w1 = shared["prefix_gru.weight_ih_l0"], shared["prefix_gru.weight_hh_l0"], shared["embed_proj.0.weight"]
+    hidden, state = w_ih.shape[1], w_hh.shape[1]
+    with torch.device("meta"):
+        gru = nn.GRU(hidden, state, num_layers=1, batch_first=True, bias=False)
+        proj = nn.Sequential(nn.Linear(hidden + state, w1.shape[0], bias=False), nn.SiLU(),
+                             nn.Linear(w1.shape[0], vocab, bias=False))
+        embed = nn.Embedding(vocab, hidden)
+    gru = _module_from(gru, {"weight_ih_l0": w_ih, "weight_hh_l0": w_hh})
+    proj = _module_from(proj, {"0.weight": w1, "2.weight": shared["embed_proj.2.weight"]})
+    recorded = shared["input_rows"]
+    rows = torch.full((vocab, recorded.shape[1]), float("nan"), dtype=recorded.dtype)
+    rows[shared["input_tokens"]] = recorded  # [V, W]; NaN marks tokens never recorded
+    if table:  # with a table the scorer never reads the embedding: a meta-device module (a shape) serves
+        return gru, proj, embed, rows
+    return gru, proj, _module_from(embed, {"weight": rows}), None
 
 
 class DominoDrafter(DFlashDrafter):

@@ -23,6 +23,7 @@ from test_target import random_prompts, random_tree, tiny_model
 
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
+from drafters.toy import ToyConditionalDrafter, ToyConfig
 from treespec.cli import main
 from treespec.cost import COST_PRESETS
 from treespec.decoding import SpeculativeDecoder
@@ -231,6 +232,12 @@ class DeepRanks(TreePolicy):
                                            topk_logprobs=top.values)
 
 
+def test_a_scorer_replay_cannot_rebuild_is_refused_when_recording(small):
+    toy = ToyConditionalDrafter(ToyConfig(vocab_size=small.target.vocab_size))  # its ToyScorer is no RecordableScorer
+    with pytest.raises(TraceError, match="cannot record a ToyScorer: .* implement treespec.interfaces.RecordableScorer"):
+        record_trace(small.target, {"domino": toy}, small.prompts[:1], config=RecordConfig(max_new_tokens=2))
+
+
 def test_trees_reaching_unrecorded_tokens_fail(compressed):
     drafts = compressed.trace.drafts("dflash")
     with pytest.raises(TraceError, match="did not record"):
@@ -278,7 +285,7 @@ def _trace_bytes(trace: Trace, path) -> dict:
 
 
 def _flatten_for_test(trace: Trace) -> dict:
-    from treespec.replay import _flatten
+    from treespec.replay.trace import _flatten
 
     return _flatten(trace)
 

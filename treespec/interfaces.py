@@ -13,7 +13,9 @@ One decoding round is ``draft -> build -> verify -> commit``:
    with the root) and the new bonus token, which becomes the next round's root.
 4. The decoder commits the accepted path and calls ``Drafter.observe``.
 
-Optional hooks (``Drafter.bind``, ``reset``, ``observe``) default to no-ops.  Batch size is one
+A scorer that trace replay can store implements `RecordableScorer` on top of `ConditionalScorer`;
+replay (treespec/replay/) knows it through that interface and the registry (kind ``"scorer"``)
+only.  Optional hooks (``Drafter.bind``, ``reset``, ``observe``) default to no-ops.  Batch size is one
 tree per call; `check_single_batch` is the one place where that is asserted.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
     from treespec.target import TargetModel
 
 __all__ = [
-    "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "SamplingParams",
+    "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "RecordableScorer", "SamplingParams",
     "TreePolicy", "Verifier", "VerifyResult", "check_single_batch", "BACKENDS",
 ]
 
@@ -96,6 +99,39 @@ class ConditionalScorer(ABC):
         the correction is normalised over those candidates and the best ``k`` are returned.
         Depths below the scorer's pure-draft prefix use the base log-probs unchanged.
         """
+
+
+class RecordableScorer(ConditionalScorer):
+    """A `ConditionalScorer` that trace replay can store as tensors and rebuild without its drafter.
+
+    Recording calls `record_round` once per round and `record_shared` once per drafter (on the
+    last round's scorer, with every round's tensors stacked); traces recorded in parts are joined
+    with `merge_shared`.  Replay resolves the class by `record_kind` in the registry (kind
+    ``"scorer"``) and rebuilds round r with ``replayer(shared, meta, vocab_size)(rounds[r], anchor)``:
+    that scorer must return the recorded round's children bit for bit for every ``top_m`` up to
+    the recorded one (tokens it never recorded may read as NaN or -inf).
+    """
+
+    record_kind: ClassVar[str] = ""  # the registry name (kind "scorer") its records load under
+
+    @abstractmethod
+    def record_round(self, top_m: int) -> dict[str, torch.Tensor]:
+        """This round's inputs, up to ``top_m`` candidates per depth: the same names and shapes every round."""
+
+    @abstractmethod
+    def record_shared(self, rounds: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, JSON-able meta) every round shares, given all rounds' tensors stacked [R, ...]."""
+
+    @classmethod
+    @abstractmethod
+    def merge_shared(cls, parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One shared record for the rounds of ``parts`` (records of the same drafter), in order."""
+
+    @classmethod
+    @abstractmethod
+    def replayer(cls, shared: Mapping[str, torch.Tensor], meta: Mapping,
+                 vocab_size: int) -> Callable[[Mapping[str, torch.Tensor], int], ConditionalScorer]:
+        """A function (one round's tensors, the anchor token) -> the scorer of that round."""
 
 
 @attrs.frozen(eq=False)

@@ -1,9 +1,9 @@
-"""Name -> implementation lookup for policies, drafters and verifiers.
+"""Name -> implementation lookup for policies, drafters, verifiers and recordable scorers.
 
 Contract: built-in names map to ``"module:attribute"`` strings that are imported only when the name
-is resolved, so ``treespec`` never imports ``policies``, ``drafters`` or ``verifiers`` at module
-level.  Third-party packages register more names through the entry-point groups
-``treespec.policies``, ``treespec.drafters`` and ``treespec.verifiers`` (value ``"pkg.mod:Class"``),
+is resolved, so the kernel never imports ``policies``, ``drafters`` or ``verifiers``.
+Third-party packages register more names through the entry-point groups ``treespec.policies``,
+``treespec.drafters``, ``treespec.verifiers`` and ``treespec.scorers`` (value ``"pkg.mod:Class"``),
 or at run time with `register`.
 """
 
@@ -15,8 +15,9 @@ from typing import Any
 
 __all__ = ["KINDS", "RegistryError", "available", "create", "register", "resolve"]
 
-KINDS = ("policy", "drafter", "verifier")
-_GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers"}
+KINDS = ("policy", "drafter", "verifier", "scorer")
+_GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers",
+           "scorer": "treespec.scorers"}
 
 # Built-ins, resolved lazily.  A new policy is one file in policies/ plus one line here.
 _BUILTIN: dict[str, dict[str, str]] = {
@@ -38,6 +39,9 @@ _BUILTIN: dict[str, dict[str, str]] = {
     "verifier": {
         "match": "verifiers.match:MatchVerifier",
         "rejection": "verifiers.rejection:RejectionVerifier",
+    },
+    "scorer": {  # RecordableScorer classes: trace replay rebuilds their recorded rounds by this name
+        "domino": "drafters.domino:DominoScorer",
     },
 }
 _RUNTIME: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}

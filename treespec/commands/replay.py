@@ -4,7 +4,7 @@
 runs the target once per prompt (the embedded SmolLM2 and its shipped drafters by default) and
 writes one safetensors trace.  ``treespec replay eval FILE --methods ddtree@16 dominotree@16 ...``
 replays each method's T = 0 acceptance lengths from the trace alone, in seconds.
-``treespec replay info FILE`` prints the trace's metadata.  See treespec/replay.py.
+``treespec replay info FILE`` prints the trace's metadata.  See treespec/replay/.
 """
 
 from __future__ import annotations
