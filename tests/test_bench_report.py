@@ -7,7 +7,7 @@ import random
 import pytest
 
 from treespec.bench.records import BenchRecord, read_records, write_records
-from treespec.bench.report import compare_pairs, markdown_table, summarize, write_csv
+from treespec.bench.summary import compare_pairs, markdown_table, summarize, write_csv
 
 
 def make_records(n_prompts=12, seed=0):

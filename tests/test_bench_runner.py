@@ -20,7 +20,7 @@ from test_target import tiny_model
 
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
-from treespec.bench import runner
+import treespec.bench as ab
 from treespec.bench.records import read_records
 from treespec.cli import main
 from treespec.decoding import SpeculativeDecoder
@@ -52,12 +52,12 @@ class CharTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i == EOS))
 
 
-def make_harness() -> runner.Harness:
+def make_harness() -> ab.Harness:
     target = TargetModel(tiny_model("qwen3", vocab=VOCAB, hidden=32, layers=4))
     config = {"vocab": VOCAB, "hidden": 32, "num_target_layers": 4, "layer_ids": (0, 2), "block_size": 4}
     drafters = {"dflash": DFlashDrafter.random(tiny_config(**config), dtype=torch.float64, seed=1),
                 "domino": DominoDrafter.random(tiny_config(domino=True, **config), dtype=torch.float64, seed=2)}
-    return runner.Harness(target, runner.Chat(CharTokenizer()), drafters)
+    return ab.Harness(target, ab.Chat(CharTokenizer()), drafters)
 
 
 def prompt_files(folder: Path) -> tuple[str, str]:
@@ -69,7 +69,7 @@ def prompt_files(folder: Path) -> tuple[str, str]:
     return str(single), str(chat)
 
 
-CONFIG = runner.BenchConfig(methods=METHODS, budgets=(4,), temperatures=TEMPERATURES, prompts=2,
+CONFIG = ab.BenchConfig(methods=METHODS, budgets=(4,), temperatures=TEMPERATURES, prompts=2,
                             max_new_tokens=8, warmup_tokens=2, datasets=("unset",))
 
 
@@ -79,13 +79,13 @@ def bench(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     config = attrs.evolve(CONFIG, datasets=prompt_files(folder))
     harness = make_harness()
-    runner.run_shard(config, harness, folder / "out", progress=False)
-    runner.merge_shards(folder / "out")
-    runner.write_report(folder / "out", resamples=50)
+    ab.run_shard(config, harness, folder / "out", progress=False)
+    ab.merge_shards(folder / "out")
+    ab.write_report(folder / "out", resamples=50)
     return config, harness, folder / "out"
 
 
-def by_key(records) -> dict[tuple, dict[str, runner.BenchRecord]]:
+def by_key(records) -> dict[tuple, dict[str, ab.BenchRecord]]:
     cells: dict = {}
     for r in records:
         cells.setdefault(r.key, {})[r.method] = r
@@ -98,34 +98,34 @@ def without_times(record) -> dict:
 
 # ---------------------------------------------------------------------------- methods, seeds, config
 def test_methods_expand_over_budgets_with_ar_first():
-    names = [m.name for m in runner.expand_methods(["dflash", "ddtree", "ar", "ddtree@4", "dominotree:dflash",
+    names = [m.name for m in ab.expand_methods(["dflash", "ddtree", "ar", "ddtree@4", "dominotree:dflash",
                                                     "domino", "chain"], [4, 8])]
     assert names == ["ar", "dflash", "ddtree@4", "ddtree@8", "dominotree@4:dflash", "dominotree@8:dflash",
                      "domino", "chain"]
-    assert [m.budget for m in runner.expand_methods(["ddtree@32"], [4])] == [None, 32]
-    expanded = runner.expand_methods(["ddtree", "dominotree:dflash", "caddtree"], [4, 8])
+    assert [m.budget for m in ab.expand_methods(["ddtree@32"], [4])] == [None, 32]
+    expanded = ab.expand_methods(["ddtree", "dominotree:dflash", "caddtree"], [4, 8])
     assert all(m == parse_method(m.name) for m in expanded)  # a copy at the budget, as its name parses
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
-        runner.expand_methods(["nope"], [4])
+        ab.expand_methods(["nope"], [4])
 
 
 def test_pair_seed_depends_on_the_turn_not_on_the_method():
-    seeds = {runner.pair_seed(0, "d", p, t, temp) for p in ("a", "b") for t in (0, 1) for temp in (0.0, 1.0)}
+    seeds = {ab.pair_seed(0, "d", p, t, temp) for p in ("a", "b") for t in (0, 1) for temp in (0.0, 1.0)}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
-    assert runner.pair_seed(0, "d", "a", 0, 1.0) == runner.pair_seed(0, "d", "a", 0, 1.0)
-    assert runner.pair_seed(1, "d", "a", 0, 1.0) != runner.pair_seed(0, "d", "a", 0, 1.0)
+    assert ab.pair_seed(0, "d", "a", 0, 1.0) == ab.pair_seed(0, "d", "a", 0, 1.0)
+    assert ab.pair_seed(1, "d", "a", 0, 1.0) != ab.pair_seed(0, "d", "a", 0, 1.0)
 
 
 def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="prompts must be >= 1"):
-        runner.BenchConfig(prompts=0)
+        ab.BenchConfig(prompts=0)
     with pytest.raises(ValueError, match="temperatures must be >= 0"):
-        runner.BenchConfig(temperatures=(-1,))
+        ab.BenchConfig(temperatures=(-1,))
     with pytest.raises(ValueError, match="rank 2 outside a world of 2"):
-        runner.Shard(2, 2)
+        ab.Shard(2, 2)
     with pytest.raises(ValueError, match="needs a domino drafter"):
-        runner.Harness(make_harness().target, runner.Chat(CharTokenizer())).decoders(
-            runner.expand_methods(["domino"], []))
+        ab.Harness(make_harness().target, ab.Chat(CharTokenizer())).decoders(
+            ab.expand_methods(["domino"], []))
 
 
 def test_command_line_options_override_the_preset(tmp_path, capsys):
@@ -137,7 +137,7 @@ def test_command_line_options_override_the_preset(tmp_path, capsys):
                               "--temperatures", "0,0.7", "--no-stop", "--out", str(tmp_path)])
     config = command.config_from_args(args)
     assert (config.methods, config.budgets, config.temperatures) == (("ar", "ddtree"), (16, 64), (0.0, 0.7))
-    assert config.prompts == runner.BENCH_PRESETS["smoke"].prompts and config.stop_at_eos is False
+    assert config.prompts == ab.BENCH_PRESETS["smoke"].prompts and config.stop_at_eos is False
     assert main(["bench", "--methods", "ar"]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
     assert main(["bench", "report", str(tmp_path)]) == 2
@@ -147,7 +147,7 @@ def test_command_line_options_override_the_preset(tmp_path, capsys):
 # ---------------------------------------------------------------------------- the run
 def test_every_method_prompt_turn_and_temperature_is_recorded_with_ar(bench):
     _, _, out = bench
-    records = list(read_records(out / runner.RECORDS))
+    records = list(read_records(out / ab.RECORDS))
     turns = 2 * 1 + 2 * 2  # two single-turn prompts, two two-turn prompts
     assert len(records) == turns * len(TEMPERATURES) * len(EXPANDED)
     cells = by_key(records)
@@ -162,12 +162,12 @@ def test_every_method_prompt_turn_and_temperature_is_recorded_with_ar(bench):
 
 def test_outputs_equal_ar_at_both_temperatures_with_paired_seeds(bench):
     _, _, out = bench
-    cells = by_key(read_records(out / runner.RECORDS))
+    cells = by_key(read_records(out / ab.RECORDS))
     for methods in cells.values():
         ar = methods["ar"]
         assert all(r.tokens == ar.tokens and r.seed == ar.seed for r in methods.values())
         assert all(sum(r.taus) == len(r.tokens) for r in methods.values())
-    assert (out / runner.DIVERGENCES).read_text() == ""
+    assert (out / ab.DIVERGENCES).read_text() == ""
     greedy = {k[2:]: m["ar"].tokens for k, m in cells.items() if k[1] == 0.0}
     sampled = {k[2:]: m["ar"].tokens for k, m in cells.items() if k[1] == 1.0}
     assert greedy != sampled  # T = 1 really samples, so its equality with AR is not the greedy one
@@ -176,8 +176,8 @@ def test_outputs_equal_ar_at_both_temperatures_with_paired_seeds(bench):
 
 def test_second_turn_is_asked_after_ar_answer_to_the_first(bench):
     _, harness, out = bench
-    cells = by_key(read_records(out / runner.RECORDS))
-    prompt = next(p for p in runner.bench_prompts(attrs.evolve(CONFIG, datasets=(str(out.parent / "chat.jsonl"),))))
+    cells = by_key(read_records(out / ab.RECORDS))
+    prompt = next(p for p in ab.bench_prompts(attrs.evolve(CONFIG, datasets=(str(out.parent / "chat.jsonl"),))))
     for temperature in TEMPERATURES:
         first, second = (cells[("chat", temperature, prompt.id, t)]["ar"] for t in (0, 1))
         ids = harness.chat.encode(prompt.turns, [harness.chat.decode(first.tokens)])
@@ -204,15 +204,15 @@ def test_report_is_reproducible_byte_for_byte(bench):
 def test_sharded_runs_merge_to_the_unsharded_records(bench, tmp_path):
     config, harness, out = bench
     for rank in (1, 0):  # finishing order does not matter
-        runner.run_shard(config, harness, tmp_path, runner.Shard(rank, 2), progress=False)
-    parts = [list(read_records(runner.shard_paths(tmp_path, r)[0])) for r in (0, 1)]
+        ab.run_shard(config, harness, tmp_path, ab.Shard(rank, 2), progress=False)
+    parts = [list(read_records(ab.shard_paths(tmp_path, r)[0])) for r in (0, 1)]
     assert {r.prompt_id for r in parts[0]}.isdisjoint({r.prompt_id for r in parts[1]}) and all(parts)
-    merged = list(read_records(runner.merge_shards(tmp_path)))
-    assert [without_times(r) for r in merged] == [without_times(r) for r in read_records(out / runner.RECORDS)]
-    runner.run_shard(config, harness, tmp_path, runner.Shard(0, 2), progress=False)
+    merged = list(read_records(ab.merge_shards(tmp_path)))
+    assert [without_times(r) for r in merged] == [without_times(r) for r in read_records(out / ab.RECORDS)]
+    ab.run_shard(config, harness, tmp_path, ab.Shard(0, 2), progress=False)
     (tmp_path / "records-rank1.jsonl").write_text((tmp_path / "records-rank0.jsonl").read_text())
     with pytest.raises(ValueError, match="duplicate record"):
-        runner.merge_shards(tmp_path)
+        ab.merge_shards(tmp_path)
 
 
 # ---------------------------------------------------------------------------- losslessness check
@@ -229,7 +229,7 @@ class Corrupt:
         return out
 
 
-class CorruptHarness(runner.Harness):
+class CorruptHarness(ab.Harness):
     def _decoder(self, method):
         decoder = super()._decoder(method)
         return Corrupt(decoder, 3) if method.name == "dflash" else decoder
@@ -254,11 +254,11 @@ def test_a_divergence_from_ar_is_listed_with_the_ar_decision_margin(tmp_path):
     harness = CorruptHarness(base.target, base.chat, base.drafters)
     config = attrs.evolve(CONFIG, methods=("ar", "dflash"), temperatures=(0.0, 0.5), datasets=(single,),
                           prompts=1, stop_at_eos=False)
-    runner.run_shard(config, harness, tmp_path / "out", progress=False)
-    runner.merge_shards(tmp_path / "out")
-    divergences = runner.read_divergences(tmp_path / "out" / runner.DIVERGENCES)
-    ars = {r.temperature: r for r in read_records(tmp_path / "out" / runner.RECORDS) if r.method == "ar"}
-    prompt = harness.chat.encode(runner.bench_prompts(config)[0].turns, [])
+    ab.run_shard(config, harness, tmp_path / "out", progress=False)
+    ab.merge_shards(tmp_path / "out")
+    divergences = ab.read_divergences(tmp_path / "out" / ab.DIVERGENCES)
+    ars = {r.temperature: r for r in read_records(tmp_path / "out" / ab.RECORDS) if r.method == "ar"}
+    prompt = harness.chat.encode(ab.bench_prompts(config)[0].turns, [])
     assert [d.temperature for d in divergences] == [0.0, 0.5]
     for div in divergences:
         ar = ars[div.temperature]
@@ -266,7 +266,7 @@ def test_a_divergence_from_ar_is_listed_with_the_ar_decision_margin(tmp_path):
         assert int(top.indices[0]) == ar.tokens[3]  # the scores of the right position: AR's pick is their argmax
         assert (div.method, div.position, div.ar_token) == ("dflash", 3, ar.tokens[3])
         assert div.gap == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-9)
-        assert div.tolerance == runner.GAP_TOLERANCE[torch.float64] and not div.acceptable
+        assert div.tolerance == ab.GAP_TOLERANCE[torch.float64] and not div.acceptable
         assert attrs.evolve(div, tolerance=div.gap).acceptable
     assert main(["bench", "report", str(tmp_path / "out"), "--resamples", "20"]) == 1  # flagged
     text = (tmp_path / "out" / "lossless.md").read_text()
@@ -274,16 +274,16 @@ def test_a_divergence_from_ar_is_listed_with_the_ar_decision_margin(tmp_path):
 
 
 def test_first_difference_counts_a_shorter_answer():
-    assert runner.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert runner.first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert runner.first_difference([1, 2], [1, 2, 0]) == 2
+    assert ab.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert ab.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert ab.first_difference([1, 2], [1, 2, 0]) == 2
 
 
 # ---------------------------------------------------------------------------- interruption and resumption
 def test_an_interrupted_run_resumes_to_the_uninterrupted_records(bench, tmp_path, monkeypatch, capsys):
     config, harness, out = bench
     calls = {"n": 0}
-    measure = runner._Runner.measure
+    measure = ab.runner._Runner.measure
 
     def interrupted(self, turn):
         calls["n"] += 1
@@ -291,20 +291,20 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_records(bench, tmp_path
             raise KeyboardInterrupt
         return measure(self, turn)
 
-    monkeypatch.setattr(runner._Runner, "measure", interrupted)
+    monkeypatch.setattr(ab.runner._Runner, "measure", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        runner.run_shard(config, harness, tmp_path, progress=False)
-    monkeypatch.setattr(runner._Runner, "measure", measure)
-    rec_path = runner.shard_paths(tmp_path, 0)[0]
+        ab.run_shard(config, harness, tmp_path, progress=False)
+    monkeypatch.setattr(ab.runner._Runner, "measure", measure)
+    rec_path = ab.shard_paths(tmp_path, 0)[0]
     saved = list(read_records(rec_path))
     conversations = {(r.dataset, r.prompt_id, r.temperature) for r in saved}
     assert len(conversations) == 4 and len(saved) == 4 * len(EXPANDED)  # the four finished before the fifth turn
     with open(rec_path, "a") as fh:
         fh.write('{"method": "ar", "trunc')  # a crash in the middle of a write
-    runner.run_shard(config, harness, tmp_path, progress=False)
+    ab.run_shard(config, harness, tmp_path, progress=False)
     assert "truncated last line" in capsys.readouterr().err
-    merged = list(read_records(runner.merge_shards(tmp_path)))
-    expected = list(read_records(out / runner.RECORDS))
+    merged = list(read_records(ab.merge_shards(tmp_path)))
+    expected = list(read_records(out / ab.RECORDS))
     assert len(merged) == len(expected)
     assert sorted(json.dumps(without_times(r), sort_keys=True) for r in merged) == \
         sorted(json.dumps(without_times(r), sort_keys=True) for r in expected)
@@ -312,25 +312,25 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_records(bench, tmp_path
 
 def test_an_output_folder_of_another_configuration_is_refused(tmp_path):
     settings = {"prompts": 2, "methods": ["ar"]}
-    assert runner.prepare_out(tmp_path, settings) == "new"
-    runner.write_settings(tmp_path, settings)
-    (tmp_path / runner.RECORDS).write_text("")
-    assert runner.prepare_out(tmp_path, settings) == "resume"  # the merged records become the shard again
-    assert runner.shard_paths(tmp_path, 0)[0].is_file() and not (tmp_path / runner.RECORDS).exists()
+    assert ab.prepare_out(tmp_path, settings) == "new"
+    ab.write_settings(tmp_path, settings)
+    (tmp_path / ab.RECORDS).write_text("")
+    assert ab.prepare_out(tmp_path, settings) == "resume"  # the merged records become the shard again
+    assert ab.shard_paths(tmp_path, 0)[0].is_file() and not (tmp_path / ab.RECORDS).exists()
     with pytest.raises(ValueError, match=r"another bench configuration \(differs in prompts\).*--overwrite"):
-        runner.prepare_out(tmp_path, {"prompts": 3, "methods": ["ar"]})
-    assert runner.shard_paths(tmp_path, 0)[0].is_file()  # nothing lost
-    assert runner.prepare_out(tmp_path, {"prompts": 3, "methods": ["ar"]}, overwrite=True) == "overwrite"
-    assert not runner.shard_paths(tmp_path, 0)[0].exists()
+        ab.prepare_out(tmp_path, {"prompts": 3, "methods": ["ar"]})
+    assert ab.shard_paths(tmp_path, 0)[0].is_file()  # nothing lost
+    assert ab.prepare_out(tmp_path, {"prompts": 3, "methods": ["ar"]}, overwrite=True) == "overwrite"
+    assert not ab.shard_paths(tmp_path, 0)[0].exists()
 
 
 def test_a_failing_bench_leaves_an_existing_folder_untouched(tmp_path, capsys):
     from treespec.cli import main
 
-    (tmp_path / runner.SETTINGS).write_text('{"kept": true}\n')
-    (tmp_path / runner.RECORDS).write_text("")
+    (tmp_path / ab.SETTINGS).write_text('{"kept": true}\n')
+    (tmp_path / ab.RECORDS).write_text("")
     assert main(["bench", "--methods", "ar,ddtree@0", "--out", str(tmp_path)]) == 2
     assert "budget must be a positive integer" in capsys.readouterr().err
     assert main(["bench", "--datasets", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
-    assert (tmp_path / runner.SETTINGS).read_text() == '{"kept": true}\n'
+    assert (tmp_path / ab.SETTINGS).read_text() == '{"kept": true}\n'

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from treespec.bench.records import BenchRecord
-from treespec.bench.runner import Divergence
+from treespec.bench.lossless import Divergence
 from treespec.commands.demo import lossless_verdict, pooled_table
 
 

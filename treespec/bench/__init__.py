@@ -1,1 +1,23 @@
-"""A/B benchmarking of methods: raw JSONL records, derived tables with paired intervals, plots."""
+"""A/B benchmarking of methods: raw JSONL records, derived tables with paired intervals, plots.
+
+One module per job: `config` (what a run measures), `harness` (the target and drafters every
+method shares), `runner` (the measurements), `lossless` (every response against AR's), `outdir`
+(the output folder), `merge` (joining shards), `summary` (per-cell statistics), `report` (the
+derived files) and `plots`.  The names below are the public face.
+"""
+
+from treespec.bench.config import BENCH_PRESETS, METHODS, BenchConfig, Shard, bench_prompts, expand_methods, pair_seed
+from treespec.bench.harness import Chat, Harness, load_harness
+from treespec.bench.lossless import GAP_TOLERANCE, Divergence, decision_gap, first_difference, read_divergences
+from treespec.bench.merge import merge_shards
+from treespec.bench.outdir import DIVERGENCES, RECORDS, SETTINGS, prepare_out, run_settings, shard_paths, write_settings
+from treespec.bench.records import BenchRecord, read_records
+from treespec.bench.report import Report, write_report
+from treespec.bench.runner import resume_shard, run_shard
+
+__all__ = [
+    "BENCH_PRESETS", "DIVERGENCES", "GAP_TOLERANCE", "METHODS", "RECORDS", "SETTINGS", "BenchConfig", "BenchRecord",
+    "Chat", "Divergence", "Harness", "Report", "Shard", "bench_prompts", "decision_gap", "expand_methods",
+    "first_difference", "load_harness", "merge_shards", "pair_seed", "prepare_out", "read_divergences", "read_records",
+    "resume_shard", "run_settings", "run_shard", "shard_paths", "write_report", "write_settings",
+]

