@@ -32,7 +32,7 @@ from drafters.training import (
     new_drafter,
     response_token_counts,
 )
-from treespec.selfdistill import iter_sequences
+from treespec.apps.selfdistill import iter_sequences
 
 
 def _arms(args) -> dict[str, dict]:
@@ -101,9 +101,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from treespec.commands.teacher_cache import load_frozen_target
+    from treespec.apps.models import load_frozen_model
 
-    target, _, _ = load_frozen_target(None, "float32")
+    target, _, _ = load_frozen_model(None, "float32")
     pairs = [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
     cache = TeacherCache(args.cache)
     counts = response_token_counts(pairs, target.config.vocab_size)

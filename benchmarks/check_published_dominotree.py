@@ -33,7 +33,7 @@ from treespec.interfaces import DraftContext
 
 def _contexts(target, tokenizer, prompts: int, positions: int, taps) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(sequence ending at the anchor, its target features) at ``positions`` greedy steps of each prompt."""
-    from treespec.datasets import encode_chat, load_prompts
+    from treespec.apps.datasets import encode_chat, load_prompts
 
     out = []
     for record in load_prompts("alpaca", split="bench", limit=prompts):
@@ -115,8 +115,8 @@ def main() -> None:
     import dominotree
 
     from drafters.domino import DominoDrafter
-    from treespec.embedded import embedded_model_dir
-    from treespec.methods import embedded_drafter_dir
+    from treespec.apps.embedded import embedded_model_dir
+    from treespec.apps.methods import embedded_drafter_dir
     from treespec.target import TargetModel
 
     dtype = getattr(torch, args.dtype)

@@ -124,9 +124,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from treespec.commands.teacher_cache import load_frozen_target
+    from treespec.apps.models import load_frozen_model
 
-    target, tokenizer, identity = load_frozen_target(None, "auto")
+    target, tokenizer, identity = load_frozen_model(None, "auto")
     cache, heldout = TeacherCache(*args.teacher), TeacherCache(*args.heldout)
     for c in (cache, heldout):
         c.check(identity=identity)

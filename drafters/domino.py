@@ -231,7 +231,7 @@ class DominoScorer(RecordableScorer):
     def base_logprobs(self, depth: int) -> torch.Tensor:
         """[V] float32 base log-probs of a pure-draft ``depth``: the rows given, else log_softmax of the logits.
 
-        Trace replay (treespec/replay/) records these rows and gives them back, because its base
+        Trace replay (treespec/apps/replay/) records these rows and gives them back, because its base
         logits hold only the top-M candidates and cannot be renormalised over the vocabulary.
         """
         if self.prefix_logprobs is not None:

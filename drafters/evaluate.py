@@ -25,8 +25,8 @@ import attrs
 import torch
 
 from drafters.teacher import TeacherRecord
+from treespec.analysis import accepted_length
 from treespec.interfaces import DraftContext, Drafter, TreePolicy
-from treespec.replay import accepted_length
 
 __all__ = ["HeldoutTau", "heldout_tau", "sequence_taus"]
 

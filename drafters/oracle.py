@@ -157,8 +157,12 @@ class GreedyContinuations:
 class OracleDrafter(Drafter):
     """Drafts the target's greedy continuation with controlled, seeded corruption."""
 
-    def __init__(self, config: OracleConfig | None = None, *, continuations: GreedyContinuations | None = None,
+    def __init__(self, config: OracleConfig | str | None = None, *, continuations: GreedyContinuations | None = None,
                  **overrides) -> None:
+        if isinstance(config, str):
+            if config not in ORACLE_PRESETS:
+                raise ValueError(f"unknown oracle preset {config!r}; available: {', '.join(ORACLE_PRESETS)}")
+            config = ORACLE_PRESETS[config]
         self.config = attrs.evolve(config or OracleConfig(), **overrides)
         self.tap_layers = tuple(self.config.tap_layers)
         self.target = None

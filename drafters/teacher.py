@@ -3,7 +3,7 @@
 Contract
 --------
 `build_teacher_cache` runs the target (no grad) once over every sequence of a distill-data
-directory (`treespec.selfdistill`), each cut at ``spec.max_seq_len`` tokens, and writes one
+directory (`treespec.apps.selfdistill`), each cut at ``spec.max_seq_len`` tokens, and writes one
 ``teacher-NNNNN.safetensors`` per data shard (same index), holding for its n sequences of T tokens
 in all:
 
@@ -29,7 +29,6 @@ in both).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -47,8 +46,8 @@ __all__ = [
     "TeacherRecord",
     "TeacherSpec",
     "build_teacher_cache",
+    "default_cache_layers",
     "live_record",
-    "target_identity",
 ]
 
 FORMAT = "treespec-teacher-cache/1"
@@ -87,17 +86,11 @@ class TeacherRecord:
     rest_logp: torch.Tensor  # [T] float32 log of the mass outside top_ids
 
 
-def target_identity(name: str, model_dir: str | Path) -> dict[str, str]:
-    """``{"name", "sha256"}`` of a target: the sha256 over its weight files, in name order."""
-    digest = hashlib.sha256()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise TeacherCacheError(f"no *.safetensors weight files in {model_dir}")
-    for path in files:
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 24), b""):
-                digest.update(block)
-    return {"name": name, "sha256": digest.hexdigest()}
+def default_cache_layers(num_layers: int) -> tuple[int, ...]:
+    """The evenly spread taps the training presets use, plus the target's last layer."""
+    from drafters.training import spread_layers
+
+    return tuple(sorted(set(spread_layers(num_layers)) | {num_layers - 1}))
 
 
 # ---------------------------------------------------------------------------- the teacher's view
@@ -166,7 +159,7 @@ def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec:
     """Write every missing cache shard for the data shards in ``data_dir``; returns all cache paths."""
     from tqdm import tqdm
 
-    from treespec.selfdistill import read_shard
+    from treespec.apps.selfdistill import read_shard
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     shards = sorted(data_dir.glob("shard-*.safetensors"))

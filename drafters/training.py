@@ -368,7 +368,7 @@ class DrafterTrainer:
     def evaluate(self, heldout: TeacherCache) -> dict[str, float]:
         """Held-out τ of each eval method (`drafters.evaluate`) with the current weights."""
         from drafters.evaluate import heldout_tau
-        from treespec.methods import build_policy, parse_method
+        from treespec.apps.methods import build_policy, parse_method
         from treespec.target import TargetModel
 
         if self._eval_target is None:

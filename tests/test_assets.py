@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.api import load_drafter
-from treespec.embedded import SMOLLM2_135M_INSTRUCT, cache_root, is_converted
-from treespec.methods import embedded_drafter_dir
+from treespec.apps.api import load_drafter
+from treespec.apps.embedded import SMOLLM2_135M_INSTRUCT, cache_root, is_converted
+from treespec.apps.methods import embedded_drafter_dir
 
 KINDS = ("dflash", "domino")
 
@@ -39,10 +39,10 @@ def test_shipped_drafters_decode_losslessly_and_accept_drafts(method):
     """float32 target: the tree's output equals AR's token for token, and drafts are accepted."""
     from transformers import AutoTokenizer
 
-    from treespec.api import load_target
-    from treespec.datasets import encode_chat
+    from treespec.apps.api import load_target
+    from treespec.apps.datasets import encode_chat
+    from treespec.apps.methods import build_policy, parse_method
     from treespec.decoding import SpeculativeDecoder
-    from treespec.methods import build_policy, parse_method
 
     target = load_target(_CACHED, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(_CACHED, local_files_only=True)

@@ -14,7 +14,7 @@ from test_decoding import model_dir  # noqa: F401 - the fixture: a tiny model di
 from test_target import tiny_model, tiny_target
 
 import treespec
-from treespec.cli import main
+from treespec.apps.cli import main
 from treespec.decoding import SpeculativeDecoder
 from treespec.tree import DraftTree
 from verifiers.match import MatchVerifier
@@ -74,7 +74,7 @@ def test_a_damaged_drafter_safetensors_file_is_named(tmp_path):
     DFlashDrafter.random(tiny_config(), dtype=torch.float32).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
-        treespec.api.load_drafter(tmp_path)
+        treespec.apps.api.load_drafter(tmp_path)
 
 
 def test_infinite_target_logits_are_an_error_not_token_zero():

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from treespec.bench.records import BenchRecord, read_records, write_records
-from treespec.bench.summary import compare_pairs, markdown_table, summarize, write_csv
+from treespec.apps.bench.records import BenchRecord, read_records, write_records
+from treespec.apps.bench.summary import compare_pairs, markdown_table, summarize, write_csv
 
 
 def make_records(n_prompts=12, seed=0):
@@ -65,7 +65,7 @@ def test_missing_ar_and_malformed_lines_are_errors(tmp_path):
 
 
 def test_plots_are_written_reproducibly(tmp_path):
-    from treespec.bench.plots import plot_budget_curves, plot_tau_histograms
+    from treespec.apps.bench.plots import plot_budget_curves, plot_tau_histograms
 
     recs = make_records()
     a = plot_tau_histograms(recs, tmp_path / "a.svg").read_bytes()

@@ -20,12 +20,12 @@ from test_target import tiny_model
 
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
-import treespec.bench as ab
-from treespec.bench.records import read_records
-from treespec.cli import main
+import treespec.apps.bench as ab
+from treespec.apps.bench.records import read_records
+from treespec.apps.cli import main
+from treespec.apps.methods import parse_method
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import SamplingParams
-from treespec.methods import parse_method
 from treespec.sampling import gumbel_noise, sampling_key
 from treespec.target import TargetModel
 
@@ -129,7 +129,7 @@ def test_bad_settings_are_clear_errors():
 
 
 def test_command_line_options_override_the_preset(tmp_path, capsys):
-    from treespec.commands import bench as command
+    from treespec.apps.commands import bench as command
 
     parser = __import__("argparse").ArgumentParser()
     command.add_arguments(parser)
@@ -325,7 +325,7 @@ def test_an_output_folder_of_another_configuration_is_refused(tmp_path):
 
 
 def test_a_failing_bench_leaves_an_existing_folder_untouched(tmp_path, capsys):
-    from treespec.cli import main
+    from treespec.apps.cli import main
 
     (tmp_path / ab.SETTINGS).write_text('{"kept": true}\n')
     (tmp_path / ab.RECORDS).write_text("")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from treespec import datasets as ds
-from treespec.datasets import (
+from treespec.apps import datasets as ds
+from treespec.apps.datasets import (
     BENCHMARKS,
     HUMANEVAL_TEMPLATE,
     MATH_SUFFIX,
@@ -122,7 +122,7 @@ def test_subsets_are_selected_as_the_published_harnesses_shuffle():
     """``dataset.shuffle(seed=0)`` is a numpy PCG64 permutation of the row indices."""
     import numpy as np
 
-    from treespec.datasets import _shuffle
+    from treespec.apps.datasets import _shuffle
 
     order = np.random.default_rng(0).permutation(50).tolist()
     records = [PromptRecord(f"d-{i}", "d", (f"q{i}",)) for i in range(50)]
@@ -235,7 +235,7 @@ def test_prompt_record_turns_are_a_tuple():
     assert record.turns == ("x", "y") and hash(record) == hash(PromptRecord("a-1", "a", ("x", "y")))
 
 
-# --- self-distillation data (treespec.selfdistill) -------------------------------------------------
+# --- self-distillation data (treespec.apps.selfdistill) -------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def _reference_greedy(model, prompt: list[int], max_new_tokens: int, stop: int) 
 
 
 def test_batched_greedy_equals_reference_one_at_a_time(tiny_llama):
-    from treespec.selfdistill import generate_greedy
+    from treespec.apps.selfdistill import generate_greedy
 
     prompts = [ids for _, ids in _PROMPTS[:6]]
     unstopped = [_reference_greedy(tiny_llama, p, 8, _NEVER) for p in prompts]
@@ -294,7 +294,7 @@ def test_batched_greedy_equals_reference_one_at_a_time(tiny_llama):
 
 
 def test_shards_round_trip_and_resume(tiny_llama, tmp_path):
-    from treespec.selfdistill import (
+    from treespec.apps.selfdistill import (
         DistillConfig,
         generate_greedy,
         iter_sequences,
@@ -328,7 +328,7 @@ def _shard_content(path):
 
 
 def test_resume_refuses_other_settings_and_extends_a_short_last_shard(tiny_llama, tmp_path):
-    from treespec.selfdistill import DistillConfig, read_shard, shard_path, write_shards
+    from treespec.apps.selfdistill import DistillConfig, read_shard, shard_path, write_shards
 
     cfg = DistillConfig(num_prompts=6, max_new_tokens=3, batch_size=4, shard_size=4)
     write_shards(tiny_llama, _PROMPTS[:6], tmp_path, cfg, stop_ids=[_NEVER], pad_id=0, progress=False)
@@ -343,14 +343,14 @@ def test_resume_refuses_other_settings_and_extends_a_short_last_shard(tiny_llama
 
 
 def test_distill_config_rejects_nonsense():
-    from treespec.selfdistill import DistillConfig
+    from treespec.apps.selfdistill import DistillConfig
 
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         DistillConfig(batch_size=0)
 
 
 def test_sampled_shards_are_seeded_per_shard_and_differ_from_greedy(tiny_llama, tmp_path):
-    from treespec.selfdistill import DistillConfig, iter_sequences, write_shards
+    from treespec.apps.selfdistill import DistillConfig, iter_sequences, write_shards
 
     def run(out, **kw):
         cfg = DistillConfig(num_prompts=8, max_new_tokens=6, batch_size=3, shard_size=4, **kw)
@@ -366,7 +366,7 @@ def test_sampled_shards_are_seeded_per_shard_and_differ_from_greedy(tiny_llama, 
 
 
 def test_sampling_needs_a_generator_and_a_sane_temperature(tiny_llama):
-    from treespec.selfdistill import DistillConfig, generate_responses
+    from treespec.apps.selfdistill import DistillConfig, generate_responses
 
     with pytest.raises(ValueError, match="explicit torch.Generator"):
         generate_responses(tiny_llama, [[1, 2]], max_new_tokens=2, stop_ids=[_NEVER], pad_id=0, temperature=0.5)
@@ -376,7 +376,7 @@ def test_sampling_needs_a_generator_and_a_sane_temperature(tiny_llama):
 
 
 def test_second_turn_chats_continue_the_first_answer(tiny_llama, tmp_path):
-    from treespec.selfdistill import DistillConfig, generate_greedy, iter_sequences, read_shard, write_shards
+    from treespec.apps.selfdistill import DistillConfig, generate_greedy, iter_sequences, read_shard, write_shards
 
     calls = []
 
@@ -407,7 +407,7 @@ def test_second_turn_chats_continue_the_first_answer(tiny_llama, tmp_path):
 
 
 def test_follow_ups_are_fixed_by_the_prompt_id():
-    from treespec.selfdistill import FOLLOW_UPS, follow_up
+    from treespec.apps.selfdistill import FOLLOW_UPS, follow_up
 
     chosen = {follow_up(f"alpaca-{i}") for i in range(400)}
     assert chosen == set(FOLLOW_UPS) and follow_up("alpaca-3") == follow_up("alpaca-3")

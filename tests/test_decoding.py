@@ -12,7 +12,7 @@ from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 
 import treespec
 from drafters.oracle import ORACLE_PRESETS, OracleDrafter
-from treespec.cli import main
+from treespec.apps.cli import main
 from treespec.decoding import SpeculativeDecoder, limit_depth
 from treespec.interfaces import Drafter, DraftOutput, TreePolicy
 from treespec.target import ContextOverflowError

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from treespec.bench.records import BenchRecord
-from treespec.bench.lossless import Divergence
-from treespec.commands.demo import lossless_verdict, pooled_table
+from treespec.apps.bench.lossless import Divergence
+from treespec.apps.bench.records import BenchRecord
+from treespec.apps.commands.demo import lossless_verdict, pooled_table
 
 
 def rec(method, prompt, tokens, time, taus):
@@ -39,18 +39,18 @@ def test_verdict_names_equality_near_ties_and_failures():
 
 
 def test_demo_names_missing_drafters(monkeypatch, tmp_path, capsys):
-    import treespec.methods
-    from treespec.cli import main
+    import treespec.apps.methods
+    from treespec.apps.cli import main
 
-    monkeypatch.setattr(treespec.methods, "embedded_drafter_dir", lambda kind: tmp_path / kind)
+    monkeypatch.setattr(treespec.apps.methods, "embedded_drafter_dir", lambda kind: tmp_path / kind)
     assert main(["demo"]) == 2
     assert "embedded drafters are not installed" in capsys.readouterr().err
 
 
 def test_demo_prompts_need_no_dataset_files(monkeypatch, tmp_path):
     """The demo's chat and math prompts ship with treespec and HumanEval comes from its package."""
-    from treespec import datasets
-    from treespec.commands.demo import _DATASETS
+    from treespec.apps import datasets
+    from treespec.apps.commands.demo import _DATASETS
 
     monkeypatch.setenv(datasets.DATA_ENV, str(tmp_path))  # no ../shared/datasets
     chat, math, code = (datasets.load_prompts(name, limit=2) for name in _DATASETS)

@@ -70,7 +70,7 @@ def test_ab_walkthrough_code_prints_the_tables_it_shows(monkeypatch, capsys):
 
 def test_ab_report_rederives_byte_for_byte(tmp_path):
     """The committed tables are what `treespec bench report` derives from the committed JSONL."""
-    from treespec.bench import write_report
+    from treespec.apps.bench import write_report
 
     for name in ("records.jsonl", "divergences.jsonl"):
         (tmp_path / name).write_bytes((AB / name).read_bytes())

@@ -12,8 +12,8 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from drafters.config import DFlashConfig, DominoHeadConfig
+from treespec.apps.tiny import tiny_causal_lm
 from treespec.interfaces import DraftContext
-from treespec.tiny import tiny_causal_lm
 
 VOCAB, HIDDEN, TARGET_LAYERS = 61, 32, 4
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from treespec import DraftTree
-from treespec.cli import main
-from treespec.draw import to_dot, to_mermaid, tree_layout, write_figure
+from treespec.apps.cli import main
+from treespec.apps.draw import to_dot, to_mermaid, tree_layout, write_figure
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_live_round_returns_the_verified_tree_of_that_round():
 
     from drafters.dflash import DFlashDrafter
     from policies.ddtree import DDTree
-    from treespec.commands.draw import live_round
+    from treespec.apps.commands.draw import live_round
     from treespec.target import TargetModel
 
     target = TargetModel(tiny_model("qwen3", vocab=64, hidden=32, layers=4))

@@ -1,8 +1,10 @@
-"""The kernel names no implementation: its source imports nothing from policies/, drafters/ or
-verifiers/, at module level, inside functions, or through importlib; only apps do, by registry name.
+"""The layering the docs claim, checked on the source: a kernel that names no implementation and no
+app, and apps that reach policies/, drafters/ and verifiers/ through the registry only.
 
-The kernel is the tree, the interfaces, the decoding loop, the target wrapper, the registry,
-sampling, stats and the machine runtime (cost models, dtype choice, cost profile).
+The kernel is every module of ``treespec/`` outside ``treespec/apps/`` (the tree, the interfaces,
+the decoding loop, the target wrapper, the registry, sampling, stats, top-k, reachability, tree
+analysis and the machine runtime); the apps are ``treespec/apps/``.  Imports are found at module
+level, inside functions, and in ``importlib.import_module`` / ``__import__`` calls on a literal.
 """
 
 from __future__ import annotations
@@ -13,43 +15,70 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "treespec"
-KERNEL = ["tree.py", "interfaces.py", "decoding.py", "target.py", "registry.py", "sampling.py", "stats.py",
-          "cost.py", "hardware.py", "profile.py", "reach.py"]
+KERNEL = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                if p.parts[len(ROOT.parts)] != "apps" and p.name != "__init__.py")
+APPS = sorted(str(p.relative_to(ROOT / "apps")) for p in (ROOT / "apps").rglob("*.py"))
 IMPLEMENTATIONS = ("policies", "drafters", "verifiers")
 
 
-def implementation_imports(source: str) -> list[str]:
-    """Every import of an implementation package in ``source``: statements at any depth, and
-    ``importlib.import_module`` / ``__import__`` calls on a literal name."""
+def imported_names(source: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in ``source``: statements at any depth (``from a import b``
+    gives ``a.b``), and ``importlib.import_module`` / ``__import__`` calls on a literal name."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        names: list[str] = []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-                names = [node.args[0].value]
-        found += [f"line {node.lineno}: {n}" for n in names if n.split(".")[0] in IMPLEMENTATIONS]
+                found.append((node.lineno, node.args[0].value))
     return found
 
 
+def implementation_imports(source: str) -> list[str]:
+    return [f"line {n}: {name}" for n, name in imported_names(source) if name.split(".")[0] in IMPLEMENTATIONS]
+
+
+def app_imports(source: str) -> list[str]:
+    return [f"line {n}: {name}" for n, name in imported_names(source) if name.startswith("treespec.apps")]
+
+
+def test_the_layout_is_what_the_checks_read():
+    assert {"tree.py", "interfaces.py", "decoding.py", "target.py", "registry.py", "topk.py"} <= set(KERNEL)
+    assert {"api.py", "cli.py", "bench/runner.py", "replay/record.py", "methods.py"} <= set(APPS)
+
+
 @pytest.mark.parametrize("module", KERNEL)
-def test_the_kernel_imports_no_implementation(module):
-    assert implementation_imports((ROOT / module).read_text()) == []
+def test_the_kernel_imports_no_implementation_and_no_app(module):
+    source = (ROOT / module).read_text()
+    assert implementation_imports(source) == [] and app_imports(source) == []
+
+
+@pytest.mark.parametrize("module", APPS)
+def test_the_apps_reach_implementations_through_the_registry_only(module):
+    assert implementation_imports((ROOT / "apps" / module).read_text()) == []
+
+
+def test_the_package_face_imports_the_kernel_and_the_api_only():
+    names = [name for _, name in imported_names((ROOT / "__init__.py").read_text())]
+    assert implementation_imports((ROOT / "__init__.py").read_text()) == []
+    assert [n for n in names if n.startswith("treespec.apps")] == ["treespec.apps.api.generate"]
 
 
 def test_the_scanner_finds_planted_imports():
     planted = '''
 import importlib
+from treespec import apps
 
 def build():
     from policies.ddtree import DDTree
     import verifiers.match
+    from treespec.apps.replay import evaluate
     return importlib.import_module("drafters.dflash"), __import__("policies")
 '''
     assert [line.split(": ")[1] for line in implementation_imports(planted)] == [
-        "policies.ddtree", "verifiers.match", "drafters.dflash", "policies"]
+        "policies.ddtree.DDTree", "verifiers.match", "drafters.dflash", "policies"]
+    assert [line.split(": ")[1] for line in app_imports(planted)] == ["treespec.apps", "treespec.apps.replay.evaluate"]

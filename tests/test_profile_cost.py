@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from treespec.commands.profile_cost import time_verify
+from treespec.apps.commands.profile_cost import time_verify
 from treespec.target import TargetModel
 
 

@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from treespec import registry
-from treespec.cli import main
+from treespec.apps.cli import main
 
 
 def test_importing_treespec_does_not_import_implementations():
-    code = ("import sys, treespec, treespec.cli; "
+    code = ("import sys, treespec, treespec.apps.cli; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('policies', 'drafters', 'verifiers')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

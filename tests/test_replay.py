@@ -1,4 +1,4 @@
-"""Offline trace replay (treespec/replay.py) against the live decoder, on tiny float64 models.
+"""Offline trace replay (treespec/apps/replay.py) against the live decoder, on tiny float64 models.
 
 * For every policy arm (the chain over DFlash and over Domino, DDTree, CaDDTree, DominoTree,
   static-corrected) at several budgets, on several prompts: at every live round the tree built from
@@ -24,20 +24,20 @@ from test_target import random_prompts, random_tree, tiny_model
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
 from drafters.toy import ToyConditionalDrafter, ToyConfig
-from treespec.cli import main
-from treespec.cost import COST_PRESETS
-from treespec.decoding import SpeculativeDecoder
-from treespec.interfaces import DraftOutput, TreePolicy
-from treespec.methods import build_policy, parse_method
-from treespec.replay import (
+from treespec.analysis import accepted_length
+from treespec.apps.cli import main
+from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.replay import (
     RecordConfig,
     Trace,
     TraceError,
-    accepted_length,
     evaluate,
     record_trace,
     replay_prompt,
 )
+from treespec.cost import COST_PRESETS
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
 from verifiers.match import walk_matches
@@ -285,7 +285,7 @@ def _trace_bytes(trace: Trace, path) -> dict:
 
 
 def _flatten_for_test(trace: Trace) -> dict:
-    from treespec.replay.trace import _flatten
+    from treespec.apps.replay.trace import _flatten
 
     return _flatten(trace)
 

@@ -107,8 +107,8 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
     from drafters.domino import DominoDrafter
-    from treespec.api import load_drafter
-    from treespec.commands.train_drafter import export_drafter
+    from treespec.apps.api import load_drafter
+    from treespec.apps.commands.train_drafter import export_drafter
 
     trainer = make(target, tmp_path, kind=kind)
     trainer.train(sequences(), until=2, progress=False)
@@ -125,7 +125,7 @@ def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
 
 
 def _distill_dir(target, tmp_path, n=6):
-    from treespec.selfdistill import DistillConfig, write_shards
+    from treespec.apps.selfdistill import DistillConfig, write_shards
 
     prompts = [(f"p{i}", ids[:8].tolist()) for i, (ids, _) in enumerate(sequences(n, seed=5))]
     cfg = DistillConfig(num_prompts=n, max_new_tokens=20, batch_size=3, shard_size=4)
@@ -138,7 +138,7 @@ _ID = {"name": "tiny", "sha256": "0" * 64}
 
 def test_the_teacher_cache_holds_the_live_records_and_resumes(target, tmp_path):
     from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache, live_record
-    from treespec.selfdistill import iter_sequences
+    from treespec.apps.selfdistill import iter_sequences
 
     data = _distill_dir(target, tmp_path)
     spec = TeacherSpec((0, 2, 3), top_k=8, max_seq_len=24)
@@ -194,7 +194,7 @@ def test_training_refuses_a_cache_for_another_target_taps_or_k(target, tmp_path)
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_training_from_the_cache_equals_training_live(target, tmp_path, kind):
     from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache
-    from treespec.selfdistill import iter_sequences
+    from treespec.apps.selfdistill import iter_sequences
 
     data = _distill_dir(target, tmp_path)
     live = make(target, tmp_path / "live", kind=kind, steps=6, teacher_top_k=8, target_layer_ids=(0, 2))
@@ -257,8 +257,8 @@ def attrs_evolve(cfg, **kw):
 def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
     from drafters.evaluate import heldout_tau
     from drafters.teacher import TeacherSpec, live_record
+    from treespec.apps.methods import build_policy, parse_method
     from treespec.decoding import SpeculativeDecoder
-    from treespec.methods import build_policy, parse_method
     from treespec.target import TargetModel
 
     model = target.double()  # float64: one forward over the sequence = the live tree forwards

@@ -5,6 +5,7 @@ Policies, drafters and verifiers live in their own top-level packages and are re
 through `treespec.registry`, never imported here.
 """
 
+from treespec.apps.api import generate
 from treespec.interfaces import (
     BACKENDS,
     ConditionalScorer,
@@ -17,7 +18,6 @@ from treespec.interfaces import (
     Verifier,
     VerifyResult,
 )
-from treespec.api import generate
 from treespec.registry import available, create, register, resolve
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.tree import DraftTree, TreeError

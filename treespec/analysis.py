@@ -1,7 +1,10 @@
-"""Analytic quantities of a draft tree under the drafter's own distribution.
+"""Quantities of a draft tree: its expected acceptance under the drafter, its accepted length on given tokens.
 
 Contract
 --------
+``accepted_length(tree, future)`` is the tau of the match verifier's walk when the target's tokens
+after the root are ``future``: what trace replay and held-out evaluation count.
+
 ``expected_acceptance(tree, draft)`` is the expected acceptance length (accepted draft tokens plus
 the bonus token) of ``tree`` if the target sampled exactly from the drafter's own distribution:
 
@@ -17,12 +20,14 @@ path log-probs the policy recorded under the scorer's (top-M renormalised) distr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from treespec.interfaces import DraftOutput
 from treespec.tree import DraftTree
 
-__all__ = ["expected_acceptance", "path_logprobs"]
+__all__ = ["accepted_length", "expected_acceptance", "path_logprobs"]
 
 
 def path_logprobs(tree: DraftTree, draft: DraftOutput) -> torch.Tensor:
@@ -50,3 +55,14 @@ def expected_acceptance(tree: DraftTree, draft: DraftOutput) -> float:
     else:
         logp = tree.scores[1:].double()
     return 1.0 + float(logp.exp().sum())
+
+
+def accepted_length(tree: DraftTree, future: Sequence[int]) -> int:
+    """tau of the match verifier's walk when the target's tokens are ``future`` (the trajectory
+    after the root): from the root, step to the lowest-index child holding the next token."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node, depth = 0, 0
+    for i in range(1, len(tokens)):  # a child's index exceeds its parent's: one pass finds the walk
+        if parents[i] == node and depth < len(future) and tokens[i] == future[depth]:
+            node, depth = i, depth + 1
+    return depth + 1

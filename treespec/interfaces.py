@@ -14,7 +14,7 @@ One decoding round is ``draft -> build -> verify -> commit``:
 4. The decoder commits the accepted path and calls ``Drafter.observe``.
 
 A scorer that trace replay can store implements `RecordableScorer` on top of `ConditionalScorer`;
-replay (treespec/replay/) knows it through that interface and the registry (kind ``"scorer"``)
+replay (treespec/apps/replay/) knows it through that interface and the registry (kind ``"scorer"``)
 only.  Optional hooks (``Drafter.bind``, ``reset``, ``observe``) default to no-ops.  Batch size is one
 tree per call; `check_single_batch` is the one place where that is asserted.
 """

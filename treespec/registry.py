@@ -1,10 +1,10 @@
-"""Name -> implementation lookup for policies, drafters, verifiers and recordable scorers.
+"""Name -> implementation lookup for policies, drafters, verifiers, recordable scorers and CLI commands.
 
 Contract: built-in names map to ``"module:attribute"`` strings that are imported only when the name
 is resolved, so the kernel never imports ``policies``, ``drafters`` or ``verifiers``.
 Third-party packages register more names through the entry-point groups ``treespec.policies``,
-``treespec.drafters``, ``treespec.verifiers`` and ``treespec.scorers`` (value ``"pkg.mod:Class"``),
-or at run time with `register`.
+``treespec.drafters``, ``treespec.verifiers``, ``treespec.scorers`` and ``treespec.commands`` (value
+``"pkg.mod:Class"``; a command is a module, ``"pkg.mod"``), or at run time with `register`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Any
 
 __all__ = ["KINDS", "RegistryError", "available", "create", "register", "resolve"]
 
-KINDS = ("policy", "drafter", "verifier", "scorer")
-_GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers",
-           "scorer": "treespec.scorers"}
+KINDS = ("policy", "drafter", "verifier", "scorer", "command")
+_GROUPS = {kind: f"treespec.{kind}s" for kind in KINDS}
 
 # Built-ins, resolved lazily.  A new policy is one file in policies/ plus one line here.
 _BUILTIN: dict[str, dict[str, str]] = {
@@ -35,6 +34,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "marginal": "drafters.toy:MarginalDrafter",
         "toy-conditional": "drafters.toy:ToyConditionalDrafter",
         "oracle": "drafters.oracle:OracleDrafter",
+        "checkpoint": "drafters.auto:from_checkpoint",  # a DFlash or Domino checkpoint directory, by its config
     },
     "verifier": {
         "match": "verifiers.match:MatchVerifier",
@@ -42,6 +42,10 @@ _BUILTIN: dict[str, dict[str, str]] = {
     },
     "scorer": {  # RecordableScorer classes: trace replay rebuilds their recorded rounds by this name
         "domino": "drafters.domino:DominoScorer",
+    },
+    "command": {  # `treespec NAME` subcommands of the implementation packages (modules: add_arguments, run)
+        "teacher-cache": "drafters.commands.teacher_cache",
+        "train-drafter": "drafters.commands.train_drafter",
     },
 }
 _RUNTIME: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
@@ -73,10 +77,11 @@ def available(kind: str) -> list[str]:
 
 
 def _import(spec: str) -> Any:
+    """The object ``"module:attr.path"`` names, or the module itself for ``"module"``."""
     module, _, attr = spec.partition(":")
     try:
         obj = importlib.import_module(module)
-        for part in attr.split("."):
+        for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
         raise RegistryError(f"cannot import {spec!r}: {exc}") from exc

@@ -1,0 +1,186 @@
+"""``treespec train-drafter``: train a DFlash or Domino drafter on self-distillation data.
+
+``--teacher DIR`` reads a teacher cache (``treespec teacher-cache``) instead of running the target
+every step; ``--set draft_vocab_size=N`` gives the drafter a head over the N most frequent response
+tokens of the training data.  Resumable: rerunning with the same ``--out`` continues from the last checkpoint (weights, optimizer
+moments and data order).  The final drafter is ``OUT/drafter/`` in the released checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import attrs
+import torch
+
+from treespec.apps.commands import CPU_DTYPES, DTYPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=None, help="directory of distill-data shards (or --teacher)")
+    parser.add_argument("--teacher", type=Path, action="append", default=None,
+                        help="a teacher cache (treespec teacher-cache): train without running the target; "
+                             "repeat to train on several (e.g. greedy and sampled data)")
+    parser.add_argument("--out", type=Path, required=True, help="run directory (checkpoints; resumed if present)")
+    parser.add_argument("--heldout", type=Path, action="append", default=None,
+                        help="a teacher cache of held-out greedy answers (repeatable): held-out τ every "
+                             "eval_every steps (--set eval_every=N), logged to OUT/eval.jsonl; the best weights "
+                             "go to OUT/best")
+    parser.add_argument("--target", type=Path, default=None, help="local HF target directory (default: the embedded SmolLM2)")
+    parser.add_argument("--preset", default="smollm2-dflash", help="named TrainConfig (see drafters.training.TRAIN_PRESETS)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a TrainConfig field, e.g. --set steps=4000 --set lr=5e-4")
+    parser.add_argument("--mask-token-id", type=int, default=None, help="mask token (default: the tokenizer's unk/pad/eos)")
+    parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="auto", help="dtype of the frozen target")
+    parser.add_argument("--until", type=int, default=None, help="stop at this step (the schedule stays that of the full run)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target and the drafter train")
+    parser.add_argument("--export", type=Path, default=None,
+                        help="also write the trained drafter here in --export-dtype (the shipped form)")
+    parser.add_argument("--export-dtype", choices=CPU_DTYPES, default="bfloat16", help="dtype of --export")
+
+
+def _config(args: argparse.Namespace):
+    from drafters.training import TRAIN_PRESETS, TrainConfig
+
+    if args.preset not in TRAIN_PRESETS:
+        raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(TRAIN_PRESETS)}")
+    cfg, fields = TRAIN_PRESETS[args.preset], {f.name: f for f in attrs.fields(TrainConfig)}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--set {key}: not a TrainConfig field ({', '.join(fields)})")
+        try:
+            cfg = attrs.evolve(cfg, **{key: _parse(value, getattr(cfg, key), str(fields[key].type))})
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"--set {key}={value}: not a valid {key} ({exc})") from None
+    return cfg
+
+
+def _check_data(path: Path | None, teachers: list[Path] | None) -> None:
+    """A clear error before the target loads when --data holds no shards."""
+    if teachers:
+        for teacher in teachers:
+            if not (teacher / "manifest.json").is_file():
+                raise SystemExit(f"--teacher {teacher}: no teacher cache here (make one with `treespec teacher-cache`)")
+        if path is None:
+            return
+    if path is None:
+        raise SystemExit("give --data (distill-data shards) or --teacher (a teacher cache)")
+    if not path.is_dir():
+        raise SystemExit(f"--data {path}: no such directory (make one with `treespec distill-data --out {path}`)")
+    if not any(path.glob("shard-*.safetensors")):
+        raise SystemExit(f"--data {path}: no distill-data shards (shard-*.safetensors) in this directory")
+
+
+def _parse(text: str, current, annotation: str = ""):
+    if current is None and text.lower() in ("none", "auto"):
+        return None
+    if isinstance(current, bool) or current is None and annotation.startswith("bool"):
+        if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(f"expected true or false, got {text!r}")
+        return text.lower() in ("1", "true", "yes")
+    if isinstance(current, tuple) or current is None and "," in text:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        return tuple(int(x) if x.lstrip("-").isdigit() else x for x in items)
+    if current is None:  # an optional field: an integer if it reads as one
+        return int(text) if text.lstrip("-").isdigit() else float(text)
+    return type(current)(text)
+
+
+def _sequences(args: argparse.Namespace, identity, cfg):
+    """What training reads: the teacher cache (checked against the target and K), else the data's pairs."""
+    from drafters.teacher import TeacherCache, TeacherCacheError
+    from treespec.apps.selfdistill import iter_sequences
+
+    if args.teacher is None:
+        return [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
+    try:
+        cache = TeacherCache(*args.teacher)
+        cache.check(identity=identity, top_k=cfg.teacher_top_k)
+    except TeacherCacheError as exc:
+        raise SystemExit(f"--teacher: {exc}") from None
+    if cache.manifest.get("max_seq_len", cfg.max_seq_len) < cfg.max_seq_len:
+        raise SystemExit(f"--teacher: the cache cut sequences at {cache.manifest['max_seq_len']} tokens, the run "
+                         f"asks for max_seq_len {cfg.max_seq_len}")
+    return cache
+
+
+def _heldout(args: argparse.Namespace, identity):
+    """The held-out teacher cache (checked against the target), or None."""
+    from drafters.teacher import TeacherCache, TeacherCacheError
+
+    if not args.heldout:
+        return None
+    try:
+        cache = TeacherCache(*args.heldout)
+        cache.check(identity=identity)
+    except TeacherCacheError as exc:
+        raise SystemExit(f"--heldout: {exc}") from None
+    return cache
+
+
+def _check_taps(caches: dict, layers) -> None:
+    """Every teacher cache given holds the drafter's tap layers (``caches``: option -> cache or None)."""
+    from drafters.teacher import TeacherCache, TeacherCacheError
+
+    for option, cache in caches.items():
+        if isinstance(cache, TeacherCache):
+            try:
+                cache.check(target_layer_ids=layers)
+            except TeacherCacheError as exc:
+                raise SystemExit(f"--{option}: {exc}") from None
+
+
+def _draft_vocab(cfg, sequences, vocab_size: int):
+    """The reduced head's token ids (None for a full head), with its coverage printed."""
+    from drafters.teacher import TeacherCache
+    from drafters.training import coverage, draft_vocabulary, response_token_counts
+
+    if cfg.draft_vocab_size is None:
+        return None
+    pairs = sequences.pairs() if isinstance(sequences, TeacherCache) else sequences
+    counts = response_token_counts(pairs, vocab_size)
+    vocab = draft_vocabulary(counts, cfg.draft_vocab_size)
+    print(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens cover "
+          f"{coverage(vocab, counts):.2%} of the training responses")
+    return vocab
+
+
+def run(args: argparse.Namespace) -> int:
+    from drafters.training import DrafterTrainer, new_drafter
+    from treespec.apps.models import load_frozen_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = _config(args)
+    _check_data(args.data, args.teacher)
+    target, tokenizer, identity = load_frozen_model(args.target, args.target_dtype, args.device)
+    mask = args.mask_token_id
+    if mask is None:
+        mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)
+    data, heldout = _sequences(args, identity, cfg), _heldout(args, identity)
+    source = f"teacher cache {', '.join(map(str, args.teacher))}" if args.teacher else f"{args.data}"
+    print(f"{len(data)} sequences from {source}; config: {cfg}")
+    drafter = new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
+    _check_taps({"teacher": data, "heldout": heldout}, drafter.config.target_layer_ids)
+    trainer = DrafterTrainer(target, drafter, cfg, out_dir=args.out)
+    if trainer.resume():
+        print(f"resumed at step {trainer.step}")
+    trainer.train(data, until=args.until, heldout=heldout)
+    print(f"drafter written to {args.out / 'drafter'}")
+    if args.export is not None:
+        best = args.out / "best"
+        source = best if heldout is not None and best.is_dir() else args.out / "drafter"
+        export_drafter(source, args.export, DTYPES[args.export_dtype])
+        print(f"exported {source}")
+        print(f"{args.export_dtype} copy written to {args.export}")
+    return 0
+
+
+def export_drafter(source: Path, out: Path, dtype: torch.dtype) -> Path:
+    """Reload the checkpoint at ``source`` (strictly) and save it in ``dtype`` at ``out``."""
+    from treespec.apps.api import load_drafter
+
+    return load_drafter(source, dtype=dtype).save_pretrained(out)

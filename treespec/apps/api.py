@@ -1,0 +1,179 @@
+"""One call from a local model to generated text: ``treespec.generate(...)``.
+
+Contract
+--------
+``generate(model, prompt, *, drafter=None, policy="ddtree", max_new_tokens=..., ...)`` loads what it
+is given by path (local files only, never remote code), builds a `SpeculativeDecoder` and runs it.
+Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample``, ``temperature``,
+``top_k``, ``top_p``, ``eos_token_id`` / ``stop_token_ids``, plus ``seed`` for a reproducible
+``torch.Generator``.
+
+* ``model``: a local model directory, a transformers causal LM, or a `TargetModel`.
+* ``prompt``: a string (tokenized with the model directory's tokenizer, or ``tokenizer=``), or
+  token ids ([P] / [1, P] tensor or a list of ints).
+* ``drafter``: None (autoregressive decoding), a `Drafter`, a registered drafter name (built with
+  ``drafter_kwargs``), or a local DFlash / Domino checkpoint directory.
+* ``policy``: a `TreePolicy` or a registered name, built with ``budget`` (when given) and
+  ``policy_kwargs``; a cost-aware one (CaDDTree, the cost-aware DominoTree) named here prices its
+  trees with this machine's measured cost profile (`treespec.profile`, cached).  Ignored for
+  autoregressive decoding.
+* ``dtype``: ``"auto"`` (default) is the faster of bf16 and fp32 for this model on this CPU
+  (measured once and cached, `treespec.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
+  stored dtype.
+
+``do_sample=False`` (the default) decodes greedily whatever ``temperature`` says, as in Hugging Face;
+``do_sample=True`` needs ``temperature > 0``.  Without ``stop_token_ids``, the tokenizer's or the
+config's EOS ids stop generation; pass ``stop_token_ids=[]`` to run the full length.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from treespec import registry
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import Drafter, TreePolicy, Verifier
+from treespec.stats import GenerationStats
+from treespec.target import TargetModel
+
+__all__ = ["GenerateOutput", "generate", "load_drafter", "load_target", "load_tokenizer"]
+
+PathLike = str | os.PathLike
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@attrs.frozen(eq=False)
+class GenerateOutput:
+    """What `generate` returns."""
+
+    tokens: torch.Tensor  # [n_new] int64 generated ids (prompt excluded)
+    text: str | None  # the decoded tokens when a tokenizer is known, else None
+    stats: GenerationStats  # per-round tau and stage times, prefill time
+
+
+def load_target(model: PathLike | TargetModel | torch.nn.Module, *, dtype: torch.dtype | str = "auto",
+                device: str | torch.device = "cpu", float32_head: bool | None = None) -> TargetModel:
+    """A `TargetModel` from a directory, a transformers model, or itself.
+
+    ``float32_head``: the final norm and LM head of a bf16/fp16 target in float32 (None: on).
+    """
+    if isinstance(model, TargetModel):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return TargetModel(model, float32_head=float32_head)
+    if not Path(model).is_dir():
+        raise FileNotFoundError(f"no local model directory at {model}")
+    return TargetModel.from_local(model, dtype=dtype, device=device, float32_head=float32_head)
+
+
+def load_drafter(drafter: Drafter | PathLike | None, **kwargs: Any) -> Drafter | None:
+    """A drafter instance from itself, a registered name, or a DFlash / Domino checkpoint directory."""
+    if drafter is None or isinstance(drafter, Drafter):
+        return drafter
+    if Path(drafter).is_dir():
+        return registry.create("drafter", "checkpoint", path=drafter, **kwargs)
+    if str(drafter) not in registry.available("drafter") and (
+            isinstance(drafter, os.PathLike) or os.sep in str(drafter) or Path(drafter).exists()):
+        raise FileNotFoundError(f"no drafter checkpoint directory at {drafter}")
+    return registry.create("drafter", str(drafter), **kwargs)
+
+
+def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any], target: TargetModel,
+            drafter: Drafter) -> TreePolicy:
+    """The policy; a cost-aware one by name gets this machine's measured cost model (`treespec.profile`)."""
+    if isinstance(policy, TreePolicy):
+        return policy
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        kwargs = {**kwargs, "budget": budget}
+    if getattr(registry.resolve("policy", policy), "uses_cost_model", False) and "cost_model" not in kwargs:
+        from treespec.profile import machine_profile
+
+        cost, kappa = machine_profile(target, [drafter]).pricing(drafter)
+        kwargs = {**({"calibration": kappa} if kappa != 1.0 else {}), **kwargs, "cost_model": cost}
+    return registry.create("policy", policy, **kwargs)
+
+
+def load_tokenizer(path: PathLike) -> Any:
+    """The tokenizer of a local model directory; a clear error when the directory has none."""
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        # transformers 5 would build an empty tokenizer here; refuse instead of encoding garbage
+        raise ValueError(f"no tokenizer files in {path}: pass tokenizer= or token ids")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+
+
+def _tokenizer(model: Any, tokenizer: Any, needed: bool) -> Any:
+    """The given tokenizer, or the model directory's; a directory without one is fine for token ids."""
+    if tokenizer is not None or not isinstance(model, (str, os.PathLike)):
+        return tokenizer
+    try:
+        return load_tokenizer(model)
+    except ValueError:
+        if needed:
+            raise
+        return None
+
+
+def _input_ids(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any) -> torch.Tensor:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer: pass a model directory or tokenizer=")
+        return torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.int64)
+    ids = torch.as_tensor(prompt)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"prompt token ids must be integers, got dtype {ids.dtype}")
+    return ids.to(torch.int64)
+
+
+def _stop_ids(stop_token_ids: Iterable[int] | int | None, tokenizer: Any, target: TargetModel) -> list[int]:
+    if stop_token_ids is not None:
+        return [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(target.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _temperature(do_sample: bool, temperature: float) -> float:
+    if not do_sample:
+        return 0.0
+    if temperature <= 0.0:
+        raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
+    return temperature
+
+
+def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torch.Tensor | Iterable[int], *,
+             drafter: Drafter | PathLike | None = None, policy: TreePolicy | str = "ddtree",
+             budget: int | None = None, verifier: Verifier | str = "match", max_new_tokens: int = 128,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             stop_token_ids: Iterable[int] | int | None = None, eos_token_id: Iterable[int] | int | None = None,
+             seed: int | None = None, tokenizer: Any = None, dtype: torch.dtype | str = "auto",
+             device: str | torch.device = "cpu", backend: str = "torch", position_keyed: bool = True,
+             drafter_kwargs: dict[str, Any] | None = None,
+             policy_kwargs: dict[str, Any] | None = None) -> GenerateOutput:
+    """Generate a continuation of ``prompt`` (see the module docstring for every argument)."""
+    target = load_target(model, dtype=dtype, device=device)
+    tokenizer = _tokenizer(model, tokenizer, needed=isinstance(prompt, str))
+    draft_model = load_drafter(drafter, **(drafter_kwargs or {}))
+    tree_policy = _policy(policy, budget, policy_kwargs or {}, target, draft_model) if draft_model is not None else None
+    checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
+    decoder = SpeculativeDecoder(target, draft_model, tree_policy, checker)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    stops = _stop_ids(stop_token_ids if stop_token_ids is not None else eos_token_id, tokenizer, target)
+    result = decoder.generate(_input_ids(prompt, tokenizer), max_new_tokens=max_new_tokens,
+                              temperature=_temperature(do_sample, temperature), top_k=top_k, top_p=top_p,
+                              stop_token_ids=stops, generator=generator, backend=backend,
+                              position_keyed=position_keyed)
+    text = tokenizer.decode(result.tokens.tolist(), skip_special_tokens=True) if tokenizer is not None else None
+    return GenerateOutput(result.tokens, text, result.stats)

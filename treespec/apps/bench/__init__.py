@@ -1,0 +1,23 @@
+"""A/B benchmarking of methods: raw JSONL records, derived tables with paired intervals, plots.
+
+One module per job: `config` (what a run measures), `harness` (the target and drafters every
+method shares), `runner` (the measurements), `lossless` (every response against AR's), `outdir`
+(the output folder), `merge` (joining shards), `summary` (per-cell statistics), `report` (the
+derived files) and `plots`.  The names below are the public face.
+"""
+
+from treespec.apps.bench.config import BENCH_PRESETS, METHODS, BenchConfig, Shard, bench_prompts, expand_methods, pair_seed
+from treespec.apps.bench.harness import Chat, Harness, load_harness
+from treespec.apps.bench.lossless import GAP_TOLERANCE, Divergence, decision_gap, first_difference, read_divergences
+from treespec.apps.bench.merge import merge_shards
+from treespec.apps.bench.outdir import DIVERGENCES, RECORDS, SETTINGS, prepare_out, run_settings, shard_paths, write_settings
+from treespec.apps.bench.records import BenchRecord, read_records
+from treespec.apps.bench.report import Report, write_report
+from treespec.apps.bench.runner import resume_shard, run_shard
+
+__all__ = [
+    "BENCH_PRESETS", "DIVERGENCES", "GAP_TOLERANCE", "METHODS", "RECORDS", "SETTINGS", "BenchConfig", "BenchRecord",
+    "Chat", "Divergence", "Harness", "Report", "Shard", "bench_prompts", "decision_gap", "expand_methods",
+    "first_difference", "load_harness", "merge_shards", "pair_seed", "prepare_out", "read_divergences", "read_records",
+    "resume_shard", "run_settings", "run_shard", "shard_paths", "write_report", "write_settings",
+]

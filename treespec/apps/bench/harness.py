@@ -1,0 +1,109 @@
+"""What every method of a bench run shares: the target, the drafters, the chat template, the costs.
+
+Contract
+--------
+`Harness` holds one `TargetModel`, one drafter per kind ("dflash", "domino", reached through the
+registry by `load_harness`) and a `Chat` (prompt turns to ids with the tokenizer's template).
+``decoders(methods)`` gives one `SpeculativeDecoder` per method over the shared target; a policy
+that declares ``uses_cost_model`` is priced with this machine's measured cost profile (or the
+harness's ``cost_override``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from treespec.apps.datasets import encode_chat
+from treespec.apps.methods import Method, build_policy, policy_class
+from treespec.cost import CostModel
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import Drafter
+from treespec.profile import CostProfile, machine_profile
+from treespec.target import TargetModel
+
+__all__ = ["Chat", "Harness", "load_harness"]
+
+
+class Chat:
+    """Prompt turns to token ids with a tokenizer's chat template, and answers back to text."""
+
+    def __init__(self, tokenizer, *, enable_thinking: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.enable_thinking = enable_thinking  # the Qwen3 template's switch
+
+    def encode(self, user_turns: Sequence[str], answers: Sequence[str]) -> torch.Tensor:
+        ids = encode_chat(self.tokenizer, user_turns, answers, enable_thinking=self.enable_thinking)
+        return torch.tensor(ids, dtype=torch.int64)  # [P]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+@attrs.define
+class Harness:
+    """What every method of a run shares: the target, the drafters, the chat template, the costs."""
+
+    target: TargetModel  # one KV cache, reset per generation
+    chat: Chat  # prompt encoding
+    drafters: dict[str, Drafter] = attrs.field(factory=dict)  # "dflash" / "domino" -> drafter
+    cost_override: CostModel | None = None  # prices cost-aware trees instead of this machine's profile
+    profile: CostProfile | None = None  # this machine's, measured (or read from the cache) on first need
+    progress: bool = False  # progress bar while the profile is measured
+
+    def decoders(self, methods: Sequence[Method]) -> dict[str, SpeculativeDecoder]:
+        """One decoder per method over the shared target (AR: no drafter, no policy)."""
+        return {m.name: self._decoder(m) for m in methods}
+
+    def machine_profile(self) -> CostProfile:
+        """This machine's cost profile of the target and every loaded drafter."""
+        if self.profile is None:
+            self.profile = machine_profile(self.target, list(self.drafters.values()), repeats=3,
+                                           progress=self.progress)
+        return self.profile
+
+    def pricing(self, kind: str) -> tuple[CostModel, float]:
+        """(cost model, calibration) a cost-aware policy over the ``kind`` drafter prices trees with."""
+        if self.cost_override is not None:
+            return self.cost_override, 1.0
+        return self.machine_profile().pricing(self.drafters[kind])
+
+    def _decoder(self, method: Method) -> SpeculativeDecoder:
+        if method.autoregressive:
+            return SpeculativeDecoder(self.target)
+        if method.drafter not in self.drafters:
+            raise ValueError(f"method {method.name!r} needs a {method.drafter} drafter, and none was loaded")
+        drafter = self.drafters[method.drafter]
+        if not getattr(policy_class(method.policy), "uses_cost_model", False):
+            return SpeculativeDecoder(self.target, drafter, build_policy(method))
+        return SpeculativeDecoder(self.target, drafter, build_policy(method, *self.pricing(method.drafter)))
+
+
+def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",
+                 device: str | torch.device = "cpu", float32_head: bool | None = None) -> Harness:
+    """The target, its tokenizer and the drafters ("dflash" / "domino" -> checkpoint), from local files."""
+    from transformers import AutoTokenizer
+
+    from treespec.apps.api import load_target
+
+    target = load_target(model_dir, dtype=dtype, device=device, float32_head=float32_head)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    drafters = {kind: _load_drafter(kind, Path(path)) for kind, path in drafter_dirs.items()}
+    return Harness(target, Chat(tokenizer), drafters)
+
+
+def _load_drafter(kind: str, path: Path) -> Drafter:
+    from treespec import registry
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"no {kind} drafter checkpoint at {path}: pass --{kind} DIR, or leave out the "
+                                f"methods that need a {kind} drafter")
+    return registry.resolve("drafter", kind).from_pretrained(path)

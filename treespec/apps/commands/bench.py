@@ -1,0 +1,185 @@
+"""``treespec bench``: A/B comparison of decoding methods in one harness, paired, with derived tables.
+
+``treespec bench --methods ... --out DIR`` measures and then derives the report;
+``treespec bench report DIR`` (or ``--report-only``) re-derives it from ``DIR/records.jsonl``;
+``treespec bench merge DIR`` merges the per-rank shards of a sharded run and derives the report.
+Under ``torchrun --nproc_per_node K -m treespec.apps.cli bench ...`` rank r measures prompts r::K, and
+rank 0 merges after a gloo barrier.  Exit status 1 flags a divergence from AR beyond the stated
+tolerance (see `treespec.apps.bench.lossless`); 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import attrs
+import torch
+
+from treespec.apps import bench
+from treespec.apps.commands import DTYPES
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(v) for v in text.split(",") if v.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    run = parser.add_argument_group("what to measure (defaults: the preset's)")
+    run.add_argument("--preset", default=None, choices=sorted(bench.BENCH_PRESETS), help="start from a preset")
+    run.add_argument("--methods", type=_csv(str), help="comma-separated: ar,dflash,domino,ddtree,ddtree@64,...")
+    run.add_argument("--budgets", type=_csv(int), help="budgets for tree methods given without @B, e.g. 16,64")
+    run.add_argument("--temperatures", type=_csv(float), help="e.g. 0,1")
+    run.add_argument("--datasets", type=_csv(str), help="benchmark names or local .json/.jsonl files")
+    run.add_argument("--prompts", type=int, help="prompts per dataset")
+    run.add_argument("--max-new-tokens", type=int)
+    run.add_argument("--seed", type=int, help="prompt shuffle and paired sampling streams")
+    run.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up generation per method")
+    run.add_argument("--gap-tolerance", type=float, help="T = 0 divergence tolerance on the AR top-two logit gap")
+    run.add_argument("--backend", choices=("torch", "networkx"), help="policy backend")
+    run.add_argument("--first-token", choices=("round", "prefill"),
+                     help="prefill: the first token from the prefill and τ counted from the rounds after it, as "
+                          "the published loops count it (default round: the first round yields it)")
+    run.add_argument("--enable-thinking", action="store_const", const=True, default=None,
+                     help="Qwen3 templates: turn thinking on (off by default, as the published harnesses run)")
+    run.add_argument("--no-stop", dest="stop_at_eos", action="store_const", const=False,
+                     help="ignore EOS: every response is --max-new-tokens long")
+    models = parser.add_argument_group("models (local directories; defaults: the embedded SmolLM2 and its drafters)")
+    models.add_argument("--model", type=Path, default=None, help="target model directory")
+    models.add_argument("--dflash", type=Path, default=None, help="DFlash drafter checkpoint directory")
+    models.add_argument("--domino", type=Path, default=None, help="Domino drafter checkpoint directory")
+    models.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                        help="target dtype (auto: the faster of bf16 and fp32 here, measured once; bf16 on CUDA)")
+    models.add_argument("--cost-model", default=None,
+                        help="cost model of cost-aware methods: a JSON file or preset:NAME (default: this machine's "
+                             "profile, measured once and cached)")
+    models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    models.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
+                        help="a bf16/fp16 target's final norm and LM head: in float32 (default; fewer exact "
+                             "logit ties) or in the model's dtype")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=None, help="output directory")
+    out.add_argument("--report-only", action="store_true", help="only re-derive the report from --out")
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace results of another configuration in --out (default: refuse; the same "
+                          "configuration resumes)")
+    out.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of the intervals")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--dist-timeout", type=float, default=24.0, help="hours ranks may wait for each other")
+    sub = parser.add_subparsers(dest="action", metavar="{report,merge}")
+    for name, text in (("report", "re-derive tables and plots from DIR/records.jsonl"),
+                       ("merge", "merge DIR/records-rank*.jsonl shards, then derive the report")):
+        action = sub.add_parser(name, help=text)
+        action.add_argument("dir", type=Path, help="the bench output directory")
+        action.add_argument("--resamples", type=int, default=argparse.SUPPRESS, help="bootstrap resamples")
+
+
+def config_from_args(args: argparse.Namespace) -> bench.BenchConfig:
+    """The preset (or the defaults) with every option given on the command line applied."""
+    base = bench.BENCH_PRESETS[args.preset] if args.preset else bench.BenchConfig()
+    given = {f.name: getattr(args, f.name) for f in attrs.fields(bench.BenchConfig)
+             if getattr(args, f.name, None) is not None}
+    return attrs.evolve(base, **given)
+
+
+def _report(out_dir: Path, resamples: int) -> int:
+    report = bench.write_report(out_dir, resamples=resamples)
+    print(report.table)
+    print(report.lossless)
+    print(f"wrote {', '.join(p.name for p in report.files)} in {out_dir}")
+    return 1 if report.unacceptable else 0
+
+
+def _drafter_dirs(args: argparse.Namespace, methods) -> dict[str, Path]:
+    from treespec.apps.methods import embedded_drafter_dir
+
+    kinds = sorted({m.drafter for m in methods if m.drafter})
+    return {kind: getattr(args, kind) or embedded_drafter_dir(kind) for kind in kinds}
+
+
+def _device(args: argparse.Namespace, shard: bench.Shard) -> str:
+    if shard.world > 1 and args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    return args.device
+
+
+def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> None:
+    from treespec.apps.embedded import embedded_model_dir
+
+    methods = bench.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
+    bench.bench_prompts(config)  # and so does a missing dataset
+    cost = None
+    if args.cost_model is not None:
+        from treespec.cost import resolve_cost_model
+
+        cost = resolve_cost_model(args.cost_model)
+    model = args.model or embedded_model_dir()
+    drafters = _drafter_dirs(args, methods)
+    settings = bench.run_settings(config, methods, {
+        "model": model, "drafters": drafters, "dtype": args.dtype, "logits_dtype": args.logits_dtype, "torch": torch.__version__,
+        "cost_model": args.cost_model or "this machine's profile", "device": args.device})
+    if shard.rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        state = bench.prepare_out(args.out, settings, overwrite=args.overwrite)
+        if state != "new":
+            print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
+                  f"{args.out}", file=sys.stderr)
+    harness = bench.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
+                                  float32_head=args.logits_dtype == "float32")
+    harness.cost_override = cost
+    harness.chat.enable_thinking = config.enable_thinking
+    harness.progress = not args.no_progress
+    if shard.rank == 0:
+        bench.write_settings(args.out, settings)
+    bench.run_shard(config, harness, args.out, shard, progress=not args.no_progress)
+
+
+def _run_distributed(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=args.dist_timeout))
+    try:
+        _measure(args, config, shard)
+        dist.barrier()  # every shard written before rank 0 merges
+    finally:
+        dist.destroy_process_group()
+    if shard.rank != 0:
+        return 0
+    bench.merge_shards(args.out)
+    return _report(args.out, args.resamples)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.action == "report":
+        return _report(args.dir, args.resamples)
+    if args.action == "merge":
+        bench.merge_shards(args.dir)
+        return _report(args.dir, args.resamples)
+    if args.out is None:
+        raise ValueError("--out DIR is required")
+    if args.report_only:
+        return _report(args.out, args.resamples)
+    config, shard = config_from_args(args), bench.Shard.from_env()
+    if shard.world > 1:
+        return _run_distributed(args, config, shard)
+    _measure(args, config, shard)
+    bench.merge_shards(args.out)
+    return _report(args.out, args.resamples)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _dispatch(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"treespec bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        where = getattr(args, "out", None) or getattr(args, "dir", None)
+        print(f"\ntreespec bench: interrupted; the completed conversations are saved in {where}: run the same "
+              "command again to resume", file=sys.stderr)
+        return 130

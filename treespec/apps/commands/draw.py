@@ -1,0 +1,178 @@
+"""``treespec draw``: render a draft tree as SVG/PNG, DOT or Mermaid.
+
+The tree comes from a JSON record (``--tree``: ``DraftTree.to_dict()`` fields, optionally
+``"accepted"`` node indices and ``"labels"``) or, without ``--tree``, from a real decoding round:
+the target (default: the embedded SmolLM2) decodes the prompt greedily with the method's policy
+and drafter (default: the embedded drafter the method needs), and round ``--round`` is drawn, its
+nodes labelled with their decoded tokens and the accepted path highlighted.  The figures in
+``docs/policies/`` are made this way (``docs/figures/make.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from treespec.apps import draw
+from treespec.apps.commands import CPU_DTYPES, DTYPES
+from treespec.interfaces import VerifyResult
+from treespec.tree import DraftTree
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="output file: .svg, .png, .dot or .mmd")
+    parser.add_argument("--title", default=None, help="figure title (SVG/PNG only)")
+    parser.add_argument("--tree", type=Path, default=None, help="JSON file with tokens, parents[, scores, accepted, labels]")
+    live = parser.add_argument_group("a real round (instead of --tree)")
+    live.add_argument("--drafter", type=Path, default=None,
+                      help="drafter checkpoint directory (default: the embedded one the method needs)")
+    live.add_argument("--model", type=Path, default=None, help="target directory (default: the embedded SmolLM2)")
+    live.add_argument("--method", default="ddtree@16", help="policy method, e.g. ddtree@16, dominotree@16")
+    live.add_argument("--prompt", default="What is speculative decoding?", help="user message (chat template applied)")
+    live.add_argument("--round", type=int, default=1, help="which decoding round to draw (1 = the first)")
+    live.add_argument("--dtype", choices=CPU_DTYPES, default="auto", help="target dtype (auto: the faster here)")
+    live.add_argument("--cost-model", default=None,
+                      help="cost model of cost-aware methods: a JSON file or preset:NAME (default: this machine's "
+                           "measured profile)")
+
+
+def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | None = None) -> Path:
+    """Write ``tree`` to ``out`` in the format its suffix names."""
+    writers = {".dot": draw.to_dot, ".mmd": draw.to_mermaid}
+    if out.suffix in writers:
+        out.write_text(writers[out.suffix](tree, labels, accepted))
+        return out
+    return draw.write_figure(tree, out, labels, accepted, title=title)
+
+
+class _Enough(Exception):
+    """Raised by the round observer once the asked-for round is verified: decoding stops there."""
+
+
+def live_round(target, drafter, policy, input_ids, round_index: int) -> tuple[DraftTree, VerifyResult]:
+    """The tree and verification of round ``round_index`` (1-based) of greedy speculative decoding.
+
+    Every round drafts (no back-off), and decoding stops right after the asked-for round."""
+    import torch
+    from tqdm import tqdm
+
+    from treespec.decoding import SpeculativeDecoder
+
+    if round_index < 1:
+        raise ValueError(f"--round must be >= 1, got {round_index}")
+    rounds: list[tuple[DraftTree, VerifyResult]] = []
+    bar = tqdm(total=round_index, desc="decoding", unit="round", leave=False)
+
+    def observe(tree: DraftTree, result: VerifyResult) -> None:
+        rounds.append((tree, result))
+        bar.update(1)
+        if len(rounds) == round_index:
+            raise _Enough
+
+    decoder = SpeculativeDecoder(target, drafter, policy, on_round=observe, draft_backoff=0)
+    room = target.max_positions - int(torch.as_tensor(input_ids).numel())
+    try:
+        decoder.generate(input_ids, max_new_tokens=min(room, (drafter_depth(drafter) + 1) * round_index),
+                         stop_token_ids=[])
+    except _Enough:
+        pass
+    finally:
+        bar.close()
+    if len(rounds) < round_index:
+        raise ValueError(f"decoding ended after {len(rounds)} rounds; ask for an earlier --round")
+    return rounds[round_index - 1]
+
+
+def drafter_depth(drafter) -> int:
+    """The most tokens one round can commit minus one (the drafter's block), 64 when unknown."""
+    config = getattr(drafter, "config", None)
+    return int(getattr(config, "block_size", 64))
+
+
+def read_tree_record(path: Path) -> tuple[DraftTree, list | None, list | None]:
+    """(tree, labels, accepted) of a ``--tree`` JSON file; ValueError naming the file and the problem."""
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no tree file at {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object with tokens and parents")
+    try:
+        tree = DraftTree.from_dict(record)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    accepted = record.get("accepted")
+    if accepted is not None:
+        if not isinstance(accepted, list) or not all(isinstance(i, int) and 0 <= i < len(tree) for i in accepted):
+            raise ValueError(f"{path}: accepted must list node indices in [0, {len(tree)}), got {accepted}")
+    labels = record.get("labels")
+    if labels is not None and (not isinstance(labels, list) or len(labels) != len(tree)):
+        raise ValueError(f"{path}: labels must list one label per node ({len(tree)}), got {labels!r}")
+    return tree, labels, accepted
+
+
+def _from_model(args: argparse.Namespace):
+    import torch
+
+    from treespec.apps.api import load_drafter, load_target, load_tokenizer
+    from treespec.apps.datasets import encode_chat
+    from treespec.apps.embedded import embedded_model_dir
+    from treespec.apps.methods import build_policy, parse_method
+
+    method = parse_method(args.method)
+    if method.autoregressive:
+        raise SystemExit("treespec draw: AR builds no draft tree; name a policy method, e.g. ddtree@16")
+    drafter_dir = args.drafter or _embedded_drafter(method.drafter, args.model)  # before any model loads
+    model_dir = args.model or embedded_model_dir()
+    tokenizer = load_tokenizer(model_dir)  # the labels need one: refuse before the target loads
+    target = load_target(model_dir, dtype=DTYPES[args.dtype])
+    ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
+    drafter = load_drafter(drafter_dir)
+    tree, result = live_round(target, drafter, build_policy(method, *_pricing(args, target, drafter)), ids,
+                              args.round)
+    labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
+    return tree, labels, result.accepted.tolist()
+
+
+def _pricing(args: argparse.Namespace, target, drafter) -> tuple:
+    """(cost model, calibration): --cost-model, else this machine's profile when the policy prices trees."""
+    from treespec.apps.methods import parse_method, policy_class
+    from treespec.cost import resolve_cost_model
+    from treespec.profile import machine_profile
+
+    if args.cost_model is not None:
+        return resolve_cost_model(args.cost_model), 1.0
+    if not getattr(policy_class(parse_method(args.method).policy), "uses_cost_model", False):
+        return None, 1.0
+    return machine_profile(target, [drafter], progress=True).pricing(drafter)
+
+
+def _embedded_drafter(kind: str, model: Path | None) -> Path:
+    from treespec.apps.methods import embedded_drafter_dir
+
+    if model is not None:
+        raise SystemExit("treespec draw: --model needs --drafter (the embedded drafters fit the embedded target only)")
+    path = embedded_drafter_dir(kind)
+    if not path.is_dir():
+        raise SystemExit(f"treespec draw: the embedded {kind} drafter is not installed ({path}); pass --drafter DIR")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tree is not None and args.drafter is not None:
+        raise SystemExit("treespec draw: give either --tree FILE or a real round (--drafter ...), not both")
+    try:
+        if args.tree is not None:
+            tree, labels, accepted = read_tree_record(args.tree)
+        else:
+            tree, labels, accepted = _from_model(args)
+        render(tree, args.out, labels, accepted, args.title)
+    except (OSError, ValueError) as exc:
+        print(f"treespec draw: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({tree.budget} draft nodes, depth {tree.max_depth})")
+    return 0

@@ -1,0 +1,101 @@
+"""``treespec generate``: generate from a local model directory (optionally with a drafter), print text and stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from treespec import registry
+from treespec.apps.commands import DTYPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="local Hugging Face model directory (see `treespec fetch-model`)")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--drafter", default=None,
+                        help="DFlash/Domino checkpoint directory or registered drafter name (default: none, AR)")
+    parser.add_argument("--policy", default="ddtree", choices=registry.available("policy"),
+                        help="tree policy (cost-aware ones price trees with this machine's measured profile)")
+    parser.add_argument("--budget", type=int, default=None, help="tree budget: non-root nodes (default: the policy's)")
+    parser.add_argument("--verifier", default="match", choices=registry.available("verifier"),
+                        help="match (any tree) or rejection (chains only; point proposal)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; > 0 samples")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=None,
+                        help="stop at this id (repeatable; default: the tokenizer's EOS)")
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                        help="target dtype (auto: the faster of bf16 and fp32 here, measured once; bf16 on CUDA; "
+                             "checkpoint: as stored)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--backend", default="torch", choices=("torch", "networkx"),
+                        help="policy backend: torch (fast) or networkx (the readable reference)")
+    parser.add_argument("--json", action="store_true", help="print the stats as JSON instead of a summary")
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers given, before anything loads (None: nothing)."""
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return f"--temperature must be a finite number >= 0, got {args.temperature}"
+    if args.top_k < 0:
+        return f"--top-k must be >= 0, got {args.top_k}"
+    if not 0.0 < args.top_p <= 1.0:
+        return f"--top-p must be in (0, 1], got {args.top_p}"
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if args.budget is not None and args.budget < 1:
+        return f"--budget must be >= 1, got {args.budget}"
+    return None
+
+
+def _prompt_ids(tokenizer, text: str, chat: bool) -> torch.Tensor:
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return torch.tensor(tokenizer(text)["input_ids"])
+
+
+def _summary(stats) -> str:
+    stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.stage_totals().items())
+    return (f"{stats.new_tokens} tokens, {len(stats.rounds)} rounds, mean tau {stats.mean_tau:.2f}, "
+            f"{stats.tokens_per_second:.1f} tok/s (prefill {stats.prefill_time * 1e3:.1f} ms; {stages})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from treespec.apps.api import generate, load_target, load_tokenizer
+
+    problem = check_arguments(args)
+    if problem is not None:
+        print(f"treespec generate: {problem}", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = load_tokenizer(args.model)
+        target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    except (OSError, ValueError) as exc:
+        print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
+        return 1
+    bad = [t for t in args.stop_token_id or () if not 0 <= t < target.vocab_size]
+    if bad:
+        print(f"treespec generate: --stop-token-id {bad[0]} is outside the vocabulary [0, {target.vocab_size})",
+              file=sys.stderr)
+        return 2
+    try:
+        out = generate(target, _prompt_ids(tokenizer, args.prompt, args.chat), tokenizer=tokenizer,
+                       drafter=args.drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
+                       max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                       temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                       stop_token_ids=args.stop_token_id, seed=args.seed, backend=args.backend)
+    except (OSError, ValueError, TypeError, LookupError) as exc:
+        print(f"treespec generate: {exc}", file=sys.stderr)
+        return 1
+    print(out.text)
+    print(json.dumps(out.stats.as_dict()) if args.json else _summary(out.stats), file=sys.stderr)
+    return 0

@@ -1,0 +1,114 @@
+"""``treespec profile-cost``: measure this machine's verify and draft costs and fit the cost model.
+
+Times one target forward over a tree of n tokens on top of ctx cached tokens (median of repeats
+after a warm-up) and one round of each drafter, caches the profile where every treespec command
+finds it (`treespec.profile`: keyed by machine, architecture and dtype) and prints C_v in ms and in
+AR steps with the break-even τ of a 16-node tree.  ``--out FILE`` also writes the fitted
+`ConvexCost` (with the first drafter's C_d) as JSON, for ``--cost-model`` or `load_cost_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from treespec.apps.commands import CPU_DTYPES, DTYPES
+import torch
+
+from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, fit_calibration, time_draft, time_verify
+
+__all__ = ["add_arguments", "run", "time_draft", "time_verify"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="local target directory (default: the embedded SmolLM2)")
+    parser.add_argument("--drafter", type=Path, action="append", default=None,
+                        help="drafter checkpoint to time C_d (repeatable; default: the embedded drafters "
+                             "with the embedded target, none otherwise)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the fitted cost model here (JSON)")
+    parser.add_argument("--sizes", type=_ints, default=PROFILE_SIZES, help="tree sizes n (tokens, root included)")
+    parser.add_argument("--contexts", type=_ints, default=PROFILE_CONTEXTS, help="context lengths")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point (median kept)")
+    parser.add_argument("--fresh", action="store_true", help="measure again even if this machine's profile is cached")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="also fit each drafter's calibration κ (accepted draft tokens over the Φ its 16-node trees "
+                             "promised, on the demo's six prompts) and store it with the profile")
+    parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
+                        help="target dtype (auto: the faster of bf16 and fp32 here, measured once)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from treespec.apps.api import load_drafter, load_target
+    from treespec.apps.embedded import embedded_model_dir
+    from treespec.apps.methods import embedded_drafter_dir
+    from treespec.profile import machine_profile
+
+    try:
+        target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype])
+        paths = args.drafter if args.drafter is not None else (
+            [embedded_drafter_dir(k) for k in ("dflash", "domino")] if args.model is None else [])
+        drafters = [load_drafter(p) for p in paths]
+    except (OSError, ValueError) as exc:
+        print(f"treespec profile-cost: {exc}", file=sys.stderr)
+        return 1
+    profile = machine_profile(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats,
+                              cache=not args.fresh, progress=True)
+    if args.calibrate and drafters:
+        from treespec.apps.api import load_tokenizer
+        from treespec.profile import save_profile
+
+        tokenizer = load_tokenizer(args.model or embedded_model_dir())
+        for drafter, name in zip(drafters, paths):
+            phi, accepted, rounds = calibration_rounds(target, tokenizer, drafter)
+            kappa = fit_calibration(zip(phi, accepted))
+            print(f"calibration {name}: {len(rounds)} rounds, trees promised {sum(phi) / len(rounds):.2f} draft tokens "
+                  f"a round, the target accepted {sum(accepted) / len(rounds):.2f}: kappa {kappa:.3f}")
+            profile = profile.with_calibration(drafter, kappa)
+        save_profile(target, profile, sizes=args.sizes, contexts=args.contexts)
+    print(describe_profile(profile, drafters, [str(p) for p in paths]))
+    if args.out is not None:
+        profile.cost_model(drafters[0] if drafters else None).save(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def calibration_rounds(target, tokenizer, drafter, tokens: int = 24):
+    """(Φ promised, draft tokens accepted, rounds) of 16-node trees (DominoTree over a Domino drafter,
+    DDTree otherwise) over the demo's chat, math and code prompts, drafting every round."""
+    from treespec import registry
+    from treespec.apps.commands.demo import _DATASETS
+    from treespec.apps.datasets import encode_chat, load_prompts
+    from treespec.decoding import SpeculativeDecoder
+
+    conditional = bool(getattr(getattr(drafter, "config", None), "is_domino", False))
+    policy = registry.create("policy", "dominotree" if conditional else "ddtree", budget=16)
+    rounds = []
+    decoder = SpeculativeDecoder(target, drafter, policy, draft_backoff=0,
+                                 on_round=lambda tree, result: rounds.append((tree, result)))
+    for prompt in (p for name in _DATASETS for p in load_prompts(name, limit=2)):
+        decoder.generate(torch.tensor(encode_chat(tokenizer, prompt.turns[:1])), max_new_tokens=tokens)
+    phi = [float(tree.scores[1:].double().exp().sum()) for tree, _ in rounds]
+    return phi, [result.tau - 1 for _, result in rounds], rounds
+
+
+def describe_profile(profile, drafters, names) -> str:
+    """The measured samples, C_d of each drafter and the break-even τ of a 16-node tree."""
+    lines = [f"verify n={n:3d} ctx={c:5d}: {1e3 * s:8.2f} ms" for n, c, s in profile.verify]
+    steps = ", ".join(f"{n}: {profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17))
+    lines.append(f"verify cost in AR steps (tokens: steps) {steps}")
+    for drafter, name in zip(drafters, names):
+        lines.append(f"draft {name}: {1e3 * profile.drafts[drafter.identity()]:.2f} ms per round; a 16-node tree "
+                     f"breaks even with AR at tau {profile.break_even_tau(drafter, 16):.2f}; calibration kappa "
+                     f"{profile.calibration(drafter):.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""``treespec replay``: record drafter traces along the target's greedy trajectory, then replay policies.
+
+``treespec replay record --out FILE [--model DIR] [--dflash DIR] [--domino DIR] [--dataset NAME ...]``
+runs the target once per prompt (the embedded SmolLM2 and its shipped drafters by default) and
+writes one safetensors trace.  ``treespec replay eval FILE --methods ddtree@16 dominotree@16 ...``
+replays each method's T = 0 acceptance lengths from the trace alone, in seconds.
+``treespec replay info FILE`` prints the trace's metadata.  See treespec/apps/replay/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+from treespec.apps.commands import DTYPES
+
+_KINDS = ("dflash", "domino")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _record_arguments(sub.add_parser("record", help="record a trace (runs the target and the drafters)"))
+    _eval_arguments(sub.add_parser("eval", help="replay methods from a trace (no target)"))
+    info = sub.add_parser("info", help="print a trace's metadata")
+    info.add_argument("trace", type=Path, help="trace file written by `treespec replay record`")
+
+
+def _record_arguments(parser: argparse.ArgumentParser) -> None:
+    from treespec.apps.replay import RECORD_PRESETS
+
+    parser.add_argument("--out", type=Path, required=True, help="trace file to write (.safetensors)")
+    parser.add_argument("--model", default=None, help="local target model directory (default: the embedded SmolLM2)")
+    for kind in _KINDS:
+        parser.add_argument(f"--{kind}", type=Path, default=None,
+                            help=f"{kind} checkpoint directory (default with the embedded target: its shipped drafter)")
+    parser.add_argument("--dataset", action="append", default=None,
+                        help="benchmark name or local prompt file (repeatable; default: gsm8k)")
+    parser.add_argument("--prompt-ids", type=Path, default=None,
+                        help="JSON file with a list of token-id lists, instead of --dataset (no tokenizer needed)")
+    parser.add_argument("--limit", type=int, default=20, help="prompts per dataset")
+    parser.add_argument("--seed", type=int, default=0, help="prompt shuffling seed")
+    parser.add_argument("--preset", default="default", choices=sorted(RECORD_PRESETS), help="what the trace keeps")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per prompt (overrides preset)")
+    parser.add_argument("--max-budget", type=int, default=None, help="largest marginal tree budget to replay")
+    parser.add_argument("--min-k", type=int, default=None, help="marginal tokens kept per depth at least")
+    parser.add_argument("--top-m", type=int, default=None, help="Domino candidates kept per depth (largest top_m)")
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                        help="target dtype (auto: the faster of bf16 and fp32 on this CPU, measured once)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out (and the parts of an interrupted run with other settings)")
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="trace file written by `treespec replay record`")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="methods such as dflash domino ddtree@16 dominotree@16 (default: the demo methods "
+                             "the trace's drafters support); commas also separate")
+    parser.add_argument("--backend", default="torch", choices=("torch", "networkx"))
+    parser.add_argument("--stop-token-id", type=int, action="append", default=None,
+                        help="end a response at this token, as the live loop would (repeatable; default: none)")
+    parser.add_argument("--json", type=Path, default=None, help="write per-prompt taus as JSON lines to this file")
+    parser.add_argument("--cost-model", type=Path, default=None,
+                        help="cost model JSON for cost-aware methods (default: the one measured when the trace was "
+                             "recorded)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from treespec.apps.replay import TraceError
+
+    try:
+        return {"record": _record, "eval": _eval, "info": _info}[args.action](args)
+    except (TraceError, OSError, ValueError) as exc:
+        print(f"treespec replay {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------- record
+def _record(args: argparse.Namespace) -> int:
+    from treespec.apps.replay import RECORD_PRESETS, record_trace
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("max_budget", args.max_budget),
+                                   ("min_k", args.min_k), ("top_m", args.top_m)) if v is not None}
+    config = attrs.evolve(RECORD_PRESETS[args.preset], **overrides)
+    if args.out.exists() and not args.overwrite:
+        raise ValueError(f"{args.out} exists; pass --overwrite to replace it")
+    parts = args.out.with_name(args.out.name + ".parts")  # one file per recorded prompt: a rerun resumes
+    if args.overwrite and parts.exists():
+        shutil.rmtree(parts)
+    drafters = _load_drafters(args)  # first: a missing checkpoint fails before the target loads
+    target, tokenizer, name = _load_target(args)
+    prompts, ids = _prompts(args, tokenizer)
+    start = time.perf_counter()
+    try:
+        trace = record_trace(target, drafters, prompts, config=config, prompt_ids=ids, target_name=name,
+                             progress=True, parts_dir=parts)
+    except KeyboardInterrupt:
+        done = len(list(parts.glob("part-*.safetensors"))) if parts.exists() else 0
+        print(f"\ntreespec replay record: interrupted; {done} of {len(prompts)} prompts are kept in {parts}; "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
+    path = trace.save(args.out.with_name(args.out.name + ".tmp"))
+    path = path.replace(args.out)
+    shutil.rmtree(parts, ignore_errors=True)
+    print(f"recorded {len(prompts)} prompts x {config.max_new_tokens} tokens with {', '.join(drafters)} in "
+          f"{time.perf_counter() - start:.1f} s -> {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _load_target(args: argparse.Namespace):
+    """(TargetModel, tokenizer or None, name) from --model, or the embedded default."""
+    from transformers import AutoTokenizer
+
+    from treespec.target import TargetModel
+
+    if args.model is None:
+        from treespec.apps.embedded import embedded_model_dir
+
+        target = TargetModel.from_local(embedded_model_dir(), dtype=DTYPES[args.dtype])
+        tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir(), local_files_only=True)
+        return target, tokenizer, "smollm2-135m-instruct"
+    target = TargetModel.from_local(args.model, dtype=DTYPES[args.dtype])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError):
+        tokenizer = None  # a bare model directory: prompts must come as token ids
+    return target, tokenizer, str(args.model)
+
+
+def _load_drafters(args: argparse.Namespace) -> dict:
+    from treespec import registry
+    from treespec.apps.methods import embedded_drafter_dir
+
+    dirs = {kind: getattr(args, kind) for kind in _KINDS}
+    if args.model is None:
+        dirs = {k: d or (embedded_drafter_dir(k) if embedded_drafter_dir(k).is_dir() else None) for k, d in dirs.items()}
+    dirs = {k: d for k, d in dirs.items() if d is not None}
+    if not dirs:
+        raise ValueError("no drafter to record: pass --dflash DIR and/or --domino DIR "
+                         "(the embedded target's drafters are not installed)")
+    return {kind: registry.resolve("drafter", kind).from_pretrained(path) for kind, path in dirs.items()}
+
+
+def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
+    if args.prompt_ids is not None:
+        rows = json.loads(args.prompt_ids.read_text())
+        if not isinstance(rows, list) or not all(isinstance(r, list) and r for r in rows):
+            raise ValueError(f"{args.prompt_ids} must hold a JSON list of non-empty token-id lists")
+        return [torch.tensor(r, dtype=torch.int64) for r in rows], [str(i) for i in range(len(rows))]
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer: give prompts as token ids with --prompt-ids")
+    from treespec.apps.datasets import encode_chat, load_prompts
+
+    prompts, ids = [], []
+    for source in args.dataset or ["gsm8k"]:
+        for record in load_prompts(source, seed=args.seed, limit=args.limit):
+            prompts.append(torch.tensor(encode_chat(tokenizer, record.turns[:1]), dtype=torch.int64))
+            ids.append(f"{record.dataset}/{record.id}")  # MT-Bench: the first turn only
+    return prompts, ids
+
+
+# ---------------------------------------------------------------------------- eval and info
+def _methods(args: argparse.Namespace, trace) -> list[str]:
+    from treespec.apps.methods import DEMO_METHODS, parse_method
+
+    if args.methods:
+        return [m for item in args.methods for m in item.split(",") if m]
+    return [m for m in DEMO_METHODS if parse_method(m).drafter in (None, *trace.drafters)]
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from treespec.apps.replay import Trace, evaluate
+    from treespec.cost import load_cost_model
+
+    cost = load_cost_model(args.cost_model) if args.cost_model is not None else None
+    trace = Trace.load(args.trace)
+    results = evaluate(trace, _methods(args, trace), backend=args.backend, stop_token_ids=args.stop_token_id or (),
+                       cost_model=cost)
+    width = max(len(r.method) for r in results)
+    print(f"{'method':<{width}}  {'rounds':>7}  {'mean tau':>8}  {'replay s':>8}")
+    for r in results:
+        print(f"{r.method:<{width}}  {r.rounds:>7}  {r.mean_tau:>8.3f}  {r.seconds:>8.2f}")
+    if args.json is not None:
+        ids = [p["id"] for p in trace.meta["prompts"]]
+        lines = [json.dumps({"method": r.method, "prompt_id": ids[i], "taus": list(t)})
+                 for r in results for i, t in enumerate(r.taus)]
+        args.json.write_text("".join(line + "\n" for line in lines))
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from treespec.apps.replay import Trace
+
+    trace = Trace.load(args.trace)
+    meta = dict(trace.meta)
+    meta["prompts"] = f"{len(meta['prompts'])} prompts"
+    print(json.dumps(meta, indent=2))
+    return 0

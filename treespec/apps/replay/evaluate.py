@@ -1,0 +1,138 @@
+"""Replaying a trace: any tree policy's T = 0 acceptance lengths from the recording, without the target.
+
+Contract
+--------
+Walk each trajectory as the live loop does: with c tokens committed the anchor is trajectory token
+P - 1 + c; rebuild its `DraftOutput` (treespec/apps/replay/rebuild.py), build the policy's tree, prune it
+to the depth still usable (as the decoder does), and take tau = 1 + the depth reached by the match
+verifier's walk with the trajectory as the target's tokens.  Commit tau tokens; stop after
+``max_new_tokens`` or at a stop token when given (the trajectory runs on past stop tokens, so tau
+counts what the live verifier would accept).  `check_replayable` refuses budgets and top-M beyond
+what the trace recorded; a tree holding an unrecorded token (a -inf score) fails.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import attrs
+import torch
+
+from treespec.analysis import accepted_length
+from treespec.apps.methods import Method, build_policy, parse_method
+from treespec.apps.replay.rebuild import ReplayDrafts
+from treespec.apps.replay.trace import Trace, TraceError
+from treespec.cost import CostModel, cost_model_from_dict
+from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
+from treespec.interfaces import TreePolicy
+from treespec.tree import DraftTree
+
+__all__ = ["ReplayResult", "check_replayable", "evaluate", "replay_prompt"]
+
+
+def check_replayable(policy: TreePolicy | None, meta: dict) -> None:
+    """Raise `TraceError` when the trace cannot rebuild what ``policy`` reads (module docstring)."""
+    if policy is None:
+        return
+    uses_scorer = meta["scorer"] is not None and policy.uses_scorer != "never"
+    budget, top_m, limit = getattr(policy, "budget", None), getattr(policy, "top_m", None), meta["max_budget"]
+    if not uses_scorer and not meta["full_rows"] and budget is not None and budget > limit:
+        raise TraceError(f"{policy.name} budget {budget} exceeds the trace's max_budget {limit}; "
+                         f"record with --max-budget {budget} or more")
+    recorded = meta["scorer"]["top_m"] if meta["scorer"] is not None else None
+    if uses_scorer and top_m is not None and min(top_m, meta["vocab_size"]) > recorded:
+        raise TraceError(f"{policy.name} top_m {top_m} exceeds the {recorded} scorer candidates recorded; "
+                         f"record with --top-m {top_m} or more")
+
+
+def _check_recorded(tree: DraftTree) -> None:
+    if bool(torch.isinf(tree.scores).any()):
+        raise TraceError("the policy built a node from a token the trace did not record (score -inf); "
+                         "it reads beyond the recorded top tokens (raise --min-k or --max-budget when recording)")
+
+
+def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
+                  backend: str = "torch", stop_token_ids: Iterable[int] = (),
+                  gate: DraftGate | None = None) -> list[int]:
+    """Per-round tau of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop
+    counts; ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
+    conversation; pass one across prompts to mirror a decoder used for several generations)."""
+    seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
+    stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
+    taus, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
+    while done < total:
+        anchor = start + done  # absolute position of the round's root
+        if policy is None or not gate.drafts_now():
+            tau = 1
+        else:
+            draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
+            built = policy.build(draft, backend=backend)
+            gate.record(len(built))  # the policy's answer, before the length cut, as the live loop
+            tree = limit_depth(built, min(total - done - 1, room - 1 - anchor))
+            _check_recorded(tree)
+            tau = accepted_length(tree, seq[anchor + 1:])
+        taus.append(tau)
+        if stops.intersection(seq[anchor + 1:anchor + 1 + tau]):
+            break
+        done += tau
+    return taus
+
+
+@attrs.frozen
+class ReplayResult:
+    """One method's replayed acceptance lengths."""
+
+    method: str  # method name as given
+    taus: tuple[tuple[int, ...], ...]  # per prompt, per round
+    seconds: float  # wall-clock seconds of the replay (rebuilding drafts and trees included)
+
+    @property
+    def rounds(self) -> int:
+        return sum(len(t) for t in self.taus)
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(map(sum, self.taus)) / self.rounds if self.rounds else 0.0
+
+
+def _drafts_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts]) -> ReplayDrafts | None:
+    if method.autoregressive:
+        return None
+    if method.drafter not in trace.drafters:
+        raise TraceError(f"method {method.name!r} needs the {method.drafter} drafter; the trace recorded "
+                         f"{sorted(trace.drafters) or 'none'}")
+    if method.drafter not in cache:
+        cache[method.drafter] = trace.drafts(method.drafter)
+    return cache[method.drafter]
+
+
+def _pricing(trace: Trace, method: Method, given: CostModel | None) -> tuple[CostModel | None, float]:
+    """(cost model, calibration): the one given, else those measured when the trace was recorded."""
+    if given is not None or method.drafter is None:
+        return given, 1.0
+    recorded = trace.meta.get("cost_models", {}).get(method.drafter)
+    kappa = float(trace.meta.get("calibrations", {}).get(method.drafter, 1.0))
+    return (None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")), kappa
+
+
+def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "torch",
+             stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
+             cost_model: CostModel | None = None) -> list[ReplayResult]:
+    """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.apps.methods) on the
+    trace; ``cost_model`` prices the trees of cost-aware policies, by default with the cost models
+    measured on the recording machine (``trace.meta["cost_models"]``, one per drafter kind)."""
+    parsed = [parse_method(m) if isinstance(m, str) else m for m in methods]
+    cache: dict[str, ReplayDrafts] = {}
+    chosen = range(trace.num_prompts) if prompts is None else prompts
+    stops = tuple(stop_token_ids)
+    results = []
+    for method in parsed:
+        drafts, policy = _drafts_for(trace, method, cache), build_policy(method, *_pricing(trace, method, cost_model))
+        if drafts is not None:
+            check_replayable(policy, drafts.meta)
+        start = time.perf_counter()  # each prompt with a fresh gate, as the bench measures conversations
+        taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops))
+                     for i in chosen)
+        results.append(ReplayResult(method.name, taus, time.perf_counter() - start))
+    return results

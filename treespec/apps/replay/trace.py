@@ -1,0 +1,185 @@
+"""The trace format: trajectories and drafter records in one safetensors file, and joining traces.
+
+Contract
+--------
+A `Trace` holds, per prompt, the trajectory (prompt and greedy tokens) and, per drafter kind, a
+`DrafterRecord`: the kept marginal tokens of every anchor and, for a `RecordableScorer`, a
+`ScorerRecord` (its per-round tensors stacked, and what the rounds share).  `Trace.save` writes one
+safetensors file whose header carries the JSON metadata (`Trace.meta`); `Trace.load` reads it back
+and names what is wrong with a file that is not a trace of this version.  No pickles.
+`merge_traces` joins traces recorded prompt by prompt (the recording's resumable parts).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from treespec import registry
+from treespec.interfaces import RecordableScorer
+
+if TYPE_CHECKING:
+    from treespec.apps.replay.rebuild import ReplayDrafts
+
+__all__ = ["FORMAT", "META_KEY", "VERSION", "DrafterRecord", "ScorerRecord", "Trace", "TraceError", "merge_traces",
+           "scorer_class"]
+
+FORMAT, VERSION = "treespec-trace", 2
+META_KEY = "treespec_trace"  # safetensors header entry holding the JSON metadata
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read, or a replay the trace cannot answer exactly."""
+
+
+@attrs.frozen(eq=False)
+class ScorerRecord:
+    """A `RecordableScorer`'s tensors at every anchor of one drafter, and what they share."""
+
+    rounds: dict[str, torch.Tensor]  # name -> [R, ...]: `RecordableScorer.record_round`, stacked anchor by anchor
+    shared: dict[str, torch.Tensor]  # name -> tensor: `RecordableScorer.record_shared`
+
+
+@attrs.frozen(eq=False)
+class DrafterRecord:
+    """One drafter's outputs at every anchor; anchors are numbered prompt by prompt, step by step."""
+
+    counts: torch.Tensor  # [R, L] int64 marginal tokens kept per anchor and depth
+    tokens: torch.Tensor  # [T] int32 the kept tokens, anchor by anchor, depth by depth, best first
+    logprobs: torch.Tensor  # [T] float32 their log-probs
+    scorer: ScorerRecord | None = None  # Domino drafters only
+
+
+@attrs.frozen(eq=False)
+class Trace:
+    """Trajectories and drafter records of a set of prompts (see the module docstring)."""
+
+    meta: dict  # JSON metadata: format, config, target, prompts, drafters
+    sequences: tuple[torch.Tensor, ...]  # per prompt [P + N] int64: the prompt, then N greedy tokens
+    drafters: dict[str, DrafterRecord]  # drafter kind ("dflash", "domino") -> its record
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.meta["config"]["max_new_tokens"])
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.sequences)
+
+    def prompt_len(self, prompt: int) -> int:
+        return int(self.meta["prompts"][prompt]["prompt_len"])
+
+    def anchor_index(self, prompt: int, committed: int) -> int:
+        """Row of the anchor reached after ``committed`` generated tokens of ``prompt``."""
+        return prompt * self.max_new_tokens + committed
+
+    def drafts(self, kind: str) -> ReplayDrafts:
+        """The draft rebuilder of drafter ``kind`` ("dflash", "domino")."""
+        from treespec.apps.replay.rebuild import ReplayDrafts
+
+        if kind not in self.drafters:
+            raise TraceError(f"the trace recorded no {kind} drafter; it has {sorted(self.drafters) or 'none'}")
+        return ReplayDrafts(self.drafters[kind], self.meta["drafters"][kind])
+
+    def save(self, path: str | Path) -> Path:
+        """Write one safetensors file (metadata as JSON in its header)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(_flatten(self), str(path), metadata={META_KEY: json.dumps(self.meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        """Read a trace written by `save`; `TraceError` names what is wrong with the file."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                header = handle.metadata() or {}
+                names = handle.keys()
+                tensors = {key: handle.get_tensor(key) for key in names}
+        except Exception as exc:  # safetensors raises its own error types for a file that is not one
+            raise TraceError(f"cannot read trace {path}: not a treespec trace file ({exc})") from None
+        return _unflatten(_read_meta(header, path), tensors)
+
+
+def _read_meta(header: Mapping[str, str], path) -> dict:
+    if META_KEY not in header:
+        raise TraceError(f"{path} is a safetensors file but not a treespec trace (no {META_KEY!r} header entry)")
+    meta = json.loads(header[META_KEY])
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise TraceError(f"{path}: trace format {meta.get('format')!r} version {meta.get('version')!r}; "
+                         f"this treespec reads {FORMAT!r} version {VERSION}")
+    return meta
+
+
+def _flatten(trace: Trace) -> dict[str, torch.Tensor]:
+    out = {"trajectory.tokens": torch.cat(trace.sequences),
+           "trajectory.lengths": torch.tensor([s.numel() for s in trace.sequences], dtype=torch.int64)}
+    for kind, rec in trace.drafters.items():
+        out |= {f"{kind}.counts": rec.counts, f"{kind}.tokens": rec.tokens, f"{kind}.logprobs": rec.logprobs}
+        if rec.scorer is not None:
+            out |= {f"{kind}.scorer.round.{name}": value for name, value in rec.scorer.rounds.items()}
+            out |= {f"{kind}.scorer.shared.{name}": value for name, value in rec.scorer.shared.items()}
+    return {key: value.contiguous() for key, value in out.items()}
+
+
+def _unflatten(meta: dict, tensors: dict[str, torch.Tensor]) -> Trace:
+    lengths = tensors["trajectory.lengths"].tolist()
+    sequences = tuple(tensors["trajectory.tokens"].split(lengths))
+    drafters = {}
+    for kind, info in meta["drafters"].items():
+        scorer = None
+        if info["scorer"] is not None:
+            scorer = ScorerRecord(_with_prefix(tensors, f"{kind}.scorer.round."), _with_prefix(tensors, f"{kind}.scorer.shared."))
+        drafters[kind] = DrafterRecord(tensors[f"{kind}.counts"], tensors[f"{kind}.tokens"],
+                                       tensors[f"{kind}.logprobs"], scorer)
+    return Trace(meta, sequences, drafters)
+
+
+def _with_prefix(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {key.removeprefix(prefix): value for key, value in tensors.items() if key.startswith(prefix)}
+
+
+def merge_traces(traces: Sequence[Trace]) -> Trace:
+    """One trace of the prompts of ``traces`` in order (same config, target and drafters)."""
+    if not traces:
+        raise TraceError("no traces to merge")
+    first = traces[0]
+    for other in traces[1:]:
+        for field in ("config", "target", "drafters"):
+            if other.meta[field] != first.meta[field]:
+                raise TraceError(f"cannot merge traces recorded with other {field}")
+    meta = {k: v for k, v in first.meta.items() if k != "part"}
+    meta["prompts"] = [p for t in traces for p in t.meta["prompts"]]
+    drafters = {kind: _merge_records([t.drafters[kind] for t in traces], first.meta["drafters"][kind])
+                for kind in first.drafters}
+    return Trace(meta, tuple(s for t in traces for s in t.sequences), drafters)
+
+
+def _merge_records(records: Sequence[DrafterRecord], meta: dict) -> DrafterRecord:
+    scorers = [r.scorer for r in records]
+    scorer = None if scorers[0] is None else _merge_scorers(scorers, meta["scorer"]["kind"])
+    return DrafterRecord(torch.cat([r.counts for r in records]), torch.cat([r.tokens for r in records]),
+                         torch.cat([r.logprobs for r in records]), scorer)
+
+
+def _merge_scorers(scorers: Sequence[ScorerRecord], kind: str) -> ScorerRecord:
+    """Anchors concatenated; the shared tensors joined by the scorer class itself."""
+    rounds = {name: torch.cat([s.rounds[name] for s in scorers]) for name in scorers[0].rounds}
+    return ScorerRecord(rounds, scorer_class(kind).merge_shared([s.shared for s in scorers]))
+
+
+def scorer_class(kind: str) -> type[RecordableScorer]:
+    """The `RecordableScorer` class registered as ``kind`` (registry kind "scorer")."""
+    try:
+        return registry.resolve("scorer", kind)
+    except registry.RegistryError as exc:
+        raise TraceError(f"the trace holds a {kind!r} scorer record, which no registered scorer reads ({exc})") from None

@@ -1,0 +1,329 @@
+"""Self-distillation data: the target's own responses to training prompts, stored as token ids.
+
+Contract:
+- Input: (prompt id, prompt token ids) pairs, already chat-templated (`treespec.apps.datasets.encode_chat`)
+  and drawn from a training split, so the data never overlaps benchmark prompts.
+- Output: shards ``shard-00000.safetensors``, ... in one directory.  Shard k holds prompts
+  ``[k * shard_size, (k + 1) * shard_size)`` of the input order, so a rerun with the same prompts
+  skips the shards already written (resumable); each shard is written to a temporary name and renamed.
+- A shard's tensors (no pickles):
+    ``tokens``          [T] int32  every sequence (prompt + response) concatenated
+    ``offsets``         [n + 1] int64  sequence i is ``tokens[offsets[i]:offsets[i + 1]]``
+    ``response_start``  [n] int64  index in sequence i where the response begins (its prompt length)
+    ``finished``        [n] bool  the response ended with a stop token (else it was cut at the limit)
+  and string metadata: ``ids`` (JSON list of prompt ids), ``config`` (JSON), ``model``.
+- Responses are the target's continuations, decoded in left-padded batches with a KV cache: greedy
+  (argmax) at ``temperature == 0``, else sampled from softmax(logits / T) with a generator seeded by
+  (``seed``, shard index), so a resumed or repeated run writes the same shard.  A row leaves the
+  batch at its first stop token, which the response keeps, so a drafter learns where answers end.
+  Responses cut at ``max_new_tokens`` are marked unfinished.
+- ``second_turn``: each chat gets a second user turn after the target's first answer (as MT-Bench
+  asks), a follow-up request from `FOLLOW_UPS` chosen by the prompt id; the stored sequence is the
+  two-turn conversation (the first answer re-templated from its text, as a chat harness does) and
+  its response is the second answer.  Chats whose first answer was cut at the limit are left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = [
+    "SMOLLM2_CPU",
+    "DistillConfig",
+    "DistillSequence",
+    "FOLLOW_UPS",
+    "generate_greedy",
+    "generate_responses",
+    "iter_sequences",
+    "read_shard",
+    "shard_path",
+    "write_shards",
+]
+
+Prompt = tuple[str, Sequence[int]]  # (prompt id, token ids)
+# Settings a resumed run may change: more prompts extend the data, the batch size only the speed.
+_RESUME_FREE = ("num_prompts", "batch_size")
+
+
+@attrs.frozen
+class DistillConfig:
+    """What to generate and how to batch it."""
+
+    dataset: str = "alpaca"  # benchmark name or local prompt file (its training split is used)
+    split: str = "train"  # prompt split; "train" keeps the data disjoint from benchmark prompts
+    num_prompts: int = 3200  # prompts to answer (after shuffling with seed 0)
+    max_new_tokens: int = 256  # response length limit
+    max_prompt_tokens: int = 512  # longer prompts are left out
+    batch_size: int = 32  # prompts decoded together
+    shard_size: int = 64  # prompts per shard file (the unit of resumption)
+    temperature: float = 0.0  # 0: greedy responses; > 0: sampled at this temperature (no top-k/top-p)
+    seed: int = 0  # sampling seed (with the shard index); unused when greedy
+    second_turn: bool = False  # store two-turn chats (a follow-up after the first answer) instead
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size", "shard_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DistillConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise ValueError(f"DistillConfig.temperature must be a finite number >= 0, got {self.temperature}")
+
+
+# Second user turns of `DistillConfig.second_turn` chats: generic follow-ups of the kinds MT-Bench's
+# second turns ask (rewrite, shorten, extend, explain, apply), written for treespec.
+FOLLOW_UPS: tuple[str, ...] = (
+    "Can you make your answer shorter, in at most three sentences?",
+    "Rewrite your previous answer so that a ten-year-old could understand it.",
+    "Explain your reasoning step by step.",
+    "Give a concrete example that illustrates your answer.",
+    "Now write the same answer as a bulleted list.",
+    "What are the weaknesses or limits of your answer?",
+    "Rewrite your answer in a more formal tone.",
+    "Summarise your answer in one sentence.",
+    "Add a short title to your answer and expand it with one more paragraph.",
+    "Could you answer the same question for a different situation of your choice?",
+    "Turn your answer into a short poem.",
+    "Which part of your answer is the most important, and why?",
+    "Rewrite your answer as a short dialogue between two people.",
+    "List three questions someone might ask after reading your answer, and answer them briefly.",
+    "Translate the main point of your answer into simple instructions.",
+    "Please double-check your answer and correct anything that is wrong.",
+)
+
+
+def follow_up(prompt_id: str) -> str:
+    """The second user turn of a chat: a `FOLLOW_UPS` entry fixed by the prompt id."""
+    index = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:4], "big") % len(FOLLOW_UPS)
+    return FOLLOW_UPS[index]
+
+
+# Data for the embedded SmolLM2 drafters on a CPU core.
+SMOLLM2_CPU = DistillConfig()
+
+
+@attrs.frozen
+class DistillSequence:
+    """One stored example: prompt and response token ids."""
+
+    id: str  # prompt id from the dataset loader
+    tokens: torch.Tensor  # [T] int64, prompt then response
+    response_start: int  # tokens[response_start:] is the response
+    finished: bool  # the response ends with a stop token
+
+
+def shard_path(out_dir: Path, index: int) -> Path:
+    return Path(out_dir) / f"shard-{index:05d}.safetensors"
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, W], attention_mask [B, W]) with the prompts right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def _forward_last(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """Logits of each row's last position, [B, V]; the cache grows by ``ids.shape[1]`` positions."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def _record(responses: list[list[int]], finished: list[bool], rows: torch.Tensor, token: torch.Tensor,
+            done: torch.Tensor) -> None:
+    for row, tok, stop in zip(rows.tolist(), token.tolist(), done.tolist()):
+        responses[row].append(tok)
+        finished[row] = stop
+
+
+def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """[b] argmax at temperature 0, else one draw per row from softmax(logits / T)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [b, V]
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def generate_responses(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                       pad_id: int, temperature: float = 0.0,
+                       generator: torch.Generator | None = None) -> list[tuple[list[int], bool]]:
+    """Responses to a batch of prompts: (response ids ending at the first stop, finished) per prompt.
+
+    Greedy at ``temperature == 0``; sampled otherwise, from ``generator`` (required then).  A row
+    that reaches a stop token leaves the batch (its cache rows are dropped), so one long answer
+    does not make the finished ones pay for its remaining steps.
+    """
+    from transformers import DynamicCache
+
+    if temperature > 0 and generator is None:
+        raise ValueError("sampled responses (temperature > 0) need an explicit torch.Generator")
+    ids, mask = _left_pad(prompts, pad_id)  # [B, W]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]; padding is masked, its position unused
+    cache = DynamicCache(config=model.config)
+    logits = _forward_last(model, ids, mask, positions, cache)  # [B, V]
+    rows, next_pos = torch.arange(len(prompts)), positions[:, -1] + 1  # [b] prompt of each row, [b]
+    responses, finished = [[] for _ in prompts], [False] * len(prompts)
+    stops = torch.as_tensor(list(stop_ids), dtype=torch.long)
+    for step in range(max_new_tokens):
+        token = _next_token(logits, temperature, generator)  # [b]
+        done = torch.isin(token, stops)  # [b]
+        _record(responses, finished, rows, token, done)
+        keep = (~done).nonzero().squeeze(-1)  # [b']
+        if step + 1 == max_new_tokens or keep.numel() == 0:
+            break
+        if keep.numel() < rows.numel():
+            cache.batch_select_indices(keep)
+            rows, mask, next_pos, token = rows[keep], mask[keep], next_pos[keep], token[keep]
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)  # [b', W + step + 1]
+        logits = _forward_last(model, token[:, None], mask, next_pos[:, None], cache)
+        next_pos = next_pos + 1
+    return list(zip(responses, finished))
+
+
+def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                    pad_id: int) -> list[tuple[list[int], bool]]:
+    """`generate_responses` at temperature 0."""
+    return generate_responses(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id)
+
+
+def _pack(items: list[tuple[str, list[int], list[int], bool]]) -> dict[str, torch.Tensor]:
+    """Ragged (id, prompt, response, finished) rows -> the shard's flat tensors."""
+    sequences = [prompt + response for _, prompt, response, _ in items]
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    return {
+        "tokens": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "response_start": torch.tensor([len(p) for _, p, _, _ in items], dtype=torch.long),
+        "finished": torch.tensor([f for *_, f in items], dtype=torch.bool),
+    }
+
+
+def _write_shard(path: Path, covered: list[str], items: list[tuple[str, list[int], list[int], bool]],
+                 metadata: dict[str, str]) -> None:
+    """``ids``: the prompts the shard covers (its resumption key); ``rows``: the prompt of each row."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(_pack(items), str(tmp),
+              metadata={**metadata, "ids": json.dumps(covered), "rows": json.dumps([i for i, *_ in items])})
+    os.replace(tmp, path)
+
+
+def _answer(model, prompts: list[Prompt], cfg: DistillConfig, stop_ids: Sequence[int], pad_id: int,
+            generator: torch.Generator, on_batch) -> list[tuple[list[int], bool]]:
+    """(response, finished) for each prompt, batching prompts of similar length; in input order."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+    results: dict[int, tuple[list[int], bool]] = {}
+    for start in range(0, len(order), cfg.batch_size):
+        batch = order[start:start + cfg.batch_size]
+        outs = generate_responses(model, [prompts[i][1] for i in batch], max_new_tokens=cfg.max_new_tokens,
+                                  stop_ids=stop_ids, pad_id=pad_id, temperature=cfg.temperature,
+                                  generator=generator)
+        results.update(zip(batch, outs))
+        on_batch(len(batch), sum(len(r) for r, _ in outs))
+    return [results[i] for i in range(len(prompts))]
+
+
+# (prompt id, first prompt ids, first response ids) -> the two-turn prompt's ids
+SecondPrompt = Callable[[str, list[int], list[int]], list[int]]
+
+
+def _generate_shard(model, prompts: list[Prompt], cfg: DistillConfig, index: int, stop_ids: Sequence[int],
+                    pad_id: int, on_batch, second_prompt: SecondPrompt | None,
+                    ) -> list[tuple[str, list[int], list[int], bool]]:
+    """One shard's (id, prompt, response, finished) rows, in input order."""
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+    answers = _answer(model, prompts, cfg, stop_ids, pad_id, generator, on_batch)
+    rows = [(pid, list(ids), response, finished) for (pid, ids), (response, finished) in zip(prompts, answers)]
+    if not cfg.second_turn:
+        return rows
+    chats = [(pid, second_prompt(pid, ids, response)) for pid, ids, response, finished in rows if finished]
+    chats = [(pid, ids) for pid, ids in chats if len(ids) <= cfg.max_prompt_tokens]
+    answers = _answer(model, chats, cfg, stop_ids, pad_id, generator, lambda _p, t: on_batch(0, t))
+    return [(pid, ids, response, finished) for (pid, ids), (response, finished) in zip(chats, answers)]
+
+
+def write_shards(model, prompts: Sequence[Prompt], out_dir: Path, cfg: DistillConfig, *, stop_ids: Sequence[int],
+                 pad_id: int, metadata: dict[str, str] | None = None, progress: bool = True,
+                 second_prompt: SecondPrompt | None = None) -> list[Path]:
+    """Generate and store every missing shard for ``prompts``; returns all shard paths.
+
+    ``second_prompt`` builds the two-turn prompt of a `DistillConfig.second_turn` run.
+    """
+    from tqdm import tqdm
+
+    if cfg.second_turn and second_prompt is None:
+        raise ValueError("a second_turn run needs second_prompt to build the two-turn chats")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chunks = [list(prompts[i:i + cfg.shard_size]) for i in range(0, len(prompts), cfg.shard_size)]
+    paths = [shard_path(out_dir, k) for k in range(len(chunks))]
+    meta = {"config": json.dumps(attrs.asdict(cfg, filter=lambda a, _: a.name not in _RESUME_FREE)),
+            **(metadata or {})}
+    todo = [k for k in range(len(chunks)) if not _is_done(paths[k], [pid for pid, _ in chunks[k]], meta["config"])]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(chunks[k]) for k in todo), unit="prompt",
+               disable=not progress, smoothing=0.1)
+    counter = _TokenRate(bar)
+    for k in todo:
+        rows = _generate_shard(model, chunks[k], cfg, k, stop_ids, pad_id, counter.update, second_prompt)
+        _write_shard(paths[k], [pid for pid, _ in chunks[k]], rows, meta)
+    bar.close()
+    return paths
+
+
+def _is_done(path: Path, ids: list[str], config_json: str) -> bool:
+    """Whether an earlier run already wrote this shard; its data must come from the same settings."""
+    if not path.exists():
+        return False
+    with safe_open(str(path), framework="pt") as handle:
+        stored_config, stored_ids = handle.metadata().get("config"), json.loads(handle.metadata()["ids"])
+    if stored_config != config_json:
+        raise ValueError(f"{path} was made with other settings ({stored_config}); use a new output "
+                         f"directory or the same settings ({config_json})")
+    if stored_ids == ids:
+        return True
+    if ids[: len(stored_ids)] == stored_ids:
+        return False  # the short last shard of a run with fewer prompts: regenerate it in full
+    raise ValueError(f"{path} holds other prompts than this run's shard (another dataset, split or order)")
+
+
+class _TokenRate:
+    """Progress-bar callback: prompts done, and generated tokens per second since the start."""
+
+    def __init__(self, bar):
+        self.bar, self.tokens, self.start = bar, 0, time.perf_counter()
+
+    def update(self, prompts: int, tokens: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix(tok_s=f"{rate:.0f}", tokens=self.tokens, refresh=False)
+        self.bar.update(prompts)
+
+
+def read_shard(path: Path) -> list[DistillSequence]:
+    """The sequences of one shard, in the order they were written."""
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata()
+        ids = json.loads(meta.get("rows", meta["ids"]))
+        tokens, offsets = handle.get_tensor("tokens").long(), handle.get_tensor("offsets")
+        starts, finished = handle.get_tensor("response_start"), handle.get_tensor("finished")
+    return [DistillSequence(ids[i], tokens[offsets[i]:offsets[i + 1]], int(starts[i]), bool(finished[i]))
+            for i in range(len(ids))]
+
+
+def iter_sequences(out_dir: Path) -> Iterator[DistillSequence]:
+    """Every stored sequence of a data directory, shard by shard."""
+    for path in sorted(Path(out_dir).glob("shard-*.safetensors")):
+        yield from read_shard(path)
