@@ -1,7 +1,13 @@
 """Test-session settings shared by every test module."""
 
 import torch
+from sibling_capped import NAME, SiblingCapped
+
+from treespec import register
 
 # The tests run tiny models whose ops are too small to gain from intra-op threads; on a shared CPU
 # extra threads only add synchronisation stalls (seen here: 20-40x slower small ops under load).
 torch.set_num_threads(1)
+
+# A policy added as a user adds one (tests/sibling_capped.py): registered, never listed elsewhere.
+register("policy", NAME, SiblingCapped)

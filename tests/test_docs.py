@@ -31,7 +31,7 @@ BUILT_IN = ["caddtree", "chain", "cost-aware-dominotree", "ddtree", "dominotree"
 
 
 def test_every_built_in_policy_has_a_page():
-    assert sorted(registry.available("policy")) == BUILT_IN, "a policy was added or removed: update its page"
+    assert registry.builtin("policy") == BUILT_IN, "a built-in policy was added or removed: update its page"
     for name in BUILT_IN:
         assert (DOCS / "policies" / f"{name}.md").is_file(), f"docs/policies/{name}.md is missing"
 

@@ -13,7 +13,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
-__all__ = ["KINDS", "RegistryError", "available", "create", "register", "resolve"]
+__all__ = ["KINDS", "RegistryError", "available", "builtin", "create", "register", "resolve"]
 
 KINDS = ("policy", "drafter", "verifier", "scorer", "command")
 _GROUPS = {kind: f"treespec.{kind}s" for kind in KINDS}
@@ -86,6 +86,12 @@ def _import(spec: str) -> Any:
     except (ImportError, AttributeError) as exc:
         raise RegistryError(f"cannot import {spec!r}: {exc}") from exc
     return obj
+
+
+def builtin(kind: str) -> list[str]:
+    """The names of ``kind`` that ship with treespec, sorted (entry points and registrations aside)."""
+    _check_kind(kind)
+    return sorted(_BUILTIN[kind])
 
 
 def resolve(kind: str, name: str) -> Any:
