@@ -53,6 +53,7 @@ from torch import nn
 from drafters._layers import DFlashModel
 from drafters.config import ConfigError, DFlashConfig
 from drafters.dflash import DFlashDrafter
+from treespec.hardware import reduced_precision
 from treespec.interfaces import Expansion, RecordableScorer
 from treespec.topk import exact_topk, top_set
 
@@ -107,7 +108,7 @@ class DominoScorer(RecordableScorer):
         self.w_ih, self.w_hh = prefix_gru.weight_ih_l0, prefix_gru.weight_hh_l0  # [3G, H], [3G, G]
         self.w1 = embed_proj[0].weight  # [E, H + G]
         self.w2 = embed_proj[2].weight  # [V, E]
-        self.module_gru = self.w_hh.dtype in (torch.bfloat16, torch.float16)  # states from nn.GRU (see docstring)
+        self.module_gru = reduced_precision(self.w_hh.dtype)  # states from nn.GRU (see docstring)
         self._prefix: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._gathered: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
@@ -383,7 +384,7 @@ class DominoDrafter(DFlashDrafter):
 
     def bind(self, target: TargetModel) -> None:
         super().bind(target)
-        reduced = self.dtype in (torch.bfloat16, torch.float16)  # the scorer then steps nn.GRU itself
+        reduced = reduced_precision(self.dtype)  # the scorer then steps nn.GRU itself
         self._gru_table = self._build_gru_table() if self.gru_input_table and not reduced else None
 
     @torch.no_grad()

@@ -39,6 +39,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from treespec.target import select_taps
+
 __all__ = [
     "FORMAT",
     "TeacherCache",
@@ -278,9 +280,4 @@ class TeacherCache:
 
     def select_taps(self, features: torch.Tensor, target_layer_ids: Sequence[int]) -> torch.Tensor:
         """[T, k'*H] the columns of ``target_layer_ids`` (a subset of the cache's taps, any order)."""
-        have = self.target_layer_ids
-        if tuple(target_layer_ids) == have:
-            return features
-        width = features.shape[1] // len(have)
-        return torch.cat([features[:, have.index(t) * width:(have.index(t) + 1) * width]
-                          for t in target_layer_ids], dim=1)
+        return select_taps(features, self.target_layer_ids, target_layer_ids)

@@ -34,7 +34,7 @@ import torch
 
 __all__ = [
     "CACHE_ENV", "DTYPE_NAMES", "DtypeChoice", "cache_root", "choose_dtype", "digest", "linear_shapes", "machine_identity",
-    "machine_file", "measure_linear_speed", "read_cached", "resolve_dtype", "write_cached",
+    "machine_file", "measure_linear_speed", "read_cached", "reduced_precision", "resolve_dtype", "write_cached",
 ]
 
 CACHE_ENV = "TREESPEC_CACHE"
@@ -43,6 +43,11 @@ DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 _ROWS = (1, 17)  # an AR step and a budget-16 tree verify
 _STREAM_ELEMENTS = 24 * 2**20  # weights streamed per benchmark pass: 96 MB in fp32, beyond a CPU cache
 _PRINTED: set[str] = set()  # choices already reported in this process
+
+
+def reduced_precision(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a 16-bit float (bf16 or fp16): where the kernels' float32 paths apply."""
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 def cache_root() -> Path:

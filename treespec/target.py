@@ -36,15 +36,17 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 import torch
 
+from treespec.hardware import reduced_precision
 from treespec.tree import DraftTree
 
 __all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
-           "crop_cache", "use_float32_head"]
+           "crop_cache", "select_taps", "use_float32_head"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
 
@@ -70,7 +72,7 @@ class TargetModel:
         self.config = model.config
         _check_attention(self.config)
         self.embed_tokens = model.get_input_embeddings()
-        reduced = self.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
+        reduced = reduced_precision(self.embed_tokens.weight.dtype)
         if reduced and float32_head is not False:  # None (default) or True: on; float models are left alone
             use_float32_head(model)
         self.lm_head = model.get_output_embeddings()
@@ -294,3 +296,16 @@ def _check_attention(config) -> None:
                          f"load the model with attn_implementation in {SUPPORTED_ATTENTION}")
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         raise ValueError("sliding-window attention layers are not supported (one tree mask serves every layer)")
+
+
+def select_taps(features: torch.Tensor, have: Sequence[int], want: Sequence[int]) -> torch.Tensor:
+    """[n, len(want) * H]: the taps ``want`` (a subset of ``have``, any order) of ``features``
+    [n, len(have) * H], whose columns hold the hidden states of layers ``have`` side by side."""
+    have, want = tuple(have), tuple(want)
+    if want == have:
+        return features
+    missing = sorted(set(want) - set(have))
+    if missing:
+        raise ValueError(f"taps {missing} are not among the features' taps {list(have)}")
+    width = features.shape[1] // len(have)
+    return torch.cat([features[:, have.index(t) * width:(have.index(t) + 1) * width] for t in want], dim=1)

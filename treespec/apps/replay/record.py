@@ -36,7 +36,7 @@ from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, RecordableScorer, TreePolicy
 from treespec.profile import machine_profile
 from treespec.reach import best_chain, reachable
-from treespec.target import TargetModel
+from treespec.target import TargetModel, select_taps
 from treespec.topk import exact_topk
 from treespec.tree import DraftTree
 
@@ -164,10 +164,8 @@ class _Recorder(Drafter):
         self.drafters = dict(drafters)
         self.tap_layers = tuple(sorted({t for d in self.drafters.values() for t in d.tap_layers}))
         self.captures = {kind: _Capture(config) for kind in self.drafters}
-        self.hidden = 0
 
     def bind(self, target: TargetModel) -> None:
-        self.hidden = target.hidden_size
         for drafter in self.drafters.values():
             drafter.bind(target)
 
@@ -190,10 +188,8 @@ class _Recorder(Drafter):
         """The context the live loop would give ``drafter``: its own taps, in its own order."""
         if ctx.features is None or tuple(drafter.tap_layers) == self.tap_layers:
             return ctx
-        h = self.hidden
-        cols = torch.cat([torch.arange(self.tap_layers.index(t) * h, (self.tap_layers.index(t) + 1) * h)
-                          for t in drafter.tap_layers]).to(ctx.features.device)  # [len(taps) * H]
-        return DraftContext(ctx.sequence, ctx.features.index_select(1, cols), ctx.feature_start)
+        return DraftContext(ctx.sequence, select_taps(ctx.features, self.tap_layers, drafter.tap_layers),
+                            ctx.feature_start)
 
 
 def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: Sequence[torch.Tensor], *,
