@@ -108,7 +108,7 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
 def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
     from drafters.domino import DominoDrafter
     from treespec.apps.api import load_drafter
-    from treespec.apps.commands.train_drafter import export_drafter
+    from drafters.commands.train_drafter import export_drafter
 
     trainer = make(target, tmp_path, kind=kind)
     trainer.train(sequences(), until=2, progress=False)
