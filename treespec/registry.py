@@ -16,7 +16,8 @@ from typing import Any
 __all__ = ["KINDS", "RegistryError", "available", "builtin", "create", "register", "resolve"]
 
 KINDS = ("policy", "drafter", "verifier", "scorer", "command")
-_GROUPS = {kind: f"treespec.{kind}s" for kind in KINDS}
+_GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers",
+           "scorer": "treespec.scorers", "command": "treespec.commands"}
 
 # Built-ins, resolved lazily.  A new policy is one file in policies/ plus one line here.
 _BUILTIN: dict[str, dict[str, str]] = {
