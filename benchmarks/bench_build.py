@@ -35,6 +35,7 @@ from policies.chain import Chain
 from policies.ddtree import DDTree
 from policies.dominotree import DominoTree
 from policies.static_corrected import StaticCorrected
+from treespec.cost import COST_PRESETS
 from treespec.interfaces import DraftContext, DraftOutput
 
 DEPTH = 16
@@ -195,7 +196,7 @@ def fmt(ms: float | None) -> str:
 def arms(budget: int) -> dict[str, tuple]:
     """name -> (policy, draft kind)."""
     return {"chain": (Chain(budget=budget), "marginal"), "ddtree": (DDTree(budget=budget), "marginal"),
-            "caddtree": (CaDDTree(budget=budget), "marginal"),
+            "caddtree": (CaDDTree(budget=budget, cost_model=COST_PRESETS["smollm2-cpu-bf16"]), "marginal"),
             "dominotree": (DominoTree(budget=budget), "domino"),
             "dominotree[toy]": (DominoTree(budget=budget), "toy"),
             "static-corrected": (StaticCorrected(budget=budget), "domino")}

@@ -51,12 +51,12 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] of default RoPE at absolute ``positions`` [T]."""
+    """cos, sin [..., T, head_dim] of default RoPE at absolute ``positions`` [..., T]."""
     # inv_freq_j = theta^(-2j / d), angle = p * inv_freq_j, duplicated over the two halves
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)  # [d/2]
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, d]
+    angles = positions.float()[..., None] * inv_freq  # [..., T, d/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., T, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -144,7 +144,9 @@ class DFlashModel(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        """cos, sin [T, d] of positions [T]; [S, 1, T, d] (broadcast over heads) of per-row positions [S, T]."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        return (cos, sin) if positions.dim() == 1 else (cos.unsqueeze(-3), sin.unsqueeze(-3))
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Per-layer context keys/values of target ``features`` [..., n, k*H] at ``positions`` [n]."""

@@ -30,6 +30,8 @@ head rows of those N target tokens (gathered once at bind) and gives every other
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -148,6 +150,46 @@ class DFlashDrafter(Drafter):
     def reset(self) -> None:
         self.cache.reset()
 
+    def fork(self) -> DFlashDrafter:
+        """The same weights and binding, with a context cache of its own."""
+        clone = copy.copy(self)
+        clone.cache = ContextCache(self.config.num_hidden_layers)
+        return clone
+
+    @torch.no_grad()
+    def draft_batch(self, forks: Sequence[DFlashDrafter], contexts: Sequence[DraftContext]) -> list[DraftOutput]:
+        """Every fork's draft from one block forward over the batch and one head matmul.
+
+        Each fork extends its own context cache; the contexts, whose lengths differ, are padded
+        and masked (a block position sees its own sequence's context and block only)."""
+        if self._target is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(target) must be called before draft_batch()")
+        positions = [fork._extend_context(ctx) for fork, ctx in zip(forks, contexts, strict=True)]
+        anchors = [ctx.anchor for ctx in contexts]
+        z = self._batch_block_states(forks, anchors, positions)  # [S, B, H]
+        rows = z[:, self.config.first_drafted_position:]  # [S, L, H]
+        logits = self._head_logits(rows.flatten(0, 1)).unflatten(0, rows.shape[:2])  # [S, L, V] float32
+        return [DraftOutput(logprobs=torch.log_softmax(logits[s], dim=-1), root_token=anchors[s],
+                            position=positions[s], scorer=self._scorer(anchors[s], rows[s], logits[s]))
+                for s in range(len(forks))]
+
+    def _batch_block_states(self, forks: Sequence[DFlashDrafter], anchors: Sequence[int],
+                            positions: Sequence[int]) -> torch.Tensor:
+        """Normed hidden states [S, B, H] of every fork's block, its context padded to the longest."""
+        size, n = self.config.block_size, len(forks)
+        ids = torch.full((n, size), self.config.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = torch.tensor(list(anchors), device=self.device)
+        block = self._target.embed_tokens(ids).to(self.dtype)  # [S, B, H]
+        starts = torch.tensor(list(positions), device=self.device)
+        block_positions = starts[:, None] + torch.arange(size, device=self.device)  # [S, B]
+        contexts = [fork._context() for fork in forks]  # per fork, per layer: keys/values [n_kv, T_s, d]
+        width = max(c[0][0].shape[-2] for c in contexts)
+        padded = [tuple(_pad_stack([c[layer][part] for c in contexts], width) for part in (0, 1))
+                  for layer in range(len(contexts[0]))]
+        seen = torch.arange(width, device=self.device)[None, :] < starts[:, None]  # [S, T] context that exists
+        mask = torch.cat([seen, seen.new_ones(n, size)], dim=1)[:, None, None, :]  # [S, 1, 1, T + B]
+        return self.model(block, block_positions, padded, mask)
+
     @torch.no_grad()
     def draft(self, ctx: DraftContext) -> DraftOutput:
         if self._target is None:
@@ -219,6 +261,14 @@ class DFlashDrafter(Drafter):
         reduced = (rows.to(self._head_rows.dtype) @ self._head_rows.T).float()  # [L, N]
         logits = reduced.new_full((rows.shape[0], self.config.vocab_size), float("-inf"))  # [L, V]
         return logits.index_copy_(1, self._head_ids, reduced)
+
+
+def _pad_stack(parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """[S, ..., width, d]: per-sequence [..., T_s, d] tensors, zero-padded along T."""
+    out = parts[0].new_zeros((len(parts), *parts[0].shape[:-2], width, parts[0].shape[-1]))
+    for s, part in enumerate(parts):
+        out[s, ..., :part.shape[-2], :] = part
+    return out
 
 
 def _random_like(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import networkx as nx
 import numpy as np
 import torch
 
-from policies.frontier import Candidates, Mode, expand_frontier, resolve
+from policies.frontier import Candidates, Mode, expand_frontier, resolve, resolve_batch
 from policies.sources import CandidateSource
 from treespec.interfaces import BACKENDS, DraftOutput, TreePolicy
 from treespec.tree import DraftTree
@@ -115,6 +115,23 @@ class BestFirstPolicy(TreePolicy):
         if backend == "networkx":
             return grow_reference(draft, self.source(draft, "reference"), self.max_nodes(draft), self.stop)
         return self.build_torch(draft)
+
+    def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
+        """`build` of every draft, bit for bit; the torch backend selects the top-k of all the drafts'
+        marginal rows at once (`frontier.resolve_batch`), then grows each tree."""
+        check_backend(backend)
+        if backend == "networkx" or len(drafts) < 2:
+            return [self.build(draft, backend=backend) for draft in drafts]
+        for draft in drafts:
+            self.validate(draft)
+        static = [draft.logprobs.device.type != "cpu" for draft in drafts]
+        budgets = [self.max_nodes(draft) for draft in drafts]
+        if len(set(static)) > 1:
+            raise ValueError("the drafts of one batch must share a device")
+        mode = "static" if static[0] else "compact"
+        sources = resolve_batch([self.candidates(draft) for draft in drafts], budgets, mode)
+        return [expand_frontier(draft, source, budget, self.stop, static=static[0])
+                for draft, source, budget in zip(drafts, sources, budgets, strict=True)]
 
     def build_graph(self, draft: DraftOutput) -> nx.DiGraph:
         """The networkx reference's graph itself (node attributes token, depth, score, path)."""

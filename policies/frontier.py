@@ -25,6 +25,7 @@ selection that return the networkx reference's tree (policies/best_first.py) in 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 import attrs
@@ -39,7 +40,8 @@ from treespec.tree import DraftTree
 if TYPE_CHECKING:
     from policies.best_first import StopRule
 
-__all__ = ["MODES", "Candidates", "Mode", "TopTokens", "assemble", "expand_frontier", "frontier_selection", "resolve"]
+__all__ = ["MODES", "Candidates", "Mode", "TopTokens", "assemble", "expand_frontier", "frontier_selection", "resolve",
+           "resolve_batch"]
 
 Mode = Literal["reference", "compact", "static"]
 MODES = ("reference", "compact", "static")
@@ -77,6 +79,26 @@ def resolve(candidates: Candidates, budget: int, mode: Mode) -> CandidateSource:
         return _adaptive_source(logprobs, k, budget)
     values, tokens = (reference_topk if mode == "reference" else exact_topk)(logprobs, k)
     return FactorizedSource.from_rows(tokens, values)
+
+
+def resolve_batch(candidates: Sequence[Candidates], budgets: Sequence[int], mode: Mode) -> list[CandidateSource]:
+    """`resolve` of every (candidates, budget) pair, the same sources bit for bit; the top-k of the
+    `TopTokens` that need one plain selection ([L, V] rows of one shape and one k) runs once over
+    all their rows together (each row's selection does not depend on the others)."""
+    sources: list[CandidateSource | None] = [None] * len(candidates)
+    groups: dict[tuple, list[int]] = {}
+    for i, (cand, budget) in enumerate(zip(candidates, budgets, strict=True)):
+        k = min(cand.k, cand.logprobs.shape[-1]) if isinstance(cand, TopTokens) else 0
+        if not isinstance(cand, TopTokens) or (mode == "compact" and k > _FIRST_PASS):
+            sources[i] = resolve(cand, budget, mode)
+        else:
+            groups.setdefault((tuple(cand.logprobs.shape), cand.logprobs.device, k), []).append(i)
+    for (shape, _, k), members in groups.items():
+        rows = torch.cat([candidates[i].logprobs for i in members])  # [n L, V]
+        values, tokens = (reference_topk if mode == "reference" else exact_topk)(rows, k)
+        for i, v, t in zip(members, values.split(shape[0]), tokens.split(shape[0]), strict=True):
+            sources[i] = FactorizedSource.from_rows(t, v)
+    return sources
 
 
 # ---------------------------------------------------------------------------- compact lists

@@ -15,12 +15,15 @@ One decoding round is ``draft -> build -> verify -> commit``:
 
 A scorer that trace replay can store implements `RecordableScorer` on top of `ConditionalScorer`;
 replay (treespec/apps/replay/) knows it through that interface and the registry (kind ``"scorer"``)
-only.  Optional hooks (``Drafter.bind``, ``reset``, ``observe``) default to no-ops.  Batch size is one
-tree per call; `check_single_batch` is the one place where that is asserted.
+only.  Optional hooks (``Drafter.bind``, ``reset``, ``observe``) default to no-ops.  A single-sequence call
+takes one tree (`check_single_batch` asserts it); batched decoding (treespec/batch_decoding.py)
+gives every sequence its own drafter state through ``Drafter.fork`` and asks for all drafts at once
+with ``Drafter.draft_batch`` and for all trees with ``TreePolicy.build_batch``, whose defaults loop.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -178,6 +181,19 @@ class Drafter(ABC):
     def observe(self, accepted: torch.Tensor) -> None:
         """Feedback: the accepted node tokens of the last round (root first)."""
 
+    def fork(self) -> Drafter:
+        """A drafter for one more sequence of a batch: the same weights and binding, fresh
+        per-sequence state.  Default: a shallow copy, reset; a drafter that keeps its per-sequence
+        state in a mutable object (a context cache) overrides this to give the copy its own."""
+        clone = copy.copy(self)
+        clone.reset()
+        return clone
+
+    def draft_batch(self, forks: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[DraftOutput]:
+        """One draft per sequence, ``forks[s]`` (from `fork`) holding sequence s's state.  Default:
+        each fork drafts alone; block drafters override this with one batched forward."""
+        return [fork.draft(ctx) for fork, ctx in zip(forks, contexts, strict=True)]
+
     def identity(self) -> str:
         """What the drafter's forward cost depends on (its class and configuration, not its
         weights); cost profiles are keyed by it."""
@@ -199,6 +215,11 @@ class TreePolicy(ABC):
     @abstractmethod
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
         """Build the round's tree with the given backend ("torch" or "networkx")."""
+
+    def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
+        """One tree per draft, each the tree `build` returns for it, bit for bit.  Default: one
+        build each; a policy may share work across the drafts (policies/best_first.py does)."""
+        return [self.build(draft, backend=backend) for draft in drafts]
 
 
 # ---------------------------------------------------------------------------- verification

@@ -190,8 +190,9 @@ class TargetModel:
         return cache
 
     def _call(self, ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-              taps: tuple[int, ...], logits_to_keep: int = 0):
-        kwargs = {self.cache_kwarg: self.cache}
+              taps: tuple[int, ...], logits_to_keep: int = 0, cache=None):
+        """One model call over ``self.cache`` (or ``cache``, a batch's: treespec/batch_target.py)."""
+        kwargs = {self.cache_kwarg: self.cache if cache is None else cache}
         return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                           output_hidden_states=bool(taps), logits_to_keep=logits_to_keep, **kwargs)
 

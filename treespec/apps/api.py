@@ -10,7 +10,10 @@ Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample`
 
 * ``model``: a local model directory, a transformers causal LM, or a `TargetModel`.
 * ``prompt``: a string (tokenized with the model directory's tokenizer, or ``tokenizer=``), or
-  token ids ([P] / [1, P] tensor or a list of ints).
+  token ids ([P] / [1, P] tensor or a list of ints).  A list of prompts (strings, tensors or lists
+  of ints) is decoded as one batch (`treespec.batch_decoding.BatchDecoder`: one target forward per
+  round for all of them) and gives a list of outputs, each equal to that prompt's own ``generate``
+  with the same arguments (``seed`` seeds each row's generator alike).
 * ``drafter``: None (autoregressive decoding), a `Drafter`, a registered drafter name (built with
   ``drafter_kwargs``), or a local DFlash / Domino checkpoint directory.
 * ``policy``: a `TreePolicy` or a registered name, built with ``budget`` (when given) and
@@ -37,6 +40,7 @@ import attrs
 import torch
 
 from treespec import registry
+from treespec.batch_decoding import BatchDecoder
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, TreePolicy, Verifier
 from treespec.stats import GenerationStats
@@ -153,6 +157,12 @@ def _temperature(do_sample: bool, temperature: float) -> float:
     return temperature
 
 
+def _is_batch(prompt: Any) -> bool:
+    """A list or tuple of prompts (strings, tensors, lists of ints), not one prompt of token ids."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
+        isinstance(p, (str, torch.Tensor, list, tuple)) for p in prompt)
+
+
 def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torch.Tensor | Iterable[int], *,
              drafter: Drafter | PathLike | None = None, policy: TreePolicy | str = "ddtree",
              budget: int | None = None, verifier: Verifier | str = "match", max_new_tokens: int = 128,
@@ -161,19 +171,26 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
              seed: int | None = None, tokenizer: Any = None, dtype: torch.dtype | str = "auto",
              device: str | torch.device = "cpu", backend: str = "torch", position_keyed: bool = True,
              drafter_kwargs: dict[str, Any] | None = None,
-             policy_kwargs: dict[str, Any] | None = None) -> GenerateOutput:
-    """Generate a continuation of ``prompt`` (see the module docstring for every argument)."""
+             policy_kwargs: dict[str, Any] | None = None) -> GenerateOutput | list[GenerateOutput]:
+    """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring)."""
+    batch = _is_batch(prompt)
+    prompts = list(prompt) if batch else [prompt]
     target = load_target(model, dtype=dtype, device=device)
-    tokenizer = _tokenizer(model, tokenizer, needed=isinstance(prompt, str))
+    tokenizer = _tokenizer(model, tokenizer, needed=any(isinstance(p, str) for p in prompts))
     draft_model = load_drafter(drafter, **(drafter_kwargs or {}))
     tree_policy = _policy(policy, budget, policy_kwargs or {}, target, draft_model) if draft_model is not None else None
     checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
-    decoder = SpeculativeDecoder(target, draft_model, tree_policy, checker)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     stops = _stop_ids(stop_token_ids if stop_token_ids is not None else eos_token_id, tokenizer, target)
-    result = decoder.generate(_input_ids(prompt, tokenizer), max_new_tokens=max_new_tokens,
-                              temperature=_temperature(do_sample, temperature), top_k=top_k, top_p=top_p,
-                              stop_token_ids=stops, generator=generator, backend=backend,
-                              position_keyed=position_keyed)
-    text = tokenizer.decode(result.tokens.tolist(), skip_special_tokens=True) if tokenizer is not None else None
-    return GenerateOutput(result.tokens, text, result.stats)
+    options = {"max_new_tokens": max_new_tokens, "temperature": _temperature(do_sample, temperature), "top_k": top_k,
+               "top_p": top_p, "stop_token_ids": stops, "backend": backend, "position_keyed": position_keyed}
+    ids = [_input_ids(p, tokenizer) for p in prompts]
+    if batch:
+        generators = [torch.Generator().manual_seed(seed) if seed is not None else None for _ in ids]
+        results = BatchDecoder(target, draft_model, tree_policy, checker).generate(ids, generators=generators, **options)
+    else:
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        results = [SpeculativeDecoder(target, draft_model, tree_policy, checker).generate(ids[0], generator=generator,
+                                                                                        **options)]
+    outputs = [GenerateOutput(r.tokens, tokenizer.decode(r.tokens.tolist(), skip_special_tokens=True)
+                              if tokenizer is not None else None, r.stats) for r in results]
+    return outputs if batch else outputs[0]

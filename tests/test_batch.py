@@ -1,0 +1,252 @@
+"""Batched decoding: S sequences per forward, each with its own tree, every row its own output.
+
+* `TreeBatch`: the padded mask, positions and slices equal each tree's own (hypothesis).
+* `BatchTarget`: every sequence's logits and taps equal a single-sequence `TargetModel`'s, round
+  after round of ragged commits, and finished sequences leave the cache.
+* Drafters: ``draft_batch`` over forks equals each fork drafting alone (DFlash, Domino).
+* Policies: ``build_batch`` equals one ``build`` per draft, bit for bit, both backends.
+* `BatchDecoder`: every row's output equals that prompt's own AR output and its own single-sequence
+  speculative run, for every registered policy, S in {1, 2, 5}, float64 tiny Qwen3 and Llama, mixed
+  prompt lengths and budgets, and stop tokens hit in different rounds; at T > 0 with
+  position-keyed sampling, each row equals the single run with the same generator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_drafters_support import tiny_config
+from test_lossless import ORACLE, PAYING, arm_id, arms
+from test_policies import marginal_draft, toy_draft
+from test_target import random_tree, tiny_model
+
+import treespec
+from drafters.dflash import DFlashDrafter
+from drafters.domino import DominoDrafter
+from drafters.oracle import OracleDrafter
+from treespec import registry
+from treespec.batch import TreeBatch
+from treespec.batch_decoding import BatchDecoder
+from treespec.batch_target import BatchTarget
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import DraftContext
+from treespec.target import TargetModel
+
+VOCAB = 96
+TAPS = (0, 2)
+
+
+def prompts_of(lengths, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request) -> TargetModel:
+    return TargetModel(tiny_model(request.param, vocab=VOCAB, hidden=32, layers=2, seed=5))
+
+
+# ---------------------------------------------------------------------------- the packed trees
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(0, 2**31))
+def test_the_padded_mask_positions_and_slices_are_each_trees_own(sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(1, n, 50, gen) for n in sizes]
+    lengths = torch.randint(0, 7, (len(trees),), generator=gen).tolist()
+    width = max(lengths) + int(torch.randint(0, 3, (), generator=gen))
+    batch = TreeBatch(trees)
+    mask, positions = batch.attention_mask(lengths, width), batch.position_ids(lengths)
+    lowest = torch.finfo(torch.float32).min
+    for s, (tree, n, length) in enumerate(zip(trees, sizes, lengths, strict=True)):
+        own = tree.attention_mask(length)[0, 0]  # [n, length + n]
+        assert torch.equal(mask[s, 0, :n, :length], own[:, :length])
+        assert bool((mask[s, 0, :n, length:width] == lowest).all())  # the padded cache stays hidden
+        assert torch.equal(mask[s, 0, :n, width:width + n], own[:, length:])
+        pad = mask[s, 0, n:]  # a padding node sees itself only
+        assert all(int((row == 0).sum()) == 1 and row[width + n + i] == 0 for i, row in enumerate(pad))
+        assert torch.equal(positions[s, :n], tree.position_ids(length)[0])
+        assert torch.equal(batch.tokens[s, :n], tree.tokens)
+    assert [t.tolist() for t in batch.split(batch.tokens)] == [t.tokens.tolist() for t in trees]
+    block = batch.block_mask()
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    for tree, start, n in zip(trees, starts, sizes, strict=True):
+        assert torch.equal(block[start:start + n, start:start + n], tree.ancestor_mask)
+    assert int(block.sum()) == sum(int(t.ancestor_mask.sum()) for t in trees)
+
+
+def test_a_batch_refuses_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="at least one tree"):
+        TreeBatch([])
+    batch = TreeBatch([random_tree(1, 3, 9, torch.Generator().manual_seed(0))])
+    with pytest.raises(ValueError, match="2 cache lengths for a batch of 1"):
+        batch.position_ids([0, 1])
+    with pytest.raises(ValueError, match="exceeds the cache width"):
+        batch.attention_mask([5], 4)
+
+
+# ---------------------------------------------------------------------------- the target
+def test_every_sequence_of_a_batch_forward_equals_its_own_forward(target):
+    prompts = prompts_of((5, 1, 9, 3))
+    gen = torch.Generator().manual_seed(2)
+    batch = BatchTarget(target)
+    features = batch.prefill(prompts, TAPS)
+    singles = [TargetModel(target.model) for _ in prompts]
+    for single, prompt, feats in zip(singles, prompts, features, strict=True):
+        own = single.prefill(prompt[:-1], TAPS).features
+        assert feats.shape == own.shape and torch.allclose(feats, own, rtol=0, atol=1e-12)
+    roots = [int(p[-1]) for p in prompts]
+    for _ in range(4):  # ragged rounds: trees of other sizes, paths of other lengths
+        trees = [random_tree(root, int(torch.randint(1, 9, (), generator=gen)), VOCAB, gen) for root in roots]
+        outs = batch.forward_trees(TreeBatch(trees), TAPS)
+        accepted = []
+        for single, tree, out in zip(singles, trees, outs, strict=True):
+            own = single.forward_tree(tree, TAPS)
+            assert torch.allclose(out.logits, own.logits, rtol=0, atol=1e-12)
+            assert torch.allclose(out.features, own.features, rtol=0, atol=1e-12)
+            node = int(torch.randint(0, len(tree), (), generator=gen))
+            accepted.append(torch.tensor(tree.path(node)))
+            single.commit(accepted[-1])
+        batch.commit(accepted)
+        assert batch.lengths == [s.length for s in singles]
+        roots = [int(torch.randint(0, VOCAB, (), generator=gen)) for _ in roots]
+    batch.keep([3, 1])  # two sequences finish: the others go on
+    trees = [random_tree(root, 4, VOCAB, gen) for root in (roots[3], roots[1])]
+    outs = batch.forward_trees(TreeBatch(trees))
+    for i, tree, out in zip((3, 1), trees, outs, strict=True):
+        assert torch.allclose(out.logits, singles[i].forward_tree(tree).logits, rtol=0, atol=1e-12)
+
+
+def test_the_batch_target_refuses_mismatched_calls(target):
+    batch = BatchTarget(target)
+    with pytest.raises(RuntimeError, match="before prefill"):
+        batch.forward_trees(TreeBatch([random_tree(1, 2, VOCAB, torch.Generator())]))
+    batch.prefill(prompts_of((3, 4)))
+    with pytest.raises(ValueError, match="1 trees for 2 sequences"):
+        batch.forward_trees(TreeBatch([random_tree(1, 2, VOCAB, torch.Generator())]))
+    trees = TreeBatch([random_tree(1, 2, VOCAB, torch.Generator()) for _ in range(2)])
+    batch.forward_trees(trees)
+    with pytest.raises(ValueError, match="sequence 1: accepted node 5 was not in its tree"):
+        batch.commit([torch.tensor([0]), torch.tensor([0, 5])])
+    with pytest.raises(ValueError, match="must start with the root"):
+        batch.commit([torch.tensor([1]), torch.tensor([0])])
+
+
+# ---------------------------------------------------------------------------- drafters and policies
+@pytest.mark.parametrize("cls", [DFlashDrafter, DominoDrafter])
+def test_a_batched_block_forward_equals_each_fork_drafting_alone(target, cls):
+    config = tiny_config(domino=cls is DominoDrafter, vocab=VOCAB, hidden=32, num_target_layers=2, layer_ids=(0, 1),
+                         block_size=5)
+    drafter = cls.random(config, dtype=torch.float64, seed=1)
+    drafter.bind(target)
+    contexts = []
+    for prompt in prompts_of((6, 1, 11)):
+        contexts.append(DraftContext(prompt, target.prefill(prompt[:-1], drafter.tap_layers).features, 0))
+    batched = drafter.draft_batch([drafter.fork() for _ in contexts], contexts)
+    for ctx, out in zip(contexts, batched, strict=True):
+        alone = drafter.fork().draft(ctx)
+        assert torch.allclose(out.logprobs, alone.logprobs, rtol=0, atol=1e-12) and out.position == alone.position
+        if cls is DominoDrafter:
+            a, b = (o.scorer.expand(o.scorer.root_state()[None], 1, top_m=8, k=3) for o in (out, alone))
+            assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "networkx"])
+@pytest.mark.parametrize("name", registry.available("policy"))
+def test_build_batch_equals_one_build_per_draft(name, backend):
+    cls = registry.resolve("policy", name)
+    policy = cls(budget=24, **({"cost_model": PAYING} if cls.uses_cost_model else {}))
+    if cls.uses_scorer == "required":
+        drafts = [toy_draft(seed, vocab_size=300, depth=5) for seed in range(3)]
+    else:
+        drafts = [marginal_draft(6, 700, seed, quantum=0.5 if seed % 2 else None) for seed in range(4)]
+    for tree, draft in zip(policy.build_batch(drafts, backend=backend), drafts, strict=True):
+        assert tree.equal(policy.build(draft, backend=backend))
+
+
+# ---------------------------------------------------------------------------- the decoding loop
+def make_policy(name: str, budget: int = 16):
+    cls = registry.resolve("policy", name)
+    return cls(budget=budget, **({"cost_model": PAYING} if cls.uses_cost_model else {}))
+
+
+def stop_token(ar_tokens: list[list[int]]) -> int:
+    """A token at which the answers end after the most different lengths (some early, some late or never)."""
+    def ends(token: int) -> tuple[int, ...]:
+        return tuple(t.index(token) + 1 if token in t else len(t) for t in ar_tokens)
+
+    return max({x for t in ar_tokens for x in t}, key=lambda token: (len(set(ends(token))), min(ends(token)), -token))
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+@pytest.mark.parametrize("arm", arms(), ids=arm_id)
+def test_every_row_equals_its_own_ar_and_single_run(target, arm, size):
+    name, conditional = arm
+    prompts = prompts_of((7, 1, 12, 3, 9)[:size], seed=size)
+    budgets = [24, 17, 30, 9, 24][:size]
+    ar = [SpeculativeDecoder(target).generate(p, max_new_tokens=n, stop_token_ids=()).tokens.tolist()
+          for p, n in zip(prompts, budgets, strict=True)]
+    stops = [stop_token(ar)] if size > 1 else []
+    expected = [next((t[:i + 1] for i, x in enumerate(t) if x in stops), t) for t in ar]  # each cut at its stop
+    decoder = BatchDecoder(target, OracleDrafter(ORACLE, conditional=conditional), make_policy(name))
+    out = decoder.generate(prompts, max_new_tokens=budgets, stop_token_ids=stops)
+    assert [o.tokens.tolist() for o in out] == expected
+    single = SpeculativeDecoder(target, OracleDrafter(ORACLE, conditional=conditional), make_policy(name))
+    for prompt, n, o in zip(prompts, budgets, out, strict=True):
+        single.gate.reset()
+        alone = single.generate(prompt, max_new_tokens=n, stop_token_ids=stops)
+        assert alone.tokens.tolist() == o.tokens.tolist() and alone.stats.taus == o.stats.taus
+    if size > 1:
+        assert len({len(t) for t in expected}) > 1  # sequences really left the batch in different rounds
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dominotree", "chain"])
+def test_position_keyed_sampling_gives_each_row_its_single_run(target, method):
+    prompts, conditional = prompts_of((4, 10, 2), seed=7), method == "dominotree"
+    seeds = (11, 12, 13)
+    decoder = BatchDecoder(target, OracleDrafter(ORACLE, conditional=conditional), make_policy(method))
+    out = decoder.generate(prompts, max_new_tokens=20, temperature=1.0, stop_token_ids=(),
+                           generators=[torch.Generator().manual_seed(s) for s in seeds])
+    for prompt, seed, o in zip(prompts, seeds, out, strict=True):
+        ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=20, temperature=1.0, stop_token_ids=(),
+                                                 generator=torch.Generator().manual_seed(seed))
+        assert o.tokens.tolist() == ar.tokens.tolist()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_block_drafters_decode_batches_losslessly(target, kind):
+    cls = DFlashDrafter if kind == "dflash" else DominoDrafter
+    config = tiny_config(domino=kind == "domino", vocab=VOCAB, hidden=32, num_target_layers=2, layer_ids=(0, 1),
+                         block_size=5)
+    drafter = cls.random(config, dtype=torch.float64, seed=3)
+    policy = make_policy("dominotree" if kind == "domino" else "ddtree")
+    prompts = prompts_of((5, 2, 13), seed=3)
+    out = BatchDecoder(target, drafter, policy).generate(prompts, max_new_tokens=16, stop_token_ids=())
+    for prompt, o in zip(prompts, out, strict=True):
+        assert o.tokens.tolist() == SpeculativeDecoder(target).generate(prompt, max_new_tokens=16,
+                                                                        stop_token_ids=()).tokens.tolist()
+
+
+def test_generate_takes_a_list_of_prompts(target):
+    prompts = [p.tolist() for p in prompts_of((3, 8), seed=9)]
+    drafter = OracleDrafter(ORACLE)
+    together = treespec.generate(target, prompts, drafter=drafter, policy="ddtree", max_new_tokens=12,
+                                 stop_token_ids=[])
+    assert isinstance(together, list) and len(together) == 2
+    for prompt, out in zip(prompts, together, strict=True):
+        alone = treespec.generate(target, prompt, drafter=drafter, policy="ddtree", max_new_tokens=12,
+                                  stop_token_ids=[])
+        assert out.tokens.tolist() == alone.tokens.tolist()
+
+
+def test_the_batch_decoder_refuses_bad_requests(target):
+    decoder = BatchDecoder(target)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        decoder.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="2 prompts need as many max_new_tokens"):
+        decoder.generate(prompts_of((3, 4)), max_new_tokens=[4])
+    with pytest.raises(ValueError, match="prompt 1: max_new_tokens must be >= 1"):
+        decoder.generate(prompts_of((3, 4)), max_new_tokens=[4, 0])
+    with pytest.raises(ValueError, match=r"prompt 0: token ids must lie in \[0, 96\)"):
+        decoder.generate([torch.tensor([1, 500])], max_new_tokens=4)
