@@ -250,3 +250,25 @@ def test_the_batch_decoder_refuses_bad_requests(target):
         decoder.generate(prompts_of((3, 4)), max_new_tokens=[4, 0])
     with pytest.raises(ValueError, match=r"prompt 0: token ids must lie in \[0, 96\)"):
         decoder.generate([torch.tensor([1, 500])], max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------- the bench at batch size S
+def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path):
+    import attrs
+    from test_bench_runner import CONFIG, TIMES, make_harness, prompt_files
+
+    import treespec.apps.bench as ab
+
+    config = attrs.evolve(CONFIG, datasets=prompt_files(tmp_path), methods=("ar", "ddtree", "dominotree"))
+    outs = {}
+    for size in (1, 3):
+        out = tmp_path / f"s{size}"
+        ab.run_shard(attrs.evolve(config, batch_size=size), make_harness(), out, progress=False)
+        ab.merge_shards(out)
+        ab.write_report(out, resamples=20)
+        outs[size] = list(ab.read_records(out / ab.RECORDS))
+        assert ab.read_divergences(out / ab.DIVERGENCES) == []  # every method equals AR, batched or not
+    strip = lambda r: {k: v for k, v in attrs.asdict(r).items() if k not in (*TIMES, "batch_size")}  # noqa: E731
+    assert [strip(r) for r in outs[3]] == [strip(r) for r in outs[1]]  # same turns, tokens, taus and seeds
+    assert {r.batch_size for r in outs[1]} == {1} and max(r.batch_size for r in outs[3]) == 3
+    assert all(r.decode_time > 0 and r.stage_times["verify"] > 0 for r in outs[3])  # shares of measured batch times

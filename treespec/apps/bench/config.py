@@ -51,6 +51,7 @@ class BenchConfig:
     stop_at_eos: bool = True  # stop responses at the tokenizer's EOS (False: always max_new_tokens)
     enable_thinking: bool = False  # the Qwen3 chat template's thinking switch (off, as published)
     first_token: str = "round"  # "prefill": the first token from the prefill, τ counted as the papers count it
+    batch_size: int = 1  # prompt turns decoded together per method (> 1: throughput over the batch)
 
     def __attrs_post_init__(self) -> None:
         _check_positive(prompts=self.prompts, max_new_tokens=self.max_new_tokens)
@@ -64,6 +65,10 @@ class BenchConfig:
             raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
         if self.first_token not in ("round", "prefill"):
             raise ValueError(f"first_token must be 'round' or 'prefill', got {self.first_token!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size > 1 and self.first_token != "round":
+            raise ValueError("batched runs count the first token from the first round (first_token='round')")
 
 
 def _check_positive(**values: int) -> None:

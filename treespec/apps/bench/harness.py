@@ -20,6 +20,7 @@ import torch
 from treespec.apps.datasets import encode_chat
 from treespec.apps.methods import Method, build_policy, policy_class
 from treespec.cost import CostModel
+from treespec.batch_decoding import BatchDecoder
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter
 from treespec.profile import CostProfile, machine_profile
@@ -62,6 +63,13 @@ class Harness:
     def decoders(self, methods: Sequence[Method]) -> dict[str, SpeculativeDecoder]:
         """One decoder per method over the shared target (AR: no drafter, no policy)."""
         return {m.name: self._decoder(m) for m in methods}
+
+    def batch_decoders(self, methods: Sequence[Method]) -> dict[str, BatchDecoder]:
+        """One batched decoder per method, with the same drafter and policy as `decoders` gives."""
+        out = {}
+        for name, single in self.decoders(methods).items():
+            out[name] = BatchDecoder(self.target, single.drafter, single.policy, single.verifier)
+        return out
 
     def machine_profile(self) -> CostProfile:
         """This machine's cost profile of the target and every loaded drafter."""

@@ -41,6 +41,7 @@ class BenchRecord:
     prefill_time: float  # seconds
     stage_times: dict[str, float]  # seconds per stage, summed over rounds
     hash: str = ""  # output_hash(tokens); filled in when empty
+    batch_size: int = 1  # sequences decoded together (> 1: the times are this response's share of its batch's)
 
     def __attrs_post_init__(self) -> None:
         if not self.hash:

@@ -129,14 +129,13 @@ def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard:
     rec_path, div_path = shard_paths(out_dir, shard.rank)
     done = resume_shard(rec_path, div_path, mine, config.temperatures, [m.name for m in methods])
     todo = [(p, t) for p in mine for t in config.temperatures if (p.dataset, p.id, t) not in done]
-    runner = _Runner(config, harness, methods)
+    runner = _runner(config, harness, methods)
     if todo:
         runner.warm_up(todo[0][0])
     total = sum(len(p.turns) for p, _ in todo)
     with open(rec_path, "a") as rec_fh, open(div_path, "a") as div_fh, \
             tqdm(total=total, disable=not progress, unit="turn", desc=f"bench rank {shard.rank}") as bar:
-        for prompt, temperature in todo:
-            finished = list(runner.conversation(prompt, temperature))  # a conversation is the unit of resumption
+        for finished in _measured(runner, todo, config.batch_size):  # a conversation is the unit of resumption
             for records, divergences in finished:
                 write_jsonl(div_fh, divergences)  # divergences first: a conversation counts once its records do
                 write_jsonl(rec_fh, records)
@@ -144,6 +143,28 @@ def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard:
     for line in runner.skipped:
         print(f"treespec bench: skipped (context window) {line}", file=sys.stderr)
     return rec_path
+
+
+def _runner(config: BenchConfig, harness: Harness, methods: list[Method]) -> _Runner:
+    if config.batch_size == 1:
+        return _Runner(config, harness, methods)
+    from treespec.apps.bench.batched import BatchRunner
+
+    return BatchRunner(config, harness, methods)
+
+
+def _measured(runner: _Runner, todo: Sequence[tuple[PromptRecord, float]], batch_size: int) -> Iterator[list]:
+    """Each conversation's (records, divergences) per turn, one conversation or one batch at a time."""
+    if batch_size == 1:
+        for prompt, temperature in todo:
+            yield list(runner.conversation(prompt, temperature))
+        return
+    by_temperature: dict[float, list[PromptRecord]] = {}
+    for prompt, temperature in todo:
+        by_temperature.setdefault(temperature, []).append(prompt)
+    for temperature, prompts in by_temperature.items():
+        for start in range(0, len(prompts), batch_size):
+            yield from runner.conversations(prompts[start:start + batch_size], temperature)
 
 
 def _complete_lines(path: Path) -> list[str]:
