@@ -11,9 +11,9 @@ candidate set of a top-M correction.  Policies, drafters and trace replay all se
 these functions.
 
 ``order_key`` turns float32 values into int64 keys whose ascending order is the value-descending
-order with ties by a given index: the IEEE bits of x, made monotone in x (negative values
-mirrored, so -0.0 and +0.0 share one key), are negated into the high half and the index fills the
-low half.  ``reference_topk`` is the obviously-correct version (one stable sort), used by the
+order with ties by a given index: the high half is -x (computed as 0 - x, so -0.0 and +0.0 meet)
+with its IEEE bits made an order-preserving signed integer (the magnitude bits of a negative
+float flipped), the low half is the index.  ``reference_topk`` is the obviously-correct version (one stable sort), used by the
 networkx reference backend and by tests.
 """
 
@@ -33,9 +33,12 @@ def order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
     ``values`` must be float32 and never NaN; any sign, infinities included.
     """
-    bits = values.contiguous().view(torch.int32).to(torch.int64)
-    monotone = torch.where(bits < 0, -(bits & _ABS_BITS), bits)  # increases with the value
-    return (-monotone << 32) | index
+    bits = (0.0 - values).view(torch.int32)  # ascending in -x is descending in x; 0 - (-0.0) = +0.0
+    key = ((bits >> 31) & _ABS_BITS).bitwise_xor_(bits)  # int32 in the float order of -x
+    key = key.to(torch.int64)
+    key <<= 32
+    key |= index
+    return key
 
 
 def _dense_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
