@@ -106,14 +106,15 @@ def table(results: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------- the two layouts
 def layouts(args: argparse.Namespace) -> None:
-    """One verify forward of S trees of 17 nodes over caches of 64..512 tokens: padded vs ragged."""
+    """One verify forward of four trees of 17 nodes over caches of 32..1800 tokens: padded vs ragged."""
     from treespec.batch import TreeBatch
     from treespec.batch_target import BatchTarget
     from treespec.target import crop_cache
 
     target = load(args.dtype).target
     gen = torch.Generator().manual_seed(0)
-    for lengths in ((128, 128, 128, 128), (64, 128, 256, 512), (32, 32, 32, 480)):
+    for lengths in ((128, 128, 128, 128), (64, 128, 256, 512), (32, 32, 32, 480), (1024, 1024, 1024, 1024),
+                    (256, 512, 1024, 1800)):
         prompts = [torch.randint(0, 1000, (n + 1,), generator=gen) for n in lengths]
         trees = [_bushy(int(p[-1]), gen) for p in prompts]
         batch = BatchTarget(target)

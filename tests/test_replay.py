@@ -1,4 +1,4 @@
-"""Offline trace replay (treespec/apps/replay.py) against the live decoder, on tiny float64 models.
+"""Offline trace replay (treespec/apps/replay/) against the live decoder, on tiny float64 models.
 
 * For every policy arm (the chain over DFlash and over Domino, DDTree, CaDDTree, DominoTree,
   static-corrected) at several budgets, on several prompts: at every live round the tree built from
