@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
-from treespec.apps.replay import RECORD_PRESETS, Trace, evaluate, record_trace
+from treespec.apps.replay import RECORD_PRESETS, ReplayDrafts, Trace, evaluate, record_trace
 from treespec.apps.tiny import tiny_causal_lm
 from treespec.decoding import SpeculativeDecoder
 from treespec.target import TargetModel
@@ -147,7 +147,7 @@ def main() -> None:
     path = args.trace or Path(tempfile.mkdtemp()) / "trace.safetensors"
     _, save_s = timed(trace.save, path)
     trace, load_s = timed(Trace.load, path)
-    _, parts_s = timed(lambda: [trace.drafts(kind) for kind in trace.drafters])
+    _, parts_s = timed(lambda: [ReplayDrafts.of(trace, kind) for kind in trace.drafters])
     print(f"{name}: {len(prompts)} prompts x {args.max_new_tokens} tokens; record {record_s:.1f} s, save "
           f"{save_s:.2f} s, load {load_s:.2f} s + {parts_s:.2f} s; trace {path.stat().st_size / 2**20:.1f} MiB")
     print(f"{'method':<20} {'live s':>8} {'replay s':>8} {'ratio':>8} {'tau live':>8} {'replay':>8}   "

@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from drafters.config import spread_layers
 from treespec.target import select_taps
 
 __all__ = [
@@ -90,8 +91,6 @@ class TeacherRecord:
 
 def default_cache_layers(num_layers: int) -> tuple[int, ...]:
     """The evenly spread taps the training presets use, plus the target's last layer."""
-    from drafters.training import spread_layers
-
     return tuple(sorted(set(spread_layers(num_layers)) | {num_layers - 1}))
 
 

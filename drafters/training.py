@@ -45,7 +45,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafters.config import DFlashConfig, DominoHeadConfig
+from drafters.config import DFlashConfig, DominoHeadConfig, spread_layers
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
 from drafters.teacher import TeacherCache, TeacherRecord, TeacherSpec, live_record
@@ -115,12 +115,6 @@ def use_autocast(setting: bool | None, device: torch.device, target_config) -> b
 def decay_weights(depths: int, gamma: float) -> torch.Tensor:
     """[L] w_d = exp(-(d - 1) / gamma) for d = 1..L: early depths matter most for acceptance."""
     return torch.exp(-torch.arange(depths, dtype=torch.float32) / gamma)
-
-
-def spread_layers(num_target_layers: int, taps: int = 4) -> tuple[int, ...]:
-    """Evenly spread tap layers from layer 1 to the second-to-last (like the released drafters)."""
-    last = num_target_layers - 2
-    return tuple(sorted({round(1 + i * (last - 1) / (taps - 1)) for i in range(taps)}))
 
 
 def draft_config_for(target_config, cfg: TrainConfig, mask_token_id: int) -> DFlashConfig:

@@ -28,8 +28,8 @@ depths, node order and score bits.
 from __future__ import annotations
 
 import heapq
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from abc import abstractmethod
+from collections.abc import Sequence
 
 import attrs
 import networkx as nx
@@ -38,11 +38,12 @@ import torch
 
 from policies.frontier import Candidates, Mode, expand_frontier, resolve, resolve_batch
 from policies.sources import CandidateSource
+from policies.stop import StopRule
 from treespec.interfaces import BACKENDS, DraftOutput, TreePolicy
 from treespec.tree import DraftTree
 
 __all__ = [
-    "MAX_BUDGET", "BestFirstPolicy", "StopRule", "budget_field", "check_backend", "check_budget", "check_logprobs",
+    "MAX_BUDGET", "BestFirstPolicy", "budget_field", "check_backend", "check_budget", "check_logprobs",
     "grow_graph", "grow_reference",
 ]
 
@@ -80,25 +81,6 @@ def check_logprobs(draft: DraftOutput) -> None:
         raise ValueError(f"draft logprobs contain NaN (first at depth row {bad[0]}, token {bad[1]})")
     if worst > 0:
         raise ValueError(f"draft logprobs must be log-probabilities (<= 0); the largest is {float(worst)}")
-
-
-# ---------------------------------------------------------------------------- stop rules
-class StopRule(ABC):
-    """Ends a best-first build early.  It sees candidates in pop (canonical) order only."""
-
-    @abstractmethod
-    def reference(self, draft: DraftOutput, budget: int) -> Callable[[float], bool]:
-        """A fresh predicate for one build: called with each popped candidate's score, in pop
-        order; True means stop before adding that candidate."""
-
-    @abstractmethod
-    def keep(self, draft: DraftOutput, scores: torch.Tensor) -> torch.Tensor:
-        """0-dim int64: how many of the first candidates (scores [m], pop order) the rule keeps."""
-
-    def trim(self, draft: DraftOutput, scores: torch.Tensor) -> int:
-        """How many of the kept nodes (scores [k] float32, pop order) to return, decided once the
-        build has ended; both backends call it with the same scores.  Default: all of them."""
-        return scores.numel()
 
 
 # ---------------------------------------------------------------------------- the policy base

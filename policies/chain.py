@@ -17,13 +17,13 @@ import attrs
 
 from policies.best_first import (
     BestFirstPolicy,
-    StopRule,
     budget_field,
     check_budget,
     check_logprobs,
 )
 from policies.frontier import Candidates, TopTokens
 from policies.sources import ScorerSource
+from policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 
 __all__ = ["Chain"]

@@ -40,7 +40,7 @@ from typing import ClassVar, Literal
 import attrs
 import torch
 
-from policies.best_first import StopRule
+from policies.stop import StopRule
 from treespec.cost import (  # re-exported: the cost models' home is treespec.cost
     COST_PRESETS,
     ConvexCost,

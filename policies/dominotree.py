@@ -19,8 +19,9 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import BestFirstPolicy, StopRule, budget_field
+from policies.best_first import BestFirstPolicy, budget_field
 from policies.sources import ScorerSource
+from policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 
 __all__ = ["DominoTree", "require_scorer"]

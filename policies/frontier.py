@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import attrs
 import torch
 
 from policies.sources import CandidateSource, FactorizedSource, ScorerSource
+from policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 from treespec.reach import best_chain, reachable
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree
-
-if TYPE_CHECKING:
-    from policies.best_first import StopRule
 
 __all__ = ["MODES", "Candidates", "Mode", "TopTokens", "assemble", "expand_frontier", "frontier_selection", "resolve",
            "resolve_batch"]

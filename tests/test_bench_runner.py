@@ -283,7 +283,7 @@ def test_first_difference_counts_a_shorter_answer():
 def test_an_interrupted_run_resumes_to_the_uninterrupted_records(bench, tmp_path, monkeypatch, capsys):
     config, harness, out = bench
     calls = {"n": 0}
-    measure = ab.runner._Runner.measure
+    measure = ab.measure.Runner.measure
 
     def interrupted(self, turn):
         calls["n"] += 1
@@ -291,10 +291,10 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_records(bench, tmp_path
             raise KeyboardInterrupt
         return measure(self, turn)
 
-    monkeypatch.setattr(ab.runner._Runner, "measure", interrupted)
+    monkeypatch.setattr(ab.measure.Runner, "measure", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ab.run_shard(config, harness, tmp_path, progress=False)
-    monkeypatch.setattr(ab.runner._Runner, "measure", measure)
+    monkeypatch.setattr(ab.measure.Runner, "measure", measure)
     rec_path = ab.shard_paths(tmp_path, 0)[0]
     saved = list(read_records(rec_path))
     conversations = {(r.dataset, r.prompt_id, r.temperature) for r in saved}

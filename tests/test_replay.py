@@ -29,6 +29,7 @@ from treespec.apps.cli import main
 from treespec.apps.methods import build_policy, parse_method
 from treespec.apps.replay import (
     RecordConfig,
+    ReplayDrafts,
     Trace,
     TraceError,
     evaluate,
@@ -110,7 +111,7 @@ def compressed():
 def assert_replay_equals_live(world: World, method: str) -> list[tuple[int, ...]]:
     parsed = parse_method(method)
     policy = build_policy(parsed, COST)
-    drafts = world.trace.drafts(parsed.drafter)
+    drafts = ReplayDrafts.of(world.trace, parsed.drafter)
     live_taus, live_trees = world.live(method)
     for i, rounds in enumerate(live_trees):
         sequence, start = world.trace.sequences[i], world.prompts[i].numel() - 1
@@ -239,7 +240,7 @@ def test_a_scorer_replay_cannot_rebuild_is_refused_when_recording(small):
 
 
 def test_trees_reaching_unrecorded_tokens_fail(compressed):
-    drafts = compressed.trace.drafts("dflash")
+    drafts = ReplayDrafts.of(compressed.trace, "dflash")
     with pytest.raises(TraceError, match="did not record"):
         replay_prompt(compressed.trace, drafts, DeepRanks(), 0)
 

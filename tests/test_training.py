@@ -106,9 +106,9 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
+    from drafters.commands.train_drafter import export_drafter
     from drafters.domino import DominoDrafter
     from treespec.apps.api import load_drafter
-    from drafters.commands.train_drafter import export_drafter
 
     trainer = make(target, tmp_path, kind=kind)
     trainer.train(sequences(), until=2, progress=False)

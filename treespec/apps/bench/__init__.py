@@ -1,7 +1,8 @@
 """A/B benchmarking of methods: raw JSONL records, derived tables with paired intervals, plots.
 
 One module per job: `config` (what a run measures), `harness` (the target and drafters every
-method shares), `runner` (the measurements), `lossless` (every response against AR's), `outdir`
+method shares), `measure` (every method on one prompt turn), `batched` (S turns at a time),
+`runner` (a shard's run, resumable), `lossless` (every response against AR's), `outdir`
 (the output folder), `merge` (joining shards), `summary` (per-cell statistics), `report` (the
 derived files) and `plots`.  The names below are the public face.
 """

@@ -20,7 +20,7 @@ import torch
 from treespec.apps.bench.config import BenchConfig, pair_seed
 from treespec.apps.bench.harness import Harness
 from treespec.apps.bench.records import BenchRecord
-from treespec.apps.bench.runner import _Runner, _Turn
+from treespec.apps.bench.measure import Runner, Turn
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
 from treespec.apps.methods import Method
@@ -29,7 +29,7 @@ from treespec.target import ContextOverflowError
 __all__ = ["BatchRunner"]
 
 
-class BatchRunner(_Runner):
+class BatchRunner(Runner):
     """The measurements of one shard, S conversations at a time (see the module docstring)."""
 
     def __init__(self, config: BenchConfig, harness: Harness, methods: list[Method]) -> None:
@@ -76,15 +76,15 @@ class BatchRunner(_Runner):
                 answers[i].append(self.harness.chat.decode(row[AR].tokens))
         return [out[i] if i in alive else [] for i in range(len(prompts))]
 
-    def _turn(self, prompt: PromptRecord, t: int, temperature: float, answers: list[str]) -> _Turn:
+    def _turn(self, prompt: PromptRecord, t: int, temperature: float, answers: list[str]) -> Turn:
         ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
-        return _Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t, temperature))
+        return Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t, temperature))
 
-    def measure_batch(self, turns: Sequence[_Turn]) -> dict[str, list[BenchRecord]]:
+    def measure_batch(self, turns: Sequence[Turn]) -> dict[str, list[BenchRecord]]:
         """Every method on one batch of turns, AR first; method name -> one record per turn."""
         return {m.name: self._batch_records(m, turns) for m in self.methods}
 
-    def _batch_records(self, method: Method, turns: Sequence[_Turn]) -> list[BenchRecord]:
+    def _batch_records(self, method: Method, turns: Sequence[Turn]) -> list[BenchRecord]:
         temperature = turns[0].temperature
         results = self.batch_decoders[method.name].generate(
             [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,

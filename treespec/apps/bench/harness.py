@@ -19,8 +19,8 @@ import torch
 
 from treespec.apps.datasets import encode_chat
 from treespec.apps.methods import Method, build_policy, policy_class
-from treespec.cost import CostModel
 from treespec.batch_decoding import BatchDecoder
+from treespec.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter
 from treespec.profile import CostProfile, machine_profile

@@ -3,7 +3,8 @@
 Contract
 --------
 `run_shard(config, harness, out_dir, shard)` measures methods x prompt turns x temperatures over
-one `Harness` (bench/harness.py):
+one `Harness` (bench/harness.py), a conversation at a time (bench/measure.py) or, with
+``batch_size`` S > 1, S conversations at a time (bench/batched.py):
 
 * Methods come from `expand_methods` (bench/config.py); ``ar`` runs first in every cell.
 * Paired: every method sees the same prompt ids and a generator seeded with
@@ -27,94 +28,17 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import attrs
-import torch
-
-from treespec.apps.bench.config import BenchConfig, Shard, bench_prompts, expand_methods, pair_seed
+from treespec.apps.bench.batched import BatchRunner
+from treespec.apps.bench.config import BenchConfig, Shard, bench_prompts, expand_methods
 from treespec.apps.bench.harness import Harness
-from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_tolerance, write_jsonl
+from treespec.apps.bench.lossless import write_jsonl
+from treespec.apps.bench.measure import Runner
 from treespec.apps.bench.outdir import shard_paths
 from treespec.apps.bench.records import BenchRecord, write_records
-from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
 from treespec.apps.methods import Method
-from treespec.decoding import SpeculativeDecoder
-from treespec.target import ContextOverflowError
 
 __all__ = ["resume_shard", "run_shard"]
-
-
-@attrs.frozen
-class _Turn:
-    """One measured prompt turn at one temperature: what every method is given."""
-
-    prompt: PromptRecord
-    turn: int
-    temperature: float
-    ids: torch.Tensor  # [P] prompt ids, chat template applied
-    seed: int  # pair_seed of this turn
-
-
-class _Runner:
-    """The measurements of one shard: a decoder per method, and what happens on each prompt turn."""
-
-    def __init__(self, config: BenchConfig, harness: Harness, methods: list[Method]) -> None:
-        self.config, self.harness, self.methods = config, harness, methods
-        self.decoders = harness.decoders(methods)
-        self.stops = harness.chat.stop_ids if config.stop_at_eos else []
-        self.tolerance = resolve_tolerance(config, harness.target.dtype)
-        self.skipped: list[str] = []
-
-    def generate(self, name: str, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
-        return self.decoders[name].generate(
-            ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=self.stops,
-            generator=torch.Generator().manual_seed(seed), backend=self.config.backend,
-            first_token=self.config.first_token)
-
-    def warm_up(self, prompt: PromptRecord) -> None:
-        """One short untimed generation per method (first-call allocations, lazy imports, caches)."""
-        if self.config.warmup_tokens == 0:
-            return
-        ids = self.harness.chat.encode(prompt.turns[:1], [])
-        for m in self.methods:
-            self.generate(m.name, ids, self.config.warmup_tokens, 0.0, 0)
-
-    def measure(self, turn: _Turn) -> dict[str, BenchRecord]:
-        """Every method on one turn, AR first; method name -> record."""
-        return {m.name: self._record(m, turn) for m in self.methods}
-
-    def _record(self, method: Method, turn: _Turn) -> BenchRecord:
-        out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
-        s = out.stats
-        return BenchRecord(
-            method=method.name, policy=method.policy or AR, budget=method.budget or 0,
-            temperature=turn.temperature, dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn,
-            seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus, decode_time=s.decode_time,
-            prefill_time=s.prefill_time, stage_times=s.stage_totals())
-
-    def divergences(self, turn: _Turn, records: dict[str, BenchRecord]) -> list[Divergence]:
-        ar = records[AR]
-        found = (find_divergence(self.harness.target, turn.ids, ar, r, self.tolerance)
-                 for name, r in records.items() if name != AR)
-        return [d for d in found if d is not None]
-
-    def conversation(self, prompt: PromptRecord, temperature: float) -> Iterator[tuple[list, list]]:
-        """(records, divergences) per turn; turn t + 1 is asked after AR's answer to turn t."""
-        answers: list[str] = []
-        for decoder in self.decoders.values():  # each conversation on its own: records independent of
-            if isinstance(decoder, SpeculativeDecoder):  # the shard layout, resumption and prompt order
-                decoder.gate.reset()
-        for t in range(len(prompt.turns)):
-            ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
-            turn = _Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t,
-                                                                temperature))
-            try:
-                records = self.measure(turn)
-            except ContextOverflowError as exc:
-                self.skipped.append(f"{prompt.id} turn {t} T={temperature:g}: {exc}")
-                return
-            yield list(records.values()), self.divergences(turn, records)
-            answers.append(self.harness.chat.decode(records[AR].tokens))
 
 
 def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard: Shard = Shard(), *,
@@ -145,15 +69,11 @@ def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard:
     return rec_path
 
 
-def _runner(config: BenchConfig, harness: Harness, methods: list[Method]) -> _Runner:
-    if config.batch_size == 1:
-        return _Runner(config, harness, methods)
-    from treespec.apps.bench.batched import BatchRunner
-
-    return BatchRunner(config, harness, methods)
+def _runner(config: BenchConfig, harness: Harness, methods: list[Method]) -> Runner:
+    return Runner(config, harness, methods) if config.batch_size == 1 else BatchRunner(config, harness, methods)
 
 
-def _measured(runner: _Runner, todo: Sequence[tuple[PromptRecord, float]], batch_size: int) -> Iterator[list]:
+def _measured(runner: Runner, todo: Sequence[tuple[PromptRecord, float]], batch_size: int) -> Iterator[list]:
     """Each conversation's (records, divergences) per turn, one conversation or one batch at a time."""
     if batch_size == 1:
         for prompt, temperature in todo:

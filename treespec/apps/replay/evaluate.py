@@ -103,7 +103,7 @@ def _drafts_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts]) ->
         raise TraceError(f"method {method.name!r} needs the {method.drafter} drafter; the trace recorded "
                          f"{sorted(trace.drafters) or 'none'}")
     if method.drafter not in cache:
-        cache[method.drafter] = trace.drafts(method.drafter)
+        cache[method.drafter] = ReplayDrafts.of(trace, method.drafter)
     return cache[method.drafter]
 
 

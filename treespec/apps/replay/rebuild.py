@@ -2,7 +2,7 @@
 
 Contract
 --------
-``ReplayDrafts(record, meta).draft(index, anchor, position)`` returns anchor row ``index``'s draft:
+``ReplayDrafts.of(trace, kind).draft(index, anchor, position)`` returns anchor row ``index``'s draft:
 the recorded marginal tokens at their log-probs and -inf elsewhere, and, when the drafter's draft
 carried a `RecordableScorer`, that scorer rebuilt by its class's ``replayer`` (found in the
 registry by the recorded kind) from the round's tensors.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from treespec.apps.replay.trace import DrafterRecord, scorer_class
+from treespec.apps.replay.trace import DrafterRecord, Trace, TraceError, scorer_class
 from treespec.interfaces import DraftOutput
 
 __all__ = ["ReplayDrafts"]
@@ -20,6 +20,13 @@ __all__ = ["ReplayDrafts"]
 
 class ReplayDrafts:
     """Rebuilds the `DraftOutput` recorded at any anchor of one drafter."""
+
+    @classmethod
+    def of(cls, trace: Trace, kind: str) -> ReplayDrafts:
+        """The draft rebuilder of ``trace``'s drafter ``kind`` ("dflash", "domino")."""
+        if kind not in trace.drafters:
+            raise TraceError(f"the trace recorded no {kind} drafter; it has {sorted(trace.drafters) or 'none'}")
+        return cls(trace.drafters[kind], trace.meta["drafters"][kind])
 
     def __init__(self, record: DrafterRecord, meta: dict) -> None:
         self.record, self.meta = record, meta

@@ -15,16 +15,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from treespec import registry
 from treespec.interfaces import RecordableScorer
-
-if TYPE_CHECKING:
-    from treespec.apps.replay.rebuild import ReplayDrafts
 
 __all__ = ["FORMAT", "META_KEY", "VERSION", "DrafterRecord", "ScorerRecord", "Trace", "TraceError", "merge_traces",
            "scorer_class"]
@@ -77,14 +73,6 @@ class Trace:
     def anchor_index(self, prompt: int, committed: int) -> int:
         """Row of the anchor reached after ``committed`` generated tokens of ``prompt``."""
         return prompt * self.max_new_tokens + committed
-
-    def drafts(self, kind: str) -> ReplayDrafts:
-        """The draft rebuilder of drafter ``kind`` ("dflash", "domino")."""
-        from treespec.apps.replay.rebuild import ReplayDrafts
-
-        if kind not in self.drafters:
-            raise TraceError(f"the trace recorded no {kind} drafter; it has {sorted(self.drafters) or 'none'}")
-        return ReplayDrafts(self.drafters[kind], self.meta["drafters"][kind])
 
     def save(self, path: str | Path) -> Path:
         """Write one safetensors file (metadata as JSON in its header)."""

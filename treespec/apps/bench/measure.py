@@ -1,0 +1,103 @@
+"""The bench's measurements of one prompt turn: every method on it, paired, and its divergences from AR.
+
+Contract
+--------
+`Runner(config, harness, methods)` holds one decoder per method.  ``conversation(prompt, T)``
+measures every turn of one conversation, AR first; turn t + 1 is asked after AR's answer to turn t,
+so it is the same prompt for every method.  Each method's generator is seeded with the turn's
+``pair_seed``; every decoder's draft gate is reset at a conversation's start, so records do not
+depend on the shard layout, resumption or prompt order.  A turn that would overflow the context
+window ends its conversation (``skipped`` names it).  bench/batched.py measures S turns at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import torch
+
+from treespec.apps.bench.config import BenchConfig, pair_seed
+from treespec.apps.bench.harness import Harness
+from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_tolerance
+from treespec.apps.bench.records import BenchRecord
+from treespec.apps.bench.summary import AR
+from treespec.apps.datasets import PromptRecord
+from treespec.apps.methods import Method
+from treespec.decoding import SpeculativeDecoder
+from treespec.target import ContextOverflowError
+
+__all__ = ["Runner", "Turn"]
+
+
+@attrs.frozen
+class Turn:
+    """One measured prompt turn at one temperature: what every method is given."""
+
+    prompt: PromptRecord
+    turn: int
+    temperature: float
+    ids: torch.Tensor  # [P] prompt ids, chat template applied
+    seed: int  # pair_seed of this turn
+
+
+class Runner:
+    """The measurements of one shard: a decoder per method, and what happens on each prompt turn."""
+
+    def __init__(self, config: BenchConfig, harness: Harness, methods: list[Method]) -> None:
+        self.config, self.harness, self.methods = config, harness, methods
+        self.decoders = harness.decoders(methods)
+        self.stops = harness.chat.stop_ids if config.stop_at_eos else []
+        self.tolerance = resolve_tolerance(config, harness.target.dtype)
+        self.skipped: list[str] = []
+
+    def generate(self, name: str, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
+        return self.decoders[name].generate(
+            ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=self.stops,
+            generator=torch.Generator().manual_seed(seed), backend=self.config.backend,
+            first_token=self.config.first_token)
+
+    def warm_up(self, prompt: PromptRecord) -> None:
+        """One short untimed generation per method (first-call allocations, lazy imports, caches)."""
+        if self.config.warmup_tokens == 0:
+            return
+        ids = self.harness.chat.encode(prompt.turns[:1], [])
+        for m in self.methods:
+            self.generate(m.name, ids, self.config.warmup_tokens, 0.0, 0)
+
+    def measure(self, turn: Turn) -> dict[str, BenchRecord]:
+        """Every method on one turn, AR first; method name -> record."""
+        return {m.name: self._record(m, turn) for m in self.methods}
+
+    def _record(self, method: Method, turn: Turn) -> BenchRecord:
+        out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
+        s = out.stats
+        return BenchRecord(
+            method=method.name, policy=method.policy or AR, budget=method.budget or 0,
+            temperature=turn.temperature, dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn,
+            seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus, decode_time=s.decode_time,
+            prefill_time=s.prefill_time, stage_times=s.stage_totals())
+
+    def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:
+        ar = records[AR]
+        found = (find_divergence(self.harness.target, turn.ids, ar, r, self.tolerance)
+                 for name, r in records.items() if name != AR)
+        return [d for d in found if d is not None]
+
+    def conversation(self, prompt: PromptRecord, temperature: float) -> Iterator[tuple[list, list]]:
+        """(records, divergences) per turn; turn t + 1 is asked after AR's answer to turn t."""
+        answers: list[str] = []
+        for decoder in self.decoders.values():  # each conversation on its own: records independent of
+            if isinstance(decoder, SpeculativeDecoder):  # the shard layout, resumption and prompt order
+                decoder.gate.reset()
+        for t in range(len(prompt.turns)):
+            ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
+            turn = Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t,
+                                                                temperature))
+            try:
+                records = self.measure(turn)
+            except ContextOverflowError as exc:
+                self.skipped.append(f"{prompt.id} turn {t} T={temperature:g}: {exc}")
+                return
+            yield list(records.values()), self.divergences(turn, records)
+            answers.append(self.harness.chat.decode(records[AR].tokens))
