@@ -4,9 +4,10 @@ Contract
 --------
 ``exact_topk(values, k)`` returns, for every row of ``values`` [R, V] (no NaN), the k largest
 entries ordered by value descending, ties by column index ascending, and their column indices.
-The result is fully determined (``torch.topk`` alone leaves ties in an unspecified order).  Over
-float32 it uses fixed shapes only, so it can run inside a captured CUDA graph; other dtypes take
-one stable sort.  ``top_set(values, m)`` is the same selection as a set (ids ascending), the
+The result is fully determined (``torch.topk`` alone leaves ties in an unspecified order) and
+computed with fixed shapes only, so it can run inside a captured CUDA graph: large float32 inputs
+by int64 keys (`order_key`), small ones (at most 4,096 entries, where a sort is cheaper than
+building keys) and other dtypes by one stable sort.  ``top_set(values, m)`` is the same selection as a set (ids ascending), the
 candidate set of a top-M correction.  Policies, drafters and trace replay all select through
 these functions.
 
@@ -26,6 +27,7 @@ __all__ = ["exact_topk", "order_key", "reference_topk", "top_set"]
 _ABS_BITS = 0x7FFFFFFF  # clears the float32 sign bit
 _CHUNK = 64  # tokens per chunk in the two-stage selection
 _CHUNK_FACTOR = 8  # use chunks only when V >= _CHUNK_FACTOR * _CHUNK * k (else one dense pass)
+_SORT_MAX = 4096  # up to this many entries one stable sort beats building keys (measured on a CPU)
 
 
 def order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -79,7 +81,7 @@ def exact_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"exact_topk expects a [R, V] tensor, got shape {tuple(values.shape)}")
     if not 1 <= k <= values.shape[-1]:
         raise ValueError(f"k must be in 1..{values.shape[-1]}, got {k}")
-    if values.dtype != torch.float32:
+    if values.dtype != torch.float32 or values.numel() <= _SORT_MAX:
         return reference_topk(values, k)
     if values.shape[-1] >= _CHUNK_FACTOR * _CHUNK * k:
         return _chunked_topk(values, k)
