@@ -35,7 +35,16 @@ from treespec import registry
 from treespec.batch import TreeBatch
 from treespec.batch_target import BatchTarget
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, _generator_for, _Sequence, _Stopwatch, limit_depth
-from treespec.interfaces import BACKENDS, DraftContext, Drafter, DraftOutput, SamplingParams, TreePolicy, Verifier
+from treespec.interfaces import (
+    BACKENDS,
+    DraftContext,
+    Drafter,
+    DraftOutput,
+    SamplingParams,
+    TreePolicy,
+    Verifier,
+    VerifyResult,
+)
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel
@@ -54,6 +63,8 @@ class _Row:
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: GenerationStats = attrs.field(factory=GenerationStats)
+    draft: DraftOutput | None = None  # this round's draft (None: an AR round for this sequence)
+    tree: DraftTree | None = None  # this round's tree
 
 
 class BatchDecoder:
@@ -144,49 +155,52 @@ class BatchDecoder:
     def _round(self, batch: BatchTarget, rows: list[_Row], backend: str) -> None:
         clock = _Stopwatch(self.target.device)
         drafting = [r for r in rows if r.drafter is not None and r.gate.drafts_now()]
-        drafts = clock.run("draft", self._drafts, drafting)
-        trees = clock.run("build", self._trees, rows, drafts, backend)
-        outputs = clock.run("verify", batch.forward_trees, TreeBatch([trees[id(r)] for r in rows]), self.taps)
+        clock.run("draft", self._draft, rows, drafting)
+        clock.run("build", self._build, rows, backend)
+        outputs = clock.run("verify", batch.forward_trees, TreeBatch([r.tree for r in rows]), self.taps)
         start = clock.now()
-        results = [self.verifier.verify(trees[id(r)], out.logits, sampling=r.sampling, generator=r.generator,
-                                        position=r.seq.anchor_position + 1, draft=drafts.get(id(r)))
+        results = [self.verifier.verify(r.tree, out.logits, sampling=r.sampling, generator=r.generator,
+                                        position=r.seq.anchor_position + 1, draft=r.draft)
                    for r, out in zip(rows, outputs, strict=True)]
         clock.times["verify"] += clock.now() - start
         start = clock.now()
         batch.commit([res.accepted for res in results])
         for row, out, result in zip(rows, outputs, results, strict=True):
-            self._commit(row, trees[id(row)], result, out.features, id(row) in drafts)
+            self._commit(row, result, out.features)
         clock.times["commit"] = clock.now() - start
         for row, result in zip(rows, results, strict=True):
-            row.stats.rounds.append(RoundStats(tau=result.tau, tree_size=len(trees[id(row)]), times=dict(clock.times)))
+            row.stats.rounds.append(RoundStats(tau=result.tau, tree_size=len(row.tree), times=dict(clock.times)))
 
-    def _drafts(self, rows: list[_Row]) -> dict[int, DraftOutput]:
-        if not rows:
-            return {}
-        contexts = [DraftContext(r.seq.tokens[:r.seq.length], r.seq.features, r.seq.feature_start) for r in rows]
-        drafts = self.drafter.draft_batch([r.drafter for r in rows], contexts)
-        for draft in drafts:
+    def _draft(self, rows: list[_Row], drafting: list[_Row]) -> None:
+        """Each row's draft this round: from one ``draft_batch`` over the drafting rows, None for the others."""
+        for row in rows:
+            row.draft = None
+        if not drafting:
+            return
+        contexts = [DraftContext(r.seq.tokens[:r.seq.length], r.seq.features, r.seq.feature_start) for r in drafting]
+        for row, draft in zip(drafting, self.drafter.draft_batch([r.drafter for r in drafting], contexts), strict=True):
             if draft.vocab_size != self.target.vocab_size:
                 raise ValueError(f"the drafter's vocabulary ({draft.vocab_size}) differs from the target's "
                                  f"({self.target.vocab_size})")
-        return {id(r): d for r, d in zip(rows, drafts, strict=True)}
+            row.draft = draft
 
-    def _trees(self, rows: list[_Row], drafts: dict[int, DraftOutput], backend: str) -> dict[int, DraftTree]:
-        drafted = [r for r in rows if id(r) in drafts]
-        built = self.policy.build_batch([drafts[id(r)] for r in drafted], backend=backend) if drafted else []
-        trees = {id(r): DraftTree.root_only(int(r.seq.tokens[r.seq.length - 1]), device=self.target.device)
-                 for r in rows}
+    def _build(self, rows: list[_Row], backend: str) -> None:
+        """Each row's tree: the policy's for the drafting rows (one ``build_batch``), the root alone otherwise."""
+        drafted = [r for r in rows if r.draft is not None]
+        built = self.policy.build_batch([r.draft for r in drafted], backend=backend) if drafted else []
+        for row in rows:
+            row.tree = DraftTree.root_only(int(row.seq.tokens[row.seq.length - 1]), device=self.target.device)
         for row, tree in zip(drafted, built, strict=True):
             row.gate.record(len(tree))
             anchor = int(row.seq.tokens[row.seq.length - 1])
             if tree.root_token != anchor:
                 raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {anchor}")
             room = self.target.max_positions - 1 - row.seq.anchor_position
-            trees[id(row)] = limit_depth(tree, min(row.seq.remaining - 1, room))
-        return trees
+            row.tree = limit_depth(tree, min(row.seq.remaining - 1, room))
 
-    def _commit(self, row: _Row, tree: DraftTree, result, features: torch.Tensor | None, drafted: bool) -> None:
-        seq, accepted = row.seq, result.accepted.to(tree.device)
+    def _commit(self, row: _Row, result: VerifyResult, features: torch.Tensor | None) -> None:
+        seq, tree, drafted = row.seq, row.tree, row.draft is not None
+        accepted = result.accepted.to(tree.device)
         if features is not None:
             kept = features[accepted.to(features.device)]  # [tau, F], root first
             undrafted = not drafted and seq.features is not None  # taps since the last draft go on growing
