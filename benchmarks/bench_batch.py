@@ -147,13 +147,15 @@ def _ragged(target, prompts, trees):
     """Every sequence's cache in one row (prefilled under a block-diagonal causal mask) and a
     function running all trees' nodes at once under the block-diagonal tree mask."""
     from treespec.batch import TreeBatch
+    from treespec.tree import additive_mask
 
     heads = [p[:-1] for p in prompts]
     total = sum(h.numel() for h in heads)
     cache = target._new_cache()
     causal = torch.block_diag(*(torch.ones(h.numel(), h.numel()).tril() for h in heads)).bool()
     positions = torch.cat([torch.arange(h.numel()) for h in heads])[None]
-    target._call(torch.cat(heads)[None], _additive(causal, target.dtype), positions, (), logits_to_keep=1, cache=cache)
+    target._call(torch.cat(heads)[None], additive_mask(causal, target.dtype)[None, None], positions, (),
+                 logits_to_keep=1, cache=cache)
     batch = TreeBatch(trees)
     starts = torch.tensor([0] + [h.numel() for h in heads]).cumsum(0)
     sizes = [len(t) for t in trees]
@@ -162,15 +164,10 @@ def _ragged(target, prompts, trees):
     for s, n in enumerate(sizes):
         sees_prefix[row:row + n, starts[s]:starts[s + 1]] = True
         row += n
-    mask = _additive(torch.cat([sees_prefix, batch.block_mask()], dim=1), target.dtype)
+    mask = additive_mask(torch.cat([sees_prefix, batch.block_mask()], dim=1), target.dtype)[None, None]
     node_positions = torch.cat([t.depths + h.numel() for t, h in zip(trees, heads, strict=True)])[None]
     tokens = torch.cat([t.tokens for t in trees])[None]
     return cache, lambda: target._call(tokens, mask, node_positions, (), cache=cache)
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros(visible.shape, dtype=dtype)
-    return out.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
 
 
 def _median_ms(fn, repeats: int = 7) -> float:

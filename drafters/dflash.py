@@ -169,17 +169,13 @@ class DFlashDrafter(Drafter):
         z = self._batch_block_states(forks, anchors, positions)  # [S, B, H]
         rows = z[:, self.config.first_drafted_position:]  # [S, L, H]
         logits = self._head_logits(rows.flatten(0, 1)).unflatten(0, rows.shape[:2])  # [S, L, V] float32
-        return [DraftOutput(logprobs=torch.log_softmax(logits[s], dim=-1), root_token=anchors[s],
-                            position=positions[s], scorer=self._scorer(anchors[s], rows[s], logits[s]))
-                for s in range(len(forks))]
+        return [self._output(a, p, r, lg) for a, p, r, lg in zip(anchors, positions, rows, logits, strict=True)]
 
     def _batch_block_states(self, forks: Sequence[DFlashDrafter], anchors: Sequence[int],
                             positions: Sequence[int]) -> torch.Tensor:
         """Normed hidden states [S, B, H] of every fork's block, its context padded to the longest."""
         size, n = self.config.block_size, len(forks)
-        ids = torch.full((n, size), self.config.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[:, 0] = torch.tensor(list(anchors), device=self.device)
-        block = self._target.embed_tokens(ids).to(self.dtype)  # [S, B, H]
+        block = self._blocks(anchors)  # [S, B, H]
         starts = torch.tensor(list(positions), device=self.device)
         block_positions = starts[:, None] + torch.arange(size, device=self.device)  # [S, B]
         contexts = [fork._context() for fork in forks]  # per fork, per layer: keys/values [n_kv, T_s, d]
@@ -197,9 +193,12 @@ class DFlashDrafter(Drafter):
         position = self._extend_context(ctx)
         z = self._block_states(ctx.anchor, position)  # [B, H]
         rows = z[self.config.first_drafted_position:]  # [L, H]
-        logits = self._head_logits(rows)  # [L, V] float32
-        return DraftOutput(logprobs=torch.log_softmax(logits, dim=-1), root_token=ctx.anchor,
-                           position=position, scorer=self._scorer(ctx.anchor, rows, logits))
+        return self._output(ctx.anchor, position, rows, self._head_logits(rows))
+
+    def _output(self, anchor: int, position: int, rows: torch.Tensor, logits: torch.Tensor) -> DraftOutput:
+        """The draft of drafted rows ``rows`` [L, H] and their float32 head logits [L, V]."""
+        return DraftOutput(logprobs=torch.log_softmax(logits, dim=-1), root_token=anchor, position=position,
+                           scorer=self._scorer(anchor, rows, logits))
 
     def _scorer(self, anchor: int, rows: torch.Tensor, logits: torch.Tensor) -> ConditionalScorer | None:
         return None
@@ -238,12 +237,15 @@ class DFlashDrafter(Drafter):
 
     def _block_states(self, anchor: int, position: int) -> torch.Tensor:
         """Normed hidden states [B, H] of the block [anchor, mask, ...] at positions P..P+B-1."""
-        size = self.config.block_size
-        ids = torch.full((size,), self.config.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[0] = anchor
-        block = self._target.embed_tokens(ids).to(self.dtype)  # [B, H]
-        positions = torch.arange(position, position + size, device=self.device)
-        return self.model(block, positions, self._context())
+        positions = torch.arange(position, position + self.config.block_size, device=self.device)
+        return self.model(self._blocks([anchor])[0], positions, self._context())
+
+    def _blocks(self, anchors: Sequence[int]) -> torch.Tensor:
+        """[S, B, H] embeddings of the blocks [anchor, mask, ..., mask], one per anchor."""
+        ids = torch.full((len(anchors), self.config.block_size), self.config.mask_token_id, dtype=torch.int64,
+                         device=self.device)
+        ids[:, 0] = torch.tensor(list(anchors), device=self.device)
+        return self._target.embed_tokens(ids).to(self.dtype)
 
     def _context(self) -> list:
         """Per-layer context keys/values; empty ones when nothing precedes the anchor (a one-token prompt)."""

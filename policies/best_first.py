@@ -106,13 +106,13 @@ class BestFirstPolicy(TreePolicy):
             return [self.build(draft, backend=backend) for draft in drafts]
         for draft in drafts:
             self.validate(draft)
-        static = [draft.logprobs.device.type != "cpu" for draft in drafts]
-        budgets = [self.max_nodes(draft) for draft in drafts]
-        if len(set(static)) > 1:
+        kinds = {draft.logprobs.device.type for draft in drafts}
+        if len(kinds) > 1:
             raise ValueError("the drafts of one batch must share a device")
-        mode = "static" if static[0] else "compact"
-        sources = resolve_batch([self.candidates(draft) for draft in drafts], budgets, mode)
-        return [expand_frontier(draft, source, budget, self.stop, static=static[0])
+        static = kinds != {"cpu"}  # as `build_torch` chooses for one draft
+        budgets = [self.max_nodes(draft) for draft in drafts]
+        sources = resolve_batch([self.candidates(draft) for draft in drafts], budgets, "static" if static else "compact")
+        return [expand_frontier(draft, source, budget, self.stop, static=static)
                 for draft, source, budget in zip(drafts, sources, budgets, strict=True)]
 
     def build_graph(self, draft: DraftOutput) -> nx.DiGraph:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from treespec.tree import DraftTree
+from treespec.tree import DraftTree, additive_mask
 
 __all__ = ["TreeBatch"]
 
@@ -102,9 +102,7 @@ class TreeBatch:
         columns = torch.arange(width, device=self.device)
         real = torch.arange(self.width, device=self.device)[None, :] < torch.tensor(self.sizes, device=self.device)[:, None]
         sees_cache = (columns[None, None, :] < cached[:, None, None]) & real[:, :, None]  # [S, N_max, width]
-        visible = torch.cat([sees_cache, self._tree_visible], dim=-1)
-        out = torch.zeros(visible.shape, dtype=dtype, device=self.device)
-        return out.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+        return additive_mask(torch.cat([sees_cache, self._tree_visible], dim=-1), dtype)[:, None]
 
     def position_ids(self, lengths: Sequence[int]) -> torch.Tensor:
         """[S, N_max] absolute positions: ``lengths[s] + depth``."""

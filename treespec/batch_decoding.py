@@ -31,23 +31,25 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
-from treespec import registry
 from treespec.batch import TreeBatch
 from treespec.batch_target import BatchTarget
-from treespec.decoding import DRAFT_BACKOFF, DraftGate, _generator_for, _Sequence, _Stopwatch, limit_depth
-from treespec.interfaces import (
-    BACKENDS,
-    DraftContext,
-    Drafter,
-    DraftOutput,
-    SamplingParams,
-    TreePolicy,
-    Verifier,
-    VerifyResult,
+from treespec.decoding import (
+    DRAFT_BACKOFF,
+    DraftGate,
+    _generator_for,
+    _Sequence,
+    _Stopwatch,
+    check_backend,
+    check_request,
+    checked_draft,
+    checked_parts,
+    commit_round,
+    fitted_tree,
 )
+from treespec.interfaces import Drafter, DraftOutput, SamplingParams, TreePolicy, Verifier, VerifyResult
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
-from treespec.target import ContextOverflowError, TargetModel
+from treespec.target import TargetModel
 from treespec.tree import DraftTree
 
 __all__ = ["BatchDecoder"]
@@ -72,15 +74,8 @@ class BatchDecoder:
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None, *, draft_backoff: int = DRAFT_BACKOFF) -> None:
-        if (drafter is None) != (policy is None):
-            raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
-        if draft_backoff < 0:
-            raise ValueError(f"draft_backoff must be >= 0, got {draft_backoff}")
         self.target, self.drafter, self.policy = target, drafter, policy
-        self.verifier = verifier if verifier is not None else registry.create("verifier", "match")
-        if policy is not None and self.verifier.requires_sampled_tree and not policy.samples_from_draft:
-            raise ValueError(f"the {self.verifier.name} verifier as configured needs trees sampled from the draft; "
-                             f"the {policy.name} policy chooses its tokens deterministically")
+        self.verifier = checked_parts(drafter, policy, verifier, draft_backoff)
         self.draft_backoff = draft_backoff
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
@@ -119,8 +114,7 @@ class BatchDecoder:
     # ------------------------------------------------------------------ set-up
     def _start(self, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int], sampling: SamplingParams,
                stops: frozenset[int], generators: Sequence[torch.Generator | None] | None, backend: str) -> list[_Row]:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_backend(backend)
         if not prompts:
             raise ValueError("generate needs at least one prompt")
         budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -135,21 +129,12 @@ class BatchDecoder:
         prompt = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).to(self.target.device)
         if prompt.numel() == 0:
             raise ValueError(f"prompt {index} is empty")
-        if max_new_tokens < 1:
-            raise ValueError(f"prompt {index}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if int(prompt.max()) >= self.target.vocab_size or int(prompt.min()) < 0:
-            raise ValueError(f"prompt {index}: token ids must lie in [0, {self.target.vocab_size})")
-        if prompt.numel() + max_new_tokens > self.target.max_positions:
-            raise ContextOverflowError(f"prompt {index}: {prompt.numel()} tokens + max_new_tokens={max_new_tokens} "
-                                       f"exceeds the target's context of {self.target.max_positions} positions")
+        check_request(self.target, prompt, max_new_tokens, where=f"prompt {index}: ")
         generator = _generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # the key a single-sequence run draws first
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
-        buffer = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.int64, device=prompt.device)
-        buffer[:prompt.numel()] = prompt
         fork = None if self.drafter is None else self.drafter.fork()
-        seq = _Sequence(buffer, prompt.numel(), prompt.numel(), stops)
-        return _Row(seq, fork, DraftGate(self.draft_backoff), sampling, generator)
+        return _Row(_Sequence.start(prompt, max_new_tokens, stops), fork, DraftGate(self.draft_backoff), sampling, generator)
 
     # ------------------------------------------------------------------ one round
     def _round(self, batch: BatchTarget, rows: list[_Row], backend: str) -> None:
@@ -177,38 +162,23 @@ class BatchDecoder:
             row.draft = None
         if not drafting:
             return
-        contexts = [DraftContext(r.seq.tokens[:r.seq.length], r.seq.features, r.seq.feature_start) for r in drafting]
-        for row, draft in zip(drafting, self.drafter.draft_batch([r.drafter for r in drafting], contexts), strict=True):
-            if draft.vocab_size != self.target.vocab_size:
-                raise ValueError(f"the drafter's vocabulary ({draft.vocab_size}) differs from the target's "
-                                 f"({self.target.vocab_size})")
-            row.draft = draft
+        drafts = self.drafter.draft_batch([r.drafter for r in drafting], [r.seq.context() for r in drafting])
+        for row, draft in zip(drafting, drafts, strict=True):
+            row.draft = checked_draft(draft, self.target)
 
     def _build(self, rows: list[_Row], backend: str) -> None:
         """Each row's tree: the policy's for the drafting rows (one ``build_batch``), the root alone otherwise."""
         drafted = [r for r in rows if r.draft is not None]
         built = self.policy.build_batch([r.draft for r in drafted], backend=backend) if drafted else []
         for row in rows:
-            row.tree = DraftTree.root_only(int(row.seq.tokens[row.seq.length - 1]), device=self.target.device)
+            row.tree = DraftTree.root_only(row.seq.anchor, device=self.target.device)
         for row, tree in zip(drafted, built, strict=True):
             row.gate.record(len(tree))
-            anchor = int(row.seq.tokens[row.seq.length - 1])
-            if tree.root_token != anchor:
-                raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {anchor}")
-            room = self.target.max_positions - 1 - row.seq.anchor_position
-            row.tree = limit_depth(tree, min(row.seq.remaining - 1, room))
+            row.tree = fitted_tree(tree, row.seq, self.target)
 
     def _commit(self, row: _Row, result: VerifyResult, features: torch.Tensor | None) -> None:
-        seq, tree, drafted = row.seq, row.tree, row.draft is not None
-        accepted = result.accepted.to(tree.device)
-        if features is not None:
-            kept = features[accepted.to(features.device)]  # [tau, F], root first
-            undrafted = not drafted and seq.features is not None  # taps since the last draft go on growing
-            seq.features = torch.cat([seq.features, kept]) if undrafted else kept
-        if drafted or row.drafter is None:
-            seq.feature_start = seq.anchor_position
-        path_tokens = tree.tokens[accepted]
-        seq.append(path_tokens[1:].tolist() + [result.bonus_token])
+        drafted = row.draft is not None
+        path_tokens = commit_round(row.seq, row.tree, result, features, drafted, row.drafter is None)
         if drafted:
             row.drafter.observe(path_tokens)
 

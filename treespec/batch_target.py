@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from treespec.batch import TreeBatch
-from treespec.target import TargetModel, TargetOutput, crop_cache
+from treespec.target import TargetModel, TargetOutput, crop_cache, tap_features
+from treespec.tree import additive_mask
 
 __all__ = ["BatchTarget"]
 
@@ -74,18 +75,16 @@ class BatchTarget:
             ids[s, :head.numel()] = head
         out = self.target._call(ids, self._prefill_mask(width), torch.arange(width, device=self.device).expand(len(heads), -1),
                                 taps, logits_to_keep=1, cache=self.cache)
-        features = self._features(out, taps)
+        features = tap_features(out, taps)
         return [None if features is None else features[s, :n] for s, n in enumerate(self.lengths)]
 
     def _prefill_mask(self, width: int) -> torch.Tensor:
         """[S, 1, W, W] additive: causal within each prompt; a padding position sees itself only."""
-        dtype = self.target.dtype
         index = torch.arange(width, device=self.device)
         lengths = torch.tensor(self.lengths, device=self.device)[:, None, None]
         causal = (index[None, :, None] >= index[None, None, :]) & (index[None, None, :] < lengths)  # [S, W, W]
         visible = causal | torch.eye(width, dtype=torch.bool, device=self.device)[None]
-        out = torch.zeros(visible.shape, dtype=dtype, device=self.device)
-        return out.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+        return additive_mask(visible, self.target.dtype)[:, None]
 
     @torch.inference_mode()
     def forward_trees(self, batch: TreeBatch, taps: tuple[int, ...] = ()) -> list[TargetOutput]:
@@ -104,7 +103,7 @@ class BatchTarget:
         mask = batch.attention_mask(self.lengths, self.width(), self.target.dtype)
         out = self.target._call(batch.tokens.to(self.device), mask.to(self.device),
                                 batch.position_ids(self.lengths).to(self.device), taps, cache=self.cache)
-        features = self._features(out, taps)
+        features = tap_features(out, taps)
         logits = batch.split(out.logits)
         feats = [None] * len(batch) if features is None else batch.split(features)
         return [TargetOutput(lg, ft) for lg, ft in zip(logits, feats, strict=True)]
@@ -147,10 +146,3 @@ class BatchTarget:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
         crop_cache(self.cache, max(self.lengths))
-
-    # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _features(out, taps: tuple[int, ...]) -> torch.Tensor | None:
-        if not taps:
-            return None
-        return torch.cat([out.hidden_states[t] for t in taps], dim=-1)  # [S, n, len(taps) * H]

@@ -58,7 +58,8 @@ from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["DRAFT_BACKOFF", "DraftGate", "SpeculativeDecoder", "limit_depth"]
+__all__ = ["DRAFT_BACKOFF", "DraftGate", "SpeculativeDecoder", "check_backend", "check_request", "checked_draft",
+           "checked_parts", "commit_round", "fitted_tree", "limit_depth"]
 
 DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
 
@@ -75,9 +76,25 @@ class _Sequence:
     feature_start: int = 0  # absolute position of features[0]
     done: bool = False
 
+    @classmethod
+    def start(cls, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int]) -> _Sequence:
+        """A sequence holding ``prompt`` [P] with room for ``max_new_tokens`` more."""
+        buffer = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.int64, device=prompt.device)
+        buffer[:prompt.numel()] = prompt
+        return cls(buffer, prompt.numel(), prompt.numel(), stops)
+
     @property
     def anchor_position(self) -> int:
         return self.length - 1
+
+    @property
+    def anchor(self) -> int:
+        """The last committed token: this round's root."""
+        return int(self.tokens[self.length - 1])
+
+    def context(self) -> DraftContext:
+        """What the drafter sees this round (module docstring)."""
+        return DraftContext(self.tokens[:self.length], self.features, self.feature_start)
 
     @property
     def remaining(self) -> int:
@@ -159,21 +176,11 @@ class SpeculativeDecoder:
                  verifier: Verifier | None = None,
                  on_round: Callable[[DraftTree, VerifyResult], None] | None = None, *,
                  draft_backoff: int = DRAFT_BACKOFF) -> None:
-        if (drafter is None) != (policy is None):
-            raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
         self.target = target
         self.drafter = drafter
         self.policy = policy
-        self.verifier = verifier if verifier is not None else registry.create("verifier", "match")
-        if policy is not None and self.verifier.requires_sampled_tree and not policy.samples_from_draft:
-            raise ValueError(
-                f"the {self.verifier.name} verifier as configured is lossless only for trees sampled from the "
-                f"draft, and the {policy.name} policy chooses its tokens deterministically, so the output would "
-                "not follow the target's distribution; use RejectionVerifier(proposal='point') (the default) "
-                "or the match verifier")
+        self.verifier = checked_parts(drafter, policy, verifier, draft_backoff)
         self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
-        if draft_backoff < 0:
-            raise ValueError(f"draft_backoff must be >= 0, got {draft_backoff}")
         self.gate = DraftGate(draft_backoff)  # when the drafter is asked next (kept across generations)
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
@@ -196,7 +203,8 @@ class SpeculativeDecoder:
         token and the first round's anchor, and rounds (so τ) start after it.  Same output."""
         sampling = SamplingParams(temperature, top_k, top_p, position_keyed)
         prompt = check_single_batch(input_ids).to(self.target.device)
-        self._check_request(prompt, max_new_tokens, backend)
+        check_backend(backend)
+        check_request(self.target, prompt, max_new_tokens)
         generator = _generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
@@ -217,29 +225,16 @@ class SpeculativeDecoder:
         return GenerationResult(seq.tokens[seq.prompt_len:seq.length].clone(), stats)
 
     # ------------------------------------------------------------------ set-up
-    def _check_request(self, prompt: torch.Tensor, max_new_tokens: int, backend: str) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if int(prompt.max()) >= self.target.vocab_size or int(prompt.min()) < 0:
-            raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        total = prompt.numel() + max_new_tokens
-        if total > self.target.max_positions:
-            raise ContextOverflowError(
-                f"prompt of {prompt.numel()} tokens + max_new_tokens={max_new_tokens} = {total} exceeds the "
-                f"target's context of {self.target.max_positions} positions")
-
     def _start(self, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int],
                stats: GenerationStats) -> _Sequence:
-        buffer = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.int64, device=prompt.device)
-        buffer[:prompt.numel()] = prompt
         if self.drafter is not None:
             self.drafter.reset()
         clock = _Stopwatch(self.target.device)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
         stats.prefill_time = clock.times["prefill"]
-        return _Sequence(buffer, prompt.numel(), prompt.numel(), stops, features=prefill.features)
+        seq = _Sequence.start(prompt, max_new_tokens, stops)
+        seq.features = prefill.features
+        return seq
 
     def _first_from_prefill(self, seq: _Sequence, sampling: SamplingParams,
                             generator: torch.Generator | None) -> None:
@@ -268,23 +263,14 @@ class SpeculativeDecoder:
     def _draft(self, seq: _Sequence) -> DraftOutput | None:
         if self.autoregressive:
             return None
-        ctx = DraftContext(seq.tokens[:seq.length], seq.features, seq.feature_start)
-        draft = self.drafter.draft(ctx)
-        if draft.vocab_size != self.target.vocab_size:
-            raise ValueError(f"the drafter's vocabulary ({draft.vocab_size}) differs from the target's "
-                             f"({self.target.vocab_size})")
-        return draft
+        return checked_draft(self.drafter.draft(seq.context()), self.target)
 
     def _build(self, draft: DraftOutput | None, seq: _Sequence, backend: str) -> DraftTree:
-        anchor = int(seq.tokens[seq.length - 1])
         if draft is None:
-            return DraftTree.root_only(anchor, device=self.target.device)
+            return DraftTree.root_only(seq.anchor, device=self.target.device)
         tree = self.policy.build(draft, backend=backend)
         self.gate.record(len(tree))  # the policy's answer, before the window and the length cut it
-        if tree.root_token != anchor:
-            raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {anchor}")
-        room = self.target.max_positions - 1 - seq.anchor_position  # deepest position still in the window
-        return limit_depth(tree, min(seq.remaining - 1, room))
+        return fitted_tree(tree, seq, self.target)
 
     def _verify(self, tree: DraftTree, draft: DraftOutput | None, seq: _Sequence, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[VerifyResult, TargetOutput]:
@@ -295,18 +281,78 @@ class SpeculativeDecoder:
 
     def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: _Sequence,
                 drafted: bool) -> None:
-        accepted = result.accepted.to(tree.device)
-        self.target.commit(accepted)
-        if verified.features is not None:
-            kept = verified.features[accepted.to(verified.features.device)]  # [tau, F], root first
-            undrafted = not drafted and seq.features is not None  # taps since the last draft go on growing
-            seq.features = torch.cat([seq.features, kept]) if undrafted else kept
-        if drafted or self.autoregressive:
-            seq.feature_start = seq.anchor_position
-        path_tokens = tree.tokens[accepted]
-        seq.append(path_tokens[1:].tolist() + [result.bonus_token])
+        self.target.commit(result.accepted.to(tree.device))
+        path_tokens = commit_round(seq, tree, result, verified.features, drafted, self.autoregressive)
         if drafted:
             self.drafter.observe(path_tokens)
+
+
+# ---------------------------------------------------------------------------- shared with treespec/batch_decoding.py
+def checked_parts(drafter: Drafter | None, policy: TreePolicy | None, verifier: Verifier | None,
+                  draft_backoff: int) -> Verifier:
+    """The verifier to use (default: match) once the parts are known to fit together."""
+    if (drafter is None) != (policy is None):
+        raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
+    verifier = verifier if verifier is not None else registry.create("verifier", "match")
+    if policy is not None and verifier.requires_sampled_tree and not policy.samples_from_draft:
+        raise ValueError(
+            f"the {verifier.name} verifier as configured is lossless only for trees sampled from the "
+            f"draft, and the {policy.name} policy chooses its tokens deterministically, so the output would "
+            "not follow the target's distribution; use RejectionVerifier(proposal='point') (the default) "
+            "or the match verifier")
+    if draft_backoff < 0:
+        raise ValueError(f"draft_backoff must be >= 0, got {draft_backoff}")
+    return verifier
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_request(target: TargetModel, prompt: torch.Tensor, max_new_tokens: int, where: str = "") -> None:
+    """Refuse a request the target cannot serve; ``where`` names the prompt in a batch ("prompt 3: ")."""
+    if max_new_tokens < 1:
+        raise ValueError(f"{where}max_new_tokens must be >= 1, got {max_new_tokens}")
+    if int(prompt.max()) >= target.vocab_size or int(prompt.min()) < 0:
+        ids = "token ids" if where else "prompt token ids"
+        raise ValueError(f"{where}{ids} must lie in [0, {target.vocab_size})")
+    total = prompt.numel() + max_new_tokens
+    if total > target.max_positions:
+        raise ContextOverflowError(
+            f"{where}prompt of {prompt.numel()} tokens + max_new_tokens={max_new_tokens} = {total} exceeds the "
+            f"target's context of {target.max_positions} positions")
+
+
+def checked_draft(draft: DraftOutput, target: TargetModel) -> DraftOutput:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the drafter's vocabulary ({draft.vocab_size}) differs from the target's "
+                         f"({target.vocab_size})")
+    return draft
+
+
+def fitted_tree(tree: DraftTree, seq: _Sequence, target: TargetModel) -> DraftTree:
+    """The policy's tree, checked against the anchor and cut to the depth the sequence can still use."""
+    if tree.root_token != seq.anchor:
+        raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {seq.anchor}")
+    room = target.max_positions - 1 - seq.anchor_position  # deepest position still in the window
+    return limit_depth(tree, min(seq.remaining - 1, room))
+
+
+def commit_round(seq: _Sequence, tree: DraftTree, result: VerifyResult, features: torch.Tensor | None,
+                 drafted: bool, autoregressive: bool) -> torch.Tensor:
+    """The sequence's side of a commit: the taps the drafter sees next, the new tokens; returns the
+    accepted path's tokens (root first) for ``Drafter.observe``."""
+    accepted = result.accepted.to(tree.device)
+    if features is not None:
+        kept = features[accepted.to(features.device)]  # [tau, F], root first
+        undrafted = not drafted and seq.features is not None  # taps since the last draft go on growing
+        seq.features = torch.cat([seq.features, kept]) if undrafted else kept
+    if drafted or autoregressive:
+        seq.feature_start = seq.anchor_position
+    path_tokens = tree.tokens[accepted]
+    seq.append(path_tokens[1:].tolist() + [result.bonus_token])
+    return path_tokens
 
 
 def _generator_for(sampling: SamplingParams, generator: torch.Generator | None) -> torch.Generator | None:

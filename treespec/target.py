@@ -46,7 +46,7 @@ from treespec.hardware import reduced_precision
 from treespec.tree import DraftTree
 
 __all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
-           "crop_cache", "select_taps", "use_float32_head"]
+           "crop_cache", "select_taps", "tap_features", "use_float32_head"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
 
@@ -198,9 +198,8 @@ class TargetModel:
 
     @staticmethod
     def _features(out, taps: tuple[int, ...]) -> torch.Tensor | None:
-        if not taps:
-            return None
-        return torch.cat([out.hidden_states[t][0] for t in taps], dim=-1)  # [n, len(taps) * H]
+        features = tap_features(out, taps)
+        return None if features is None else features[0]  # [n, len(taps) * H]
 
     def _check_taps(self, taps: tuple[int, ...]) -> None:
         bad = [t for t in taps if not 0 <= t <= self.num_hidden_layers]
@@ -297,6 +296,13 @@ def _check_attention(config) -> None:
                          f"load the model with attn_implementation in {SUPPORTED_ATTENTION}")
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         raise ValueError("sliding-window attention layers are not supported (one tree mask serves every layer)")
+
+
+def tap_features(out, taps: tuple[int, ...]) -> torch.Tensor | None:
+    """[B, n, len(taps) * H]: a model output's hidden states ``taps`` side by side (None without taps)."""
+    if not taps:
+        return None
+    return torch.cat([out.hidden_states[t] for t in taps], dim=-1)
 
 
 def select_taps(features: torch.Tensor, have: Sequence[int], want: Sequence[int]) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["DraftTree", "TreeError"]
+__all__ = ["DraftTree", "TreeError", "additive_mask"]
 
 
 class TreeError(ValueError):
@@ -271,9 +271,7 @@ class DraftTree:
         n = len(self)
         visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool, device=self.device),
                              self.ancestor_mask], dim=1)
-        out = torch.zeros(visible.shape, dtype=dtype, device=self.device)
-        out.masked_fill_(~visible, torch.finfo(dtype).min)
-        return out[None, None]
+        return additive_mask(visible, dtype)[None, None]
 
     def position_ids(self, start: int) -> torch.Tensor:
         """[1, N] absolute positions: the root sits at ``start``, a node at ``start + depth``."""
@@ -418,3 +416,9 @@ def _sequential_cumsum(logprobs: torch.Tensor) -> torch.Tensor:
         acc = acc + logprobs[i]
         out[i] = acc
     return out
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The additive attention mask of a bool ``visible`` mask: 0 where visible, the dtype's minimum elsewhere."""
+    out = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return out.masked_fill_(~visible, torch.finfo(dtype).min)

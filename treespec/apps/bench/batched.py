@@ -17,10 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from treespec.apps.bench.config import BenchConfig, pair_seed
-from treespec.apps.bench.harness import Harness
-from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.measure import Runner, Turn
+from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
 from treespec.apps.methods import Method
@@ -32,17 +30,16 @@ __all__ = ["BatchRunner"]
 class BatchRunner(Runner):
     """The measurements of one shard, S conversations at a time (see the module docstring)."""
 
-    def __init__(self, config: BenchConfig, harness: Harness, methods: list[Method]) -> None:
-        super().__init__(config, harness, methods)
-        self.batch_decoders = harness.batch_decoders(methods)
+    def make_decoders(self) -> dict:
+        return self.harness.batch_decoders(self.methods)  # one BatchDecoder per method
 
     def warm_up(self, prompt: PromptRecord) -> None:
         if self.config.warmup_tokens == 0:
             return
         ids = self.harness.chat.encode(prompt.turns[:1], [])
         for m in self.methods:
-            self.batch_decoders[m.name].generate([ids] * self.config.batch_size, max_new_tokens=self.config.warmup_tokens,
-                                                 stop_token_ids=self.stops, backend=self.config.backend)
+            self.decoders[m.name].generate([ids] * self.config.batch_size, max_new_tokens=self.config.warmup_tokens,
+                                           stop_token_ids=self.stops, backend=self.config.backend)
 
     def conversations(self, prompts: Sequence[PromptRecord], temperature: float) -> list[list[tuple[list, list]]]:
         """Per conversation, (records, divergences) per turn; a conversation that overflows the context
@@ -60,7 +57,6 @@ class BatchRunner(Runner):
                     self.skipped.append(f"{turn.prompt.id} turn {t} T={temperature:g}: prompt of "
                                         f"{turn.ids.numel()} tokens + {self.config.max_new_tokens} new tokens")
                     alive.discard(i)
-                    out[i] = []
             kept = [(i, turn) for i, turn in zip(members, turns, strict=True) if i in alive]
             if not kept:
                 continue
@@ -76,17 +72,13 @@ class BatchRunner(Runner):
                 answers[i].append(self.harness.chat.decode(row[AR].tokens))
         return [out[i] if i in alive else [] for i in range(len(prompts))]
 
-    def _turn(self, prompt: PromptRecord, t: int, temperature: float, answers: list[str]) -> Turn:
-        ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
-        return Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t, temperature))
-
     def measure_batch(self, turns: Sequence[Turn]) -> dict[str, list[BenchRecord]]:
         """Every method on one batch of turns, AR first; method name -> one record per turn."""
         return {m.name: self._batch_records(m, turns) for m in self.methods}
 
     def _batch_records(self, method: Method, turns: Sequence[Turn]) -> list[BenchRecord]:
         temperature = turns[0].temperature
-        results = self.batch_decoders[method.name].generate(
+        results = self.decoders[method.name].generate(
             [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,
             stop_token_ids=self.stops, generators=[torch.Generator().manual_seed(t.seed) for t in turns],
             backend=self.config.backend)

@@ -22,7 +22,7 @@ from treespec.apps.methods import Method, build_policy, policy_class
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
-from treespec.interfaces import Drafter
+from treespec.interfaces import Drafter, TreePolicy
 from treespec.profile import CostProfile, machine_profile
 from treespec.target import TargetModel
 
@@ -65,11 +65,8 @@ class Harness:
         return {m.name: self._decoder(m) for m in methods}
 
     def batch_decoders(self, methods: Sequence[Method]) -> dict[str, BatchDecoder]:
-        """One batched decoder per method, with the same drafter and policy as `decoders` gives."""
-        out = {}
-        for name, single in self.decoders(methods).items():
-            out[name] = BatchDecoder(self.target, single.drafter, single.policy, single.verifier)
-        return out
+        """One batched decoder per method, with the drafter and policy `decoders` gives it."""
+        return {m.name: BatchDecoder(self.target, *self._parts(m)) for m in methods}
 
     def machine_profile(self) -> CostProfile:
         """This machine's cost profile of the target and every loaded drafter."""
@@ -85,14 +82,18 @@ class Harness:
         return self.machine_profile().pricing(self.drafters[kind])
 
     def _decoder(self, method: Method) -> SpeculativeDecoder:
+        return SpeculativeDecoder(self.target, *self._parts(method))
+
+    def _parts(self, method: Method) -> tuple[Drafter | None, TreePolicy | None]:
+        """The method's drafter and policy (None, None for AR); a cost-aware policy priced on this machine."""
         if method.autoregressive:
-            return SpeculativeDecoder(self.target)
+            return None, None
         if method.drafter not in self.drafters:
             raise ValueError(f"method {method.name!r} needs a {method.drafter} drafter, and none was loaded")
         drafter = self.drafters[method.drafter]
         if not getattr(policy_class(method.policy), "uses_cost_model", False):
-            return SpeculativeDecoder(self.target, drafter, build_policy(method))
-        return SpeculativeDecoder(self.target, drafter, build_policy(method, *self.pricing(method.drafter)))
+            return drafter, build_policy(method)
+        return drafter, build_policy(method, *self.pricing(method.drafter))
 
 
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",

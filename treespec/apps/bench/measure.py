@@ -46,10 +46,14 @@ class Runner:
 
     def __init__(self, config: BenchConfig, harness: Harness, methods: list[Method]) -> None:
         self.config, self.harness, self.methods = config, harness, methods
-        self.decoders = harness.decoders(methods)
+        self.decoders = self.make_decoders()
         self.stops = harness.chat.stop_ids if config.stop_at_eos else []
         self.tolerance = resolve_tolerance(config, harness.target.dtype)
         self.skipped: list[str] = []
+
+    def make_decoders(self) -> dict:
+        """Method name -> the decoder this runner measures it with."""
+        return self.harness.decoders(self.methods)
 
     def generate(self, name: str, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
         return self.decoders[name].generate(
@@ -91,9 +95,7 @@ class Runner:
             if isinstance(decoder, SpeculativeDecoder):  # the shard layout, resumption and prompt order
                 decoder.gate.reset()
         for t in range(len(prompt.turns)):
-            ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
-            turn = Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t,
-                                                                temperature))
+            turn = self._turn(prompt, t, temperature, answers)
             try:
                 records = self.measure(turn)
             except ContextOverflowError as exc:
@@ -101,3 +103,8 @@ class Runner:
                 return
             yield list(records.values()), self.divergences(turn, records)
             answers.append(self.harness.chat.decode(records[AR].tokens))
+
+    def _turn(self, prompt: PromptRecord, t: int, temperature: float, answers: list[str]) -> Turn:
+        """Turn t of ``prompt``, asked after ``answers`` (AR's answers to the earlier turns)."""
+        ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
+        return Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t, temperature))
