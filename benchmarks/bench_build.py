@@ -91,19 +91,19 @@ class DominoParts:
         self.embed = HashedEmbedding(4096, hidden, gen)
         self.vocab, self.hidden, self.scale = vocab, hidden, scale
 
-    def draft(self, seed: int) -> DraftOutput:
+    def draft(self, seed: int, depth: int = DEPTH) -> DraftOutput:
         gen = torch.Generator().manual_seed(seed)
-        logits = self.scale * torch.randn(DEPTH, self.vocab, generator=gen)
-        rows = torch.randn(DEPTH, self.hidden, generator=gen)
+        logits = self.scale * torch.randn(depth, self.vocab, generator=gen)
+        rows = torch.randn(depth, self.hidden, generator=gen)
         scorer = DominoScorer(rows=rows, base_logits=logits, prefix_gru=self.gru, embed_proj=self.proj,
                               embed=self.embed, anchor=seed % self.vocab, pure_draft_prefix_len=1)
         return DraftOutput(logprobs=torch.log_softmax(logits, -1), root_token=seed % self.vocab,
                            position=512, scorer=scorer)
 
 
-def marginal_draft(vocab: int, scale: float, seed: int) -> DraftOutput:
+def marginal_draft(vocab: int, scale: float, seed: int, depth: int = DEPTH) -> DraftOutput:
     gen = torch.Generator().manual_seed(seed)
-    logprobs = torch.log_softmax(scale * torch.randn(DEPTH, vocab, generator=gen), -1)
+    logprobs = torch.log_softmax(scale * torch.randn(depth, vocab, generator=gen), -1)
     return DraftOutput(logprobs=logprobs, root_token=1, position=512)
 
 

@@ -60,7 +60,7 @@ from treespec.topk import exact_topk, top_set
 if TYPE_CHECKING:
     from treespec.target import TargetModel
 
-__all__ = ["DominoDrafter", "DominoModel", "DominoScorer", "gru_step"]
+__all__ = ["DominoDrafter", "DominoModel", "DominoScorer", "DominoStack", "gru_step"]
 
 
 class DominoModel(DFlashModel):
@@ -274,6 +274,15 @@ class DominoScorer(RecordableScorer):
         chosen, order = exact_topk(logprobs, k)  # columns are ids ascending: ties go to the lower id
         return ids[order], chosen.float()
 
+    @classmethod
+    def stack(cls, scorers: Sequence[DominoScorer]) -> DominoStack | None:
+        """S rounds' scorers as one `DominoStack`, when they share one drafter's modules and shapes."""
+        first = scorers[0]
+        shared = all(s.prefix_gru is first.prefix_gru and s.embed_proj is first.embed_proj and s.embed is first.embed
+                     and s.gru_table is first.gru_table and s.prefix_len == first.prefix_len
+                     and s.rows.shape == first.rows.shape and s.rows.dtype == first.rows.dtype for s in scorers)
+        return DominoStack(scorers) if shared else None
+
     # ------------------------------------------------------------------ RecordableScorer (trace replay)
     def record_round(self, top_m: int) -> dict[str, torch.Tensor]:
         """The drafted rows z [L, H], the top-M base logits of every depth and the top-M base
@@ -329,6 +338,85 @@ class DominoScorer(RecordableScorer):
 
 
 _HEAD_KEYS = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight")
+
+
+class DominoStack:
+    """S `DominoScorer`s of one drafter as one stacked scorer (`ConditionalScorer.stack`): the
+    correction of every sequence's parents in one batched matmul, the GRU steps of all S in one.
+
+    Sequence s's rows are what its own scorer returns: the first projection and the GRU step are
+    row-wise products with the shared weights, the last projection multiplies each sequence's
+    parents by that sequence's own M gathered W2 rows, and the log-softmax and top-k are per row.
+    """
+
+    def __init__(self, scorers: Sequence[DominoScorer]) -> None:
+        self.scorers = list(scorers)
+        self.first = scorers[0]  # holds the shared weights
+        self.rows = torch.stack([s.rows for s in scorers])  # [S, L, H]
+        self._prefix: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gathered: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def root_state(self) -> torch.Tensor:
+        return torch.stack([s.root_state() for s in self.scorers])  # [S, G]
+
+    @torch.no_grad()
+    def expand(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
+        tokens, logprobs = self._children(states, depth, top_m, k)
+        flat = self.first._child_states(states.flatten(0, 1), tokens.flatten(0, 1))  # [S n, k, G]
+        return Expansion(tokens=tokens, logprobs=logprobs, states=flat.view(*tokens.shape, -1))
+
+    @torch.no_grad()
+    def expand_deferred(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
+        tokens, logprobs = self._children(states, depth, top_m, k)
+        pending = self.first._pending(states.flatten(0, 1), tokens.flatten(0, 1))  # [S n, k, G + 1]
+        return Expansion(tokens=tokens, logprobs=logprobs, states=pending.view(*tokens.shape, -1))
+
+    @torch.no_grad()
+    def advance(self, pending: torch.Tensor) -> torch.Tensor:
+        """[S, n, G] states of the pending children ``pending`` [S, n, G + 1]."""
+        return self.first.advance(pending.flatten(0, 1)).view(*pending.shape[:2], -1)
+
+    def _children(self, states: torch.Tensor, depth: int, top_m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and float32 log-probs [S, n, k] of the children of parents ``states`` [S, n, G]."""
+        s, n = states.shape[:2]
+        self.first._check(states.flatten(0, 1), depth, k)
+        if self.first._is_pure_draft(depth):
+            tokens, logprobs = self._prefix_children(depth, k)  # [S, k]
+            return tokens[:, None].repeat(1, n, 1), logprobs[:, None].repeat(1, n, 1)  # copies: callers may write
+        if top_m < 1:
+            raise ValueError(f"top_m must be >= 1, got {top_m}")
+        ids, base, w2_rows = self._candidates(depth, top_m)
+        if k > ids.shape[1]:
+            raise ValueError(f"k = {k} children requested but only top_m = {ids.shape[1]} candidates exist")
+        z = self.rows[:, depth, None].expand(-1, n, -1)  # [S, n, H]
+        x = torch.cat([z, states.to(z.dtype)], dim=-1)  # [S, n, H + G]
+        hidden = F.silu(x @ self.first.w1.T).to(w2_rows.dtype)  # [S, n, E]
+        correction = hidden @ w2_rows.transpose(1, 2)  # [S, n, M]: each sequence's own candidates
+        logprobs = torch.log_softmax(base[:, None] + correction, dim=-1)  # [S, n, M]
+        chosen, order = exact_topk(logprobs.flatten(0, 1), k)  # [S n, k], ties to the lower id
+        tokens = ids.gather(1, order.reshape(s, n * k)).view(s, n, k)
+        return tokens, chosen.float().reshape(s, n, k)
+
+    def _prefix_children(self, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DominoScorer._prefix_children` of every sequence: one top-k over the S base rows [S, V]."""
+        key = (depth, k)
+        if key not in self._prefix:
+            rows = torch.stack([sc.base_logprobs(depth) for sc in self.scorers])  # [S, V]
+            chosen, tokens = exact_topk(rows, min(k, rows.shape[1]))
+            self._prefix[key] = (tokens, chosen)
+        return self._prefix[key]
+
+    def _candidates(self, depth: int, top_m: int) -> tuple[torch.Tensor, ...]:
+        """`DominoScorer._candidates` of every sequence: ids [S, M], base logits [S, M], W2 rows [S, M, E]
+        from one top-M selection over the S base rows."""
+        m = min(top_m, self.first.vocab_size)
+        key = (depth, m)
+        if key not in self._gathered:
+            rows = torch.stack([sc.base_logits[depth] for sc in self.scorers])  # [S, V]
+            ids = top_set(rows, m)  # [S, M] ascending
+            dtype = self.first._score_dtype(self.first.w2)
+            self._gathered[key] = (ids, rows.gather(1, ids).to(dtype), self.first.w2[ids].to(dtype))
+        return self._gathered[key]
 
 
 def _dense(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:

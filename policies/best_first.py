@@ -36,7 +36,7 @@ import networkx as nx
 import numpy as np
 import torch
 
-from policies.frontier import Candidates, Mode, expand_frontier, resolve, resolve_batch
+from policies.frontier import Candidates, Mode, expand_frontier, grow_batch, resolve
 from policies.sources import CandidateSource
 from policies.stop import StopRule
 from treespec.interfaces import BACKENDS, DraftOutput, TreePolicy
@@ -99,21 +99,15 @@ class BestFirstPolicy(TreePolicy):
         return self.build_torch(draft)
 
     def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
-        """`build` of every draft, bit for bit; the torch backend selects the top-k of all the drafts'
-        marginal rows at once (`frontier.resolve_batch`), then grows each tree."""
+        """`build` of every draft, bit for bit; the torch backend grows the drafts' trees together
+        where that is the cheaper build (`frontier.grow_batch`)."""
         check_backend(backend)
         if backend == "networkx" or len(drafts) < 2:
             return [self.build(draft, backend=backend) for draft in drafts]
         for draft in drafts:
             self.validate(draft)
-        kinds = {draft.logprobs.device.type for draft in drafts}
-        if len(kinds) > 1:
-            raise ValueError("the drafts of one batch must share a device")
-        static = kinds != {"cpu"}  # as `build_torch` chooses for one draft
         budgets = [self.max_nodes(draft) for draft in drafts]
-        sources = resolve_batch([self.candidates(draft) for draft in drafts], budgets, "static" if static else "compact")
-        return [expand_frontier(draft, source, budget, self.stop, static=static)
-                for draft, source, budget in zip(drafts, sources, budgets, strict=True)]
+        return grow_batch(drafts, [self.candidates(draft) for draft in drafts], budgets, self.stop)
 
     def build_graph(self, draft: DraftOutput) -> nx.DiGraph:
         """The networkx reference's graph itself (node attributes token, depth, score, path)."""

@@ -20,6 +20,9 @@ policies/cuda_graph.py).  Every mode gives the same tree, bit for bit.
 
 `expand_frontier` is the torch backend itself: a per-depth beam of width B and one global
 selection that return the networkx reference's tree (policies/best_first.py) in canonical order.
+Compact mode is `_Frontier` here; static mode is the stacked frontier of policies/stacked.py over
+one draft.  `grow_batch` builds several drafts' trees: together in the stacked frontier where
+that is the cheaper build, else one compact build each.
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ import attrs
 import torch
 
 from policies.sources import CandidateSource, FactorizedSource, ScorerSource
+from policies.stacked import SourceStack, assemble, stack_sources, stacked_selection
 from policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 from treespec.reach import best_chain, reachable
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree
 
-__all__ = ["MODES", "Candidates", "Mode", "TopTokens", "assemble", "expand_frontier", "frontier_selection", "resolve",
-           "resolve_batch"]
+__all__ = ["MODES", "Candidates", "Mode", "TopTokens", "assemble", "expand_frontier", "expand_frontier_batch", "finish",
+           "frontier_selection", "grow_batch", "resolve", "resolve_batch"]
 
 Mode = Literal["reference", "compact", "static"]
 MODES = ("reference", "compact", "static")
@@ -47,6 +51,8 @@ _FIRST_PASS = 32  # compact mode: candidates per depth tried first when k is lar
 _HYPERBOLA_MIN = 4096  # factorized depths with more candidates than this get the pruned layout
 _STABLE_SORT_MAX = 512  # up to this many candidates a stable sort beats building int64 keys
 _CHUNK_MIN = 8  # fewest rows per scorer call when compact mode expands a depth in chunks
+_STACKED_CELLS_MAX = 4096  # CPU: most candidates per stacked level for drafts to grow together (measured) ...
+_STACKED_MIN_DRAFTS = 8  # ... and fewest drafts (benchmarks/bench_build_batch.py)
 
 
 # ---------------------------------------------------------------------------- candidates as data
@@ -214,10 +220,10 @@ class _Frontier:
     halves, so that their children can raise the bound before the weaker rows are paid for.
     """
 
-    def __init__(self, draft: DraftOutput, source: CandidateSource, budget: int, static: bool) -> None:
+    def __init__(self, draft: DraftOutput, source: CandidateSource, budget: int) -> None:
         device = draft.logprobs.device
-        self.source, self.budget, self.static, self.device = source, budget, static, device
-        root = torch.full((1,), draft.root_token, dtype=torch.int64, device=device)  # a fill: capturable
+        self.source, self.budget, self.device = source, budget, device
+        root = torch.full((1,), draft.root_token, dtype=torch.int64, device=device)
         no_parent = torch.full((1,), -1, dtype=torch.int64, device=device)
         self.levels = [_Level(root, torch.zeros(1, device=device), no_parent, no_parent)]
         self.size = 1  # pool nodes so far
@@ -234,7 +240,7 @@ class _Frontier:
 
     def _rows_to_expand(self, depth: int) -> torch.Tensor | None:
         """Rows of the last level worth expanding (None: all of them)."""
-        if self.static or depth == 0:
+        if depth == 0:
             return None
         if self.budget == 1:
             return self.levels[-1].tokens.new_empty(0)  # the single best depth-1 node needs no children
@@ -245,9 +251,7 @@ class _Frontier:
 
     def _step(self, depth: int, rows: torch.Tensor | None) -> None:
         level = self.levels[-1]
-        if self.static:
-            cand = self._expanded(level.scores, self.states, depth)
-        elif isinstance(self.source, FactorizedSource):
+        if isinstance(self.source, FactorizedSource):
             cand = self._factorized(level.scores if rows is None else level.scores[rows], depth, rows)
         else:
             cand = self._expanded_in_chunks(rows, depth)
@@ -255,7 +259,7 @@ class _Frontier:
         level_start = self.size - level.tokens.numel()
         self.levels.append(_Level(tokens, child_scores, parent_rows, parent_rows + level_start))
         self.size += tokens.numel()
-        if isinstance(self.source, FactorizedSource) and not self.static:
+        if isinstance(self.source, FactorizedSource):
             self._remember(child_scores)
 
     def _expanded(self, scores: torch.Tensor, states: torch.Tensor | None, depth: int,
@@ -263,7 +267,7 @@ class _Frontier:
         """Every child of the nodes ``rows`` of the last level (None: all), from the source."""
         out = self.source.expand(states, scores.numel(), depth)
         n, k = out.tokens.shape
-        parent, col = _grid(n, k, self.device, cache=not self.static)
+        parent, col = _grid(n, k, self.device, cache=True)
         child_states = None if out.states is None else out.states.reshape(n * k, -1)
         child_scores = (scores[:, None] + out.logprobs).reshape(-1)  # float32(parent + logp)
         parent = parent if rows is None else rows[parent]
@@ -370,7 +374,7 @@ class _Frontier:
         parents = torch.cat([lv.parents for lv in self.levels])
         depths = torch.cat([torch.full_like(lv.tokens, d) for d, lv in enumerate(self.levels)])
         m = min(self.budget, self.size - 1)
-        order = None if self.static else self._order_without_ties(scores, m)
+        order = self._order_without_ties(scores, m)
         if order is None:
             order = order_key(scores[1:], self._preorder()[1:]).topk(m, largest=False, sorted=True).indices
         return order + 1, tokens, scores, depths, parents
@@ -386,28 +390,92 @@ class _Frontier:
 
 def frontier_selection(draft: DraftOutput, source: CandidateSource, budget: int, *,
                        static: bool) -> tuple[torch.Tensor, ...]:
-    """(order, tokens, scores, depths, parents): the pool and its best min(B, P-1) nodes, canonical."""
-    frontier = _Frontier(draft, source, budget, static)
+    """(order, tokens, scores, depths, parents): the pool and its best min(B, P-1) nodes, canonical;
+    ``static``: the stacked frontier over this one draft (policies/stacked.py)."""
+    if static:
+        stack = stack_sources([source])
+        if stack is None:  # a single source always stacks; kept as a guard for new source kinds
+            raise TypeError(f"cannot build {type(source).__name__} in static mode")
+        root = torch.full((1, 1), draft.root_token, dtype=torch.int64, device=draft.logprobs.device)  # capturable
+        orders, *pool = stacked_selection(root, stack, [budget], draft.depth)
+        return orders[0], *(t[0] for t in pool)
+    frontier = _Frontier(draft, source, budget)
     frontier.grow(draft.depth)
     return frontier.select()
 
 
 def expand_frontier(draft: DraftOutput, source: CandidateSource, budget: int,
                     stop: StopRule | None = None, *, static: bool = False) -> DraftTree:
-    """The torch backend: the same tree as `grow_reference`, built level by level """
+    """The torch backend: the same tree as `grow_reference`, built level by level."""
     order, tokens, scores, depths, parents = frontier_selection(draft, source, budget, static=static)
+    return finish(draft, order, (tokens, scores, depths, parents), stop)
+
+
+def grow_batch(drafts: Sequence[DraftOutput], candidates: Sequence[Candidates], budgets: Sequence[int],
+               stop: StopRule | None = None) -> list[DraftTree]:
+    """The torch backend's trees of several drafts (one device), each bit for bit its own build's.
+
+    Drafts of one depth whose static build is cheap (`_stacks_cheaply`; always off the CPU) grow
+    together in one stacked frontier; the others each grow alone in compact mode, their top-k
+    selections still batched (`resolve_batch`).
+    """
+    kinds = {draft.logprobs.device.type for draft in drafts}
+    if len(kinds) > 1:
+        raise ValueError("the drafts of one batch must share a device")
+    stacked = kinds != {"cpu"} or _stacks_cheaply(drafts[0], candidates, budgets)
+    sources = resolve_batch(candidates, budgets, "static" if stacked else "compact")
+    if not stacked:
+        return [expand_frontier(d, src, b, stop) for d, src, b in zip(drafts, sources, budgets, strict=True)]
+    trees: list[DraftTree | None] = [None] * len(drafts)
+    groups: dict[int, list[int]] = {}
+    for i, draft in enumerate(drafts):
+        groups.setdefault(draft.depth, []).append(i)
+    for members in groups.values():
+        stack = stack_sources([sources[i] for i in members]) if len(members) > 1 else None
+        if stack is None:
+            for i in members:
+                trees[i] = expand_frontier(drafts[i], sources[i], budgets[i], stop, static=True)
+            continue
+        built = expand_frontier_batch([drafts[i] for i in members], stack, [budgets[i] for i in members], stop)
+        for i, tree in zip(members, built, strict=True):
+            trees[i] = tree
+    return trees
+
+
+def _stacks_cheaply(draft: DraftOutput, candidates: Sequence[Candidates], budgets: Sequence[int]) -> bool:
+    """On the CPU: whether the stacked static build is expected to beat one compact build per draft.
+
+    A static level scores every child of B parents -- B x k candidates for marginal lists, B
+    corrections over M candidates for a scorer -- where compact mode scores only what can still
+    enter the tree; stacking saves the per-tree operations.  benchmarks/bench_build_batch.py
+    measured (2-core Zen 3, one thread, V = 49152, L = 7; docs/batching.md) stacked / compact
+    0.70-0.81 at S = 8 and up to 4096 candidates per level, 0.84-1.03 at S = 4, 0.99-1.30 at S = 2,
+    and 3.5 for DDTree at S = 8, B = 256 (65536 candidates per level)."""
+    if len(candidates) < _STACKED_MIN_DRAFTS:
+        return False
+    first = candidates[0]
+    per_level = max(budgets) * (first.top_m if isinstance(first, ScorerSource) else
+                                min(first.k, draft.vocab_size) if isinstance(first, TopTokens) else
+                                max(t.numel() for t in first.tokens))
+    return per_level <= _STACKED_CELLS_MAX
+
+
+def expand_frontier_batch(drafts: Sequence[DraftOutput], stack: SourceStack, budgets: Sequence[int],
+                          stop: StopRule | None = None) -> list[DraftTree]:
+    """The static torch backend for S drafts of one depth at once: each tree bit for bit
+    `expand_frontier`'s for that draft alone (policies/stacked.py)."""
+    device = drafts[0].logprobs.device
+    roots = torch.cat([torch.full((1, 1), d.root_token, dtype=torch.int64, device=device) for d in drafts])
+    orders, *pool = stacked_selection(roots, stack, budgets, drafts[0].depth)
+    return [finish(draft, order, tuple(t[i] for t in pool), stop)
+            for i, (draft, order) in enumerate(zip(drafts, orders, strict=True))]
+
+
+def finish(draft: DraftOutput, order: torch.Tensor, pool: tuple[torch.Tensor, ...],
+           stop: StopRule | None) -> DraftTree:
+    """The tree of pool nodes ``order`` (canonical) after the stop rule; pool = (tokens, scores, depths, parents)."""
     if stop is not None:
+        scores = pool[1]
         order = order[: int(stop.keep(draft, scores[order]))]
         order = order[: stop.trim(draft, scores[order])]
-    return assemble(order, tokens, scores, depths, parents)
-
-
-def assemble(order, tokens, scores, depths, parents) -> DraftTree:
-    """The DraftTree of pool nodes ``order`` (canonical order, prefix-closed) under pool node 0."""
-    index = torch.zeros_like(tokens)  # pool index -> tree index (the root stays 0)
-    index[order] = torch.arange(1, order.numel() + 1, device=tokens.device)
-    head = torch.zeros(1, dtype=torch.int64, device=tokens.device)
-    return DraftTree(torch.cat([tokens[:1], tokens[order]]),
-                     torch.cat([head - 1, index[parents[order]]]),
-                     torch.cat([head, depths[order]]),
-                     torch.cat([scores[:1], scores[order]]), check=False)
+    return assemble(order, *pool)

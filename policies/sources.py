@@ -33,7 +33,7 @@ import torch
 
 from treespec.interfaces import ConditionalScorer
 
-__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource"]
+__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children"]
 
 
 @attrs.frozen(eq=False)
@@ -103,20 +103,24 @@ class ScorerSource(CandidateSource):
             out = self.scorer.expand_deferred(states, depth, top_m=self.top_m, k=self.k)
         else:
             out = self.scorer.expand(states, depth, top_m=self.top_m, k=self.k)
-        self._check(out.tokens, out.logprobs, out.states, n, depth)
+        check_children(out.tokens, out.logprobs, out.states, (n,), depth, self.check_values)
         return Children(out.tokens, out.logprobs, out.states)
 
-    def _check(self, tokens, logprobs, states, n: int, depth: int) -> None:
-        where = f"scorer.expand at depth {depth}"
-        if tokens.dim() != 2 or tokens.shape[0] != n or logprobs.shape != tokens.shape:
-            raise ValueError(f"{where} must return tokens and logprobs of shape [{n}, k], "
-                             f"got {tuple(tokens.shape)} and {tuple(logprobs.shape)}")
-        if tokens.dtype != torch.int64 or logprobs.dtype != torch.float32:
-            raise ValueError(f"{where} must return int64 tokens and float32 logprobs, "
-                             f"got {tokens.dtype} and {logprobs.dtype}")
-        if states.shape[:2] != tokens.shape:
-            raise ValueError(f"{where} must return states [{n}, k, S], got {tuple(states.shape)}")
-        if self.check_values and logprobs.numel():
-            worst = logprobs.amax()
-            if torch.isnan(worst) or worst > 0:
-                raise ValueError(f"{where} returned log-probs that are NaN or positive (max {float(worst)})")
+
+def check_children(tokens, logprobs, states, lead: tuple[int, ...], depth: int, check_values: bool) -> None:
+    """Refuse a scorer's children that are not tokens / log-probs [*lead, k] and states [*lead, k, S]
+    (``lead`` is (n,) for one scorer, (S, n) for a stack), with NaN or positive log-probs if asked."""
+    where, want = f"scorer.expand at depth {depth}", ", ".join(map(str, lead))
+    if tokens.shape[:-1] != lead or tokens.dim() != len(lead) + 1 or logprobs.shape != tokens.shape:
+        raise ValueError(f"{where} must return tokens and logprobs of shape [{want}, k], "
+                         f"got {tuple(tokens.shape)} and {tuple(logprobs.shape)}")
+    if tokens.dtype != torch.int64 or logprobs.dtype != torch.float32:
+        raise ValueError(f"{where} must return int64 tokens and float32 logprobs, "
+                         f"got {tokens.dtype} and {logprobs.dtype}")
+    if states.shape[:-1] != tokens.shape:
+        raise ValueError(f"{where} must return states [{want}, k, S], got {tuple(states.shape)}")
+    if check_values and logprobs.numel():
+        worst = logprobs.amax()
+        if torch.isnan(worst) or worst > 0:
+            raise ValueError(f"{where} returned log-probs that are NaN or positive (max {float(worst)})")
+

@@ -4,15 +4,20 @@
 * `BatchTarget`: every sequence's logits and taps equal a single-sequence `TargetModel`'s, round
   after round of ragged commits, and finished sequences leave the cache.
 * Drafters: ``draft_batch`` over forks equals each fork drafting alone (DFlash, Domino).
-* Policies: ``build_batch`` equals one ``build`` per draft, bit for bit, both backends.
+* Policies: ``build_batch`` equals one ``build`` per draft, bit for bit, both backends; the stacked
+  frontier (S trees in one static build) gives every draft its own tree -- marginal lists, toy
+  scorers called in turn, and the batched correction of real Domino rounds (float64), with ties,
+  tiny vocabularies and per-sequence budgets (hypothesis).
 * `BatchDecoder`: every row's output equals that prompt's own AR output and its own single-sequence
   speculative run, for every registered policy, S in {1, 2, 5}, float64 tiny Qwen3 and Llama, mixed
   prompt lengths and budgets, and stop tokens hit in different rounds; at T > 0 with
-  position-keyed sampling, each row equals the single run with the same generator.
+  position-keyed sampling, each row equals the single run with the same generator; the same with
+  the first token taken from the prefill (``first_token="prefill"``) at T = 0 and T = 1.
 """
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,8 +29,10 @@ from test_target import random_tree, tiny_model
 
 import treespec
 from drafters.dflash import DFlashDrafter
-from drafters.domino import DominoDrafter
+from drafters.domino import DominoDrafter, DominoStack
 from drafters.oracle import OracleDrafter
+from policies.frontier import expand_frontier_batch, resolve_batch
+from policies.stacked import stack_sources
 from treespec import registry
 from treespec.batch import TreeBatch
 from treespec.batch_decoding import BatchDecoder
@@ -158,11 +165,96 @@ def test_build_batch_equals_one_build_per_draft(name, backend):
     cls = registry.resolve("policy", name)
     policy = cls(budget=24, **({"cost_model": PAYING} if cls.uses_cost_model else {}))
     if cls.uses_scorer == "required":
-        drafts = [toy_draft(seed, vocab_size=300, depth=5) for seed in range(3)]
+        drafts = [toy_draft(seed, vocab_size=300, depth=5) for seed in range(8)]  # 8: the CPU stacks them
     else:
-        drafts = [marginal_draft(6, 700, seed, quantum=0.5 if seed % 2 else None) for seed in range(4)]
+        drafts = [marginal_draft(6, 700, seed, quantum=0.5 if seed % 2 else None) for seed in range(9)]
     for tree, draft in zip(policy.build_batch(drafts, backend=backend), drafts, strict=True):
         assert tree.equal(policy.build(draft, backend=backend))
+
+
+def test_build_batch_groups_drafts_of_different_depths():
+    policy = make_policy("ddtree", budget=20)
+    drafts = [marginal_draft(depth, 300, seed, quantum=0.5) for seed, depth in enumerate((6, 3, 6, 1, 3) * 2)]
+    for tree, draft in zip(policy.build_batch(drafts), drafts, strict=True):
+        assert tree.equal(policy.build(draft, backend="networkx"))
+
+
+# ---------------------------------------------------------------------------- the stacked frontier
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+
+
+def stacked_trees(policy, drafts, budgets):
+    """The stacked static build of ``drafts`` at once, whatever `grow_batch` would choose on this machine."""
+    candidates = [attrs.evolve(policy, budget=b).candidates(d) for d, b in zip(drafts, budgets, strict=True)]
+    stack = stack_sources(resolve_batch(candidates, budgets, "static"))
+    assert stack is not None, "these sources should stack"
+    return expand_frontier_batch(drafts, stack, budgets, policy.stop), stack
+
+
+def assert_each_own(policy, drafts, budgets) -> None:
+    """Each stacked tree is its draft's own tree: networkx, compact and static builds alike."""
+    trees, _ = stacked_trees(policy, drafts, budgets)
+    for tree, draft, budget in zip(trees, drafts, budgets, strict=True):
+        own = attrs.evolve(policy, budget=budget)
+        assert tree.equal(own.build(draft, backend="networkx")), f"stacked tree != networkx for {own}"
+        assert tree.equal(own.build(draft)), f"stacked tree != compact torch for {own}"
+        assert tree.equal(own.build_torch(draft, static=True)), f"stacked tree != static torch for {own}"
+
+
+@st.composite
+def marginal_batches(draw):
+    depth, vocab, size = draw(st.integers(1, 8)), draw(st.sampled_from((2, 5, 17, 300))), draw(st.integers(2, 5))
+    quantum = draw(st.sampled_from([None, 0.25, 1.0]))  # quantised logits force ties
+    seeds = draw(st.lists(st.integers(0, 2**31), min_size=size, max_size=size))
+    return [marginal_draft(depth, vocab, seed, quantum=quantum) for seed in seeds]
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(marginal_batches(), st.sampled_from(["ddtree", "caddtree"]), st.one_of(st.integers(1, 40), st.just(128)))
+def test_stacked_marginal_trees_are_each_drafts_own_tree(drafts, name, budget):
+    assert_each_own(make_policy(name), drafts, [budget] * len(drafts))
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(marginal_batches(), st.data())
+def test_stacked_trees_of_different_budgets_are_each_drafts_own_tree(drafts, data):
+    budgets = data.draw(st.lists(st.integers(1, 10), min_size=len(drafts), max_size=len(drafts)))
+    assert_each_own(make_policy("chain"), drafts, budgets)
+
+
+@st.composite
+def toy_batches(draw):
+    vocab = draw(st.sampled_from((2, 5, 40, 300)))
+    config = {"vocab_size": vocab, "depth": draw(st.integers(1, 8)),
+              "pure_draft_prefix_len": draw(st.integers(0, 2)), "quantum": draw(st.sampled_from([None, 1.0, 4.0])),
+              "correction_rows": draw(st.sampled_from([None, 1, 3]))}
+    seeds = draw(st.lists(st.integers(0, 2**31), min_size=2, max_size=5))
+    top_m = draw(st.sampled_from([1, 4, 64, vocab]))
+    node_topk = draw(st.integers(1, max(1, min(8, top_m))))
+    return [toy_draft(seed, **config) for seed in seeds], top_m, node_topk
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(toy_batches(), st.one_of(st.integers(1, 40), st.just(100)))
+def test_stacked_scorer_trees_are_each_drafts_own_tree(batch, budget):
+    drafts, top_m, node_topk = batch
+    policy = registry.resolve("policy", "dominotree")(budget=budget, top_m=top_m, node_topk=node_topk)
+    assert_each_own(policy, drafts, [budget] * len(drafts))
+
+
+def test_the_domino_stack_gives_every_round_its_own_scorers_tree(target):
+    """One batched correction for S real Domino rounds, in float64 (in float32 a matmul's rounding
+    depends on how many rows it is given, so no two build shapes need agree in the last bit)."""
+    config = tiny_config(domino=True, vocab=VOCAB, hidden=32, num_target_layers=2, layer_ids=(0, 1), block_size=7)
+    drafter = DominoDrafter.random(config, dtype=torch.float64, seed=3)
+    drafter.bind(target)
+    contexts = [DraftContext(p, target.prefill(p[:-1], drafter.tap_layers).features, 0) for p in prompts_of((9, 2, 14, 5))]
+    drafts = drafter.draft_batch([drafter.fork() for _ in contexts], contexts)
+    for name, budget in (("dominotree", 24), ("dominotree", 64), ("chain", 6)):
+        policy = registry.resolve("policy", name)(budget=budget, top_m=16, **({"node_topk": 4} if name != "chain" else {}))
+        _, stack = stacked_trees(policy, drafts, [budget] * len(drafts))
+        assert isinstance(stack.scorer, DominoStack)
+        assert_each_own(policy, drafts, [budget] * len(drafts))
 
 
 # ---------------------------------------------------------------------------- the decoding loop
@@ -212,6 +304,24 @@ def test_position_keyed_sampling_gives_each_row_its_single_run(target, method):
         ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=20, temperature=1.0, stop_token_ids=(),
                                                  generator=torch.Generator().manual_seed(seed))
         assert o.tokens.tolist() == ar.tokens.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_first_token_from_the_prefill_gives_each_row_its_single_run(target, temperature):
+    """first_token="prefill": one batched anchor forward; rows with one new token leave at once."""
+    prompts, seeds, budgets = prompts_of((6, 1, 9), seed=4), (21, 22, 23), [14, 1, 10]
+    decoder = BatchDecoder(target, OracleDrafter(ORACLE, conditional=True), make_policy("dominotree"))
+    out = decoder.generate(prompts, max_new_tokens=budgets, temperature=temperature, stop_token_ids=(),
+                           generators=[torch.Generator().manual_seed(s) for s in seeds], first_token="prefill")
+    single = SpeculativeDecoder(target, OracleDrafter(ORACLE, conditional=True), make_policy("dominotree"))
+    for prompt, seed, n, o in zip(prompts, seeds, budgets, out, strict=True):
+        single.gate.reset()
+        alone = single.generate(prompt, max_new_tokens=n, temperature=temperature, stop_token_ids=(),
+                                generator=torch.Generator().manual_seed(seed), first_token="prefill")
+        assert o.tokens.tolist() == alone.tokens.tolist() and o.stats.taus == alone.stats.taus
+    assert out[1].stats.rounds == [] and len(out[1].tokens) == 1
+    with pytest.raises(ValueError, match="first_token must be 'round' or 'prefill'"):
+        decoder.generate(prompts, max_new_tokens=4, first_token="first")
 
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])

@@ -43,6 +43,7 @@ from treespec.decoding import (
     check_request,
     checked_draft,
     checked_parts,
+    commit_first_token,
     commit_round,
     fitted_tree,
 )
@@ -87,9 +88,13 @@ class BatchDecoder:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  stop_token_ids: Iterable[int] | None = None,
                  generators: Sequence[torch.Generator | None] | None = None, backend: str = "torch",
-                 position_keyed: bool = True) -> list[GenerationResult]:
-        """Up to ``max_new_tokens`` (one value, or one per prompt) new tokens after each prompt."""
+                 position_keyed: bool = True, first_token: str = "round") -> list[GenerationResult]:
+        """Up to ``max_new_tokens`` (one value, or one per prompt) new tokens after each prompt;
+        ``first_token`` as in `SpeculativeDecoder.generate` (``"prefill"``: each sequence's first
+        token is the target's after its prompt, from one batched forward timed with the prefill)."""
         start = time.perf_counter()
+        if first_token not in ("round", "prefill"):
+            raise ValueError(f"first_token must be 'round' or 'prefill', got {first_token!r}")
         rows = self._start(prompts, max_new_tokens, SamplingParams(temperature, top_k, top_p, position_keyed),
                            frozenset(stop_token_ids or ()), generators, backend)
         batch = BatchTarget(self.target)
@@ -97,19 +102,36 @@ class BatchDecoder:
         features = clock.run("prefill", batch.prefill, [r.seq.tokens[:r.seq.length] for r in rows], self.taps)
         for row, feats in zip(rows, features, strict=True):
             row.seq.features = feats
-            row.stats.prefill_time = clock.times["prefill"]
-        active, began = list(rows), clock.now()
+        if first_token == "prefill":
+            clock.run("first", self._first_from_prefill, batch, rows)
+        for row in rows:
+            row.stats.prefill_time = clock.times["prefill"] + clock.times.get("first", 0.0)
+        active, began = self._leave(batch, list(rows)), clock.now()
         while active:
             self._round(batch, active, backend)
             now = clock.now()
             for row in active:
                 row.stats.decode_time = now - began
-            staying = [i for i, row in enumerate(active) if not row.seq.done]
-            if len(staying) < len(active):
-                batch.keep(staying)
-                active = [active[i] for i in staying]
+            active = self._leave(batch, active)
         self.last_wall_time = time.perf_counter() - start
         return [self._result(row) for row in rows]
+
+    @staticmethod
+    def _leave(batch: BatchTarget, active: list[_Row]) -> list[_Row]:
+        """The rows still decoding; finished ones leave the batch (their cache rows dropped)."""
+        staying = [i for i, row in enumerate(active) if not row.seq.done]
+        if len(staying) < len(active):
+            batch.keep(staying)
+        return [active[i] for i in staying]
+
+    def _first_from_prefill(self, batch: BatchTarget, rows: list[_Row]) -> None:
+        """Every row's anchor in one forward of root-only trees; commit the target's token after it."""
+        device = self.target.device
+        outputs = batch.forward_trees(TreeBatch([DraftTree.root_only(r.seq.anchor, device=device) for r in rows]),
+                                      self.taps)
+        batch.commit([torch.zeros(1, dtype=torch.int64, device=device) for _ in rows])
+        for row, out in zip(rows, outputs, strict=True):
+            commit_first_token(row.seq, out.logits, out.features, row.sampling, row.generator)
 
     # ------------------------------------------------------------------ set-up
     def _start(self, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int], sampling: SamplingParams,

@@ -59,7 +59,7 @@ from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
 __all__ = ["DRAFT_BACKOFF", "DraftGate", "SpeculativeDecoder", "check_backend", "check_request", "checked_draft",
-           "checked_parts", "commit_round", "fitted_tree", "limit_depth"]
+           "checked_parts", "commit_first_token", "commit_round", "fitted_tree", "limit_depth"]
 
 DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
 
@@ -239,13 +239,9 @@ class SpeculativeDecoder:
     def _first_from_prefill(self, seq: _Sequence, sampling: SamplingParams,
                             generator: torch.Generator | None) -> None:
         """Run the anchor too (timed with the prefill by the caller) and commit the target's token after it."""
-        anchor = seq.tokens[seq.length - 1:seq.length]  # [1]
-        out = self.target.forward_tree(DraftTree.root_only(int(anchor), device=self.target.device), self.taps)
+        out = self.target.forward_tree(DraftTree.root_only(seq.anchor, device=self.target.device), self.taps)
         self.target.commit(torch.zeros(1, dtype=torch.int64, device=self.target.device))
-        chosen = target_tokens(out.logits, torch.tensor([seq.length], device=out.logits.device), sampling, generator)
-        if out.features is not None:
-            seq.features = out.features if seq.features is None else torch.cat([seq.features, out.features])
-        seq.append([int(chosen[0])])
+        commit_first_token(seq, out.logits, out.features, sampling, generator)
 
     # ------------------------------------------------------------------ one round
     def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,
@@ -353,6 +349,16 @@ def commit_round(seq: _Sequence, tree: DraftTree, result: VerifyResult, features
     path_tokens = tree.tokens[accepted]
     seq.append(path_tokens[1:].tolist() + [result.bonus_token])
     return path_tokens
+
+
+def commit_first_token(seq: _Sequence, logits: torch.Tensor, features: torch.Tensor | None,
+                       sampling: SamplingParams, generator: torch.Generator | None) -> None:
+    """``first_token="prefill"``: append the target's token after the anchor, from the root-only
+    tree's ``logits`` [1, V] (argmax, or a draw at T > 0), and the anchor's ``features``."""
+    chosen = target_tokens(logits, torch.tensor([seq.length], device=logits.device), sampling, generator)
+    if features is not None:
+        seq.features = features if seq.features is None else torch.cat([seq.features, features])
+    seq.append([int(chosen[0])])
 
 
 def _generator_for(sampling: SamplingParams, generator: torch.Generator | None) -> torch.Generator | None:

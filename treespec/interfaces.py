@@ -103,6 +103,13 @@ class ConditionalScorer(ABC):
         Depths below the scorer's pure-draft prefix use the base log-probs unchanged.
         """
 
+    @classmethod
+    def stack(cls, scorers: Sequence[ConditionalScorer]) -> object | None:
+        """Optional: S scorers of this class as one stacked scorer -- these methods with a leading
+        [S] dimension on every tensor, each sequence's rows as its own scorer computes them -- so
+        that S trees grow in one batched build; None (the default) has the builder call them in turn."""
+        return None
+
 
 class RecordableScorer(ConditionalScorer):
     """A `ConditionalScorer` that trace replay can store as tensors and rebuild without its drafter.

@@ -81,7 +81,7 @@ class BatchRunner(Runner):
         results = self.decoders[method.name].generate(
             [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,
             stop_token_ids=self.stops, generators=[torch.Generator().manual_seed(t.seed) for t in turns],
-            backend=self.config.backend)
+            backend=self.config.backend, first_token=self.config.first_token)
         decode = max(r.stats.decode_time for r in results)  # the batch's wall time, first round to last
         longest = max(results, key=lambda r: len(r.stats.rounds)).stats.stage_totals()  # the batch's stage times
         total = max(1, sum(r.tokens.numel() for r in results))
