@@ -73,7 +73,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"machine: {machine_identity()}; V = {VOCAB}, L = {DEPTH}")
     parts = DominoParts(VOCAB, **SIZES[VOCAB], scale=4.0)
-    print("| policy | B | S | cells per level | S compact builds (ms) | stacked (ms) | stacked / compact | same trees |")
+    print("| policy | B | S | cells per level | S compact builds (ms) | stacked (ms) | stacked / compact "
+          "| same trees |")
     print("|---|---|---|---|---|---|---|---|")
     for budget in args.budgets:
         for name, policy, draft, width in (

@@ -33,7 +33,7 @@ import torch
 
 from treespec.interfaces import ConditionalScorer
 
-__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children"]
+__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children", "defers"]
 
 
 @attrs.frozen(eq=False)
@@ -88,8 +88,7 @@ class ScorerSource(CandidateSource):
 
     @property
     def deferred(self) -> bool:
-        """Whether the scorer can leave child states pending (``expand_deferred`` and ``advance``)."""
-        return hasattr(self.scorer, "expand_deferred") and hasattr(self.scorer, "advance")
+        return defers(self.scorer)
 
     def root_state(self) -> torch.Tensor:
         state = self.scorer.root_state()
@@ -105,6 +104,11 @@ class ScorerSource(CandidateSource):
             out = self.scorer.expand(states, depth, top_m=self.top_m, k=self.k)
         check_children(out.tokens, out.logprobs, out.states, (n,), depth, self.check_values)
         return Children(out.tokens, out.logprobs, out.states)
+
+
+def defers(scorer: object) -> bool:
+    """Whether a scorer can leave child states pending (``expand_deferred`` and ``advance``)."""
+    return hasattr(scorer, "expand_deferred") and hasattr(scorer, "advance")
 
 
 def check_children(tokens, logprobs, states, lead: tuple[int, ...], depth: int, check_values: bool) -> None:

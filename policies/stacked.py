@@ -32,13 +32,13 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children
+from policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, defers
 from treespec.interfaces import ConditionalScorer, Expansion
 from treespec.topk import order_key
 from treespec.tree import DraftTree
 
-__all__ = ["FactorizedStack", "LoopedDeferredScorers", "LoopedScorers", "ScorerStack", "SourceStack", "assemble", "stack_sources",
-           "stacked_selection"]
+__all__ = ["FactorizedStack", "LoopedDeferredScorers", "LoopedScorers", "ScorerStack", "SourceStack", "assemble",
+           "stack_sources", "stacked_selection"]
 
 
 # ---------------------------------------------------------------------------- stacked sources
@@ -61,11 +61,14 @@ class ScorerStack:
 
     @property
     def deferred(self) -> bool:
-        return hasattr(self.scorer, "expand_deferred") and hasattr(self.scorer, "advance")
+        return defers(self.scorer)
 
     def root_states(self) -> torch.Tensor:
         """[S, 1, G] the roots' states."""
-        return self.scorer.root_state()[:, None]
+        state = self.scorer.root_state()
+        if state.dim() != 2:
+            raise ValueError(f"a stacked scorer's root_state() must be [S, G], got shape {tuple(state.shape)}")
+        return state[:, None]
 
     def expand(self, states: torch.Tensor, depth: int) -> Expansion:
         """Children of the parents ``states`` [S, n, G]: tokens, log-probs [S, n, k], states [S, n, k, G]."""
@@ -111,8 +114,7 @@ class LoopedDeferredScorers(LoopedScorers):
 
 
 def _looped(scorers: Sequence[ConditionalScorer]) -> LoopedScorers:
-    deferred = all(hasattr(s, "expand_deferred") and hasattr(s, "advance") for s in scorers)
-    return (LoopedDeferredScorers if deferred else LoopedScorers)(scorers)
+    return (LoopedDeferredScorers if all(defers(s) for s in scorers) else LoopedScorers)(scorers)
 
 
 def stack_sources(sources: Sequence[CandidateSource]) -> SourceStack | None:

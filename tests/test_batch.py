@@ -248,10 +248,12 @@ def test_the_domino_stack_gives_every_round_its_own_scorers_tree(target):
     config = tiny_config(domino=True, vocab=VOCAB, hidden=32, num_target_layers=2, layer_ids=(0, 1), block_size=7)
     drafter = DominoDrafter.random(config, dtype=torch.float64, seed=3)
     drafter.bind(target)
-    contexts = [DraftContext(p, target.prefill(p[:-1], drafter.tap_layers).features, 0) for p in prompts_of((9, 2, 14, 5))]
+    contexts = [DraftContext(p, target.prefill(p[:-1], drafter.tap_layers).features, 0)
+                for p in prompts_of((9, 2, 14, 5))]
     drafts = drafter.draft_batch([drafter.fork() for _ in contexts], contexts)
     for name, budget in (("dominotree", 24), ("dominotree", 64), ("chain", 6)):
-        policy = registry.resolve("policy", name)(budget=budget, top_m=16, **({"node_topk": 4} if name != "chain" else {}))
+        widths = {"top_m": 16} if name == "chain" else {"top_m": 16, "node_topk": 4}
+        policy = registry.resolve("policy", name)(budget=budget, **widths)
         _, stack = stacked_trees(policy, drafts, [budget] * len(drafts))
         assert isinstance(stack.scorer, DominoStack)
         assert_each_own(policy, drafts, [budget] * len(drafts))
