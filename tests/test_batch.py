@@ -365,13 +365,14 @@ def test_the_batch_decoder_refuses_bad_requests(target):
 
 
 # ---------------------------------------------------------------------------- the bench at batch size S
-def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path):
-    import attrs
+@pytest.mark.parametrize("first_token", ["round", "prefill"])
+def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path, first_token):
     from test_bench_runner import CONFIG, TIMES, make_harness, prompt_files
 
     import treespec.apps.bench as ab
 
-    config = attrs.evolve(CONFIG, datasets=prompt_files(tmp_path), methods=("ar", "ddtree", "dominotree"))
+    config = attrs.evolve(CONFIG, datasets=prompt_files(tmp_path), methods=("ar", "ddtree", "dominotree"),
+                          first_token=first_token)
     outs = {}
     for size in (1, 3):
         out = tmp_path / f"s{size}"
