@@ -96,13 +96,14 @@ class DominoScorer(RecordableScorer):
     record_kind: ClassVar[str] = "domino"
 
     def __init__(self, *, rows: torch.Tensor, base_logits: torch.Tensor, prefix_gru: nn.GRU,
-                 embed_proj: nn.Sequential, embed: nn.Embedding, anchor: int, pure_draft_prefix_len: int,
-                 gru_table: torch.Tensor | None = None, prefix_logprobs: torch.Tensor | None = None) -> None:
+                 embed_proj: nn.Sequential, embed: nn.Embedding, anchor: int | torch.Tensor,
+                 pure_draft_prefix_len: int, gru_table: torch.Tensor | None = None,
+                 prefix_logprobs: torch.Tensor | None = None) -> None:
         self.rows = rows  # [L, H] drafted hidden states z
         self.base_logits = base_logits  # [L, V] float32 lm_head(z)
         self.prefix_logprobs = prefix_logprobs  # [prefix_len, V] float32 base log-probs given (None: computed)
         self.prefix_gru, self.embed_proj, self.embed = prefix_gru, embed_proj, embed
-        self.anchor = anchor
+        self.anchor = anchor  # the round's anchor token id: an int, or a [1] int64 tensor on the device
         self.prefix_len = pure_draft_prefix_len
         self.gru_table = gru_table  # [V, 3G] W_ih e(t) for every token, or None
         self.w_ih, self.w_hh = prefix_gru.weight_ih_l0, prefix_gru.weight_hh_l0  # [3G, H], [3G, G]
@@ -128,7 +129,7 @@ class DominoScorer(RecordableScorer):
     # ------------------------------------------------------------------ ConditionalScorer
     @torch.no_grad()
     def root_state(self) -> torch.Tensor:
-        anchor = torch.tensor([self.anchor], device=self.rows.device)
+        anchor = self._anchor_ids()
         if self.module_gru:
             return self._module_step(self.w_hh.new_zeros(1, self.state_size), anchor)[0]
         gi = self._input_gates(anchor)[0]  # [3G]
@@ -274,6 +275,24 @@ class DominoScorer(RecordableScorer):
         chosen, order = exact_topk(logprobs, k)  # columns are ids ascending: ties go to the lower id
         return ids[order], chosen.float()
 
+    def _anchor_ids(self) -> torch.Tensor:
+        """[1] int64 anchor id on the rows' device (a tensor anchor, as `with_round_inputs` gives, is used as is)."""
+        if isinstance(self.anchor, torch.Tensor):
+            return self.anchor.reshape(1)
+        return torch.tensor([self.anchor], device=self.rows.device)
+
+    def round_inputs(self) -> dict[str, torch.Tensor] | None:
+        """The drafted rows z [L, H], the base logits [L, V] and the anchor [1]; None for a replayed
+        round (its base log-probs are given, not computed)."""
+        if self.prefix_logprobs is not None:
+            return None
+        return {"rows": self.rows, "base_logits": self.base_logits, "anchor": self._anchor_ids()}
+
+    def with_round_inputs(self, inputs: Mapping[str, torch.Tensor]) -> DominoScorer:
+        return DominoScorer(rows=inputs["rows"], base_logits=inputs["base_logits"], prefix_gru=self.prefix_gru,
+                            embed_proj=self.embed_proj, embed=self.embed, anchor=inputs["anchor"],
+                            pure_draft_prefix_len=self.prefix_len, gru_table=self.gru_table)
+
     @classmethod
     def stack(cls, scorers: Sequence[DominoScorer]) -> DominoStack | None:
         """S rounds' scorers as one `DominoStack`, when they share one drafter's modules and shapes."""
@@ -294,7 +313,7 @@ class DominoScorer(RecordableScorer):
         prefix_values, prefix_ids = exact_topk(prefix_rows, m)  # [p, M]
         tensors = {"rows": self.rows, "base_tokens": base_ids.to(torch.int32), "base_logits": base_values,
                    "prefix_tokens": prefix_ids.to(torch.int32), "prefix_logprobs": prefix_values,
-                   "anchor": torch.tensor([self.anchor], dtype=torch.int64)}
+                   "anchor": self._anchor_ids().cpu()}
         return {name: t.detach().cpu().clone() for name, t in tensors.items()}
 
     def record_shared(self, rounds: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -1,4 +1,4 @@
-"""Capture a factorized policy's static torch build in a CUDA graph and replay it every round.
+"""Capture a policy's static torch build in a CUDA graph and replay it every round.
 
 Contract
 --------
@@ -7,8 +7,13 @@ build of ``policy`` -- Chain over marginals, DDTree, CaDDTree -- for drafts of s
 ``build(draft)`` validates the draft on the host, copies its log-probs into the graph's input,
 replays the graph and returns the same `DraftTree` as ``policy.build(draft)``.  The root token
 only names node 0, so it is written into the output after the replay; a stop rule (CaDDTree) is
-applied after the replay to the captured canonical order.  Drafts carrying a
-`ConditionalScorer` are refused: their scorer is not part of the captured inputs.
+applied after the replay to the captured canonical order.
+
+Policies over a scorer (DominoTree, the Domino chain) are captured with ``scorer=`` a template
+`ConditionalScorer` whose class offers ``round_inputs`` / ``with_round_inputs``: its round inputs
+(Domino: the drafted rows, the base logits, the anchor) become the graph's input buffers, every
+captured build reads a fresh scorer over those buffers, and ``build(draft)`` copies the draft's
+scorer's round inputs in.  Drafts whose scorer the graph was not captured for are refused.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from policies.best_first import BestFirstPolicy
 from policies.frontier import assemble, frontier_selection
-from treespec.interfaces import DraftOutput
+from treespec.interfaces import ConditionalScorer, DraftOutput
 from treespec.tree import DraftTree
 
 __all__ = ["GraphedBuild"]
@@ -26,35 +31,41 @@ __all__ = ["GraphedBuild"]
 class GraphedBuild:
     """One captured build for one (policy, L, V) on one CUDA device."""
 
-    def __init__(self, policy: BestFirstPolicy, depth: int, vocab_size: int, *,
-                 device: torch.device | str = "cuda", warmup: int = 2) -> None:
+    def __init__(self, policy: BestFirstPolicy, depth: int, vocab_size: int, *, device: torch.device | str = "cuda",
+                 warmup: int = 2, scorer: ConditionalScorer | None = None) -> None:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
-        self.policy = policy
-        self.logprobs = torch.zeros(depth, vocab_size, device=device)  # the graph's input
-        template = DraftOutput(logprobs=self.logprobs, root_token=0)
+        self.policy, self.template = policy, scorer
+        self.logprobs = torch.zeros(depth, vocab_size, device=device)  # the graph's inputs
+        self.inputs = None  # the scorer's round inputs, copied in before each replay
+        if scorer is not None:
+            self.inputs = {k: t.to(device).clone() for k, t in _round_inputs(scorer, "the template scorer").items()}
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up runs allocate outside the capture
             for _ in range(warmup):
-                self._run(template)
+                self._run()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.outputs = self._run(template)
+            self.outputs = self._run()
 
-    def _run(self, draft: DraftOutput) -> tuple[torch.Tensor, ...]:
+    def _template_draft(self) -> DraftOutput:
+        """A draft over the input buffers, with a fresh scorer (its per-round caches start empty)."""
+        scorer = None if self.template is None else self.template.with_round_inputs(self.inputs)
+        return DraftOutput(logprobs=self.logprobs, root_token=0, scorer=scorer)
+
+    def _run(self) -> tuple[torch.Tensor, ...]:
+        draft = self._template_draft()
         source = self.policy.source(draft, "static")
         return frontier_selection(draft, source, self.policy.max_nodes(draft), static=True)
 
     def build(self, draft: DraftOutput) -> DraftTree:
-        if draft.scorer is not None:
-            raise ValueError("GraphedBuild captures factorized drafts only; this draft carries a scorer")
         if draft.logprobs.shape != self.logprobs.shape:
             raise ValueError(f"captured for logprobs {tuple(self.logprobs.shape)}, got {tuple(draft.logprobs.shape)}")
         self.policy.validate(draft)
-        self.logprobs.copy_(draft.logprobs)
+        self._copy_inputs(draft)
         self.graph.replay()
         order, tokens, scores, depths, parents = self.outputs
         tokens = tokens.clone()
@@ -63,3 +74,25 @@ class GraphedBuild:
         if stop is not None:
             order = order[: int(stop.keep(draft, scores[order]))]
         return assemble(order, tokens, scores, depths, parents)
+
+    def _copy_inputs(self, draft: DraftOutput) -> None:
+        if (draft.scorer is None) != (self.template is None):
+            raise ValueError("this GraphedBuild was captured " + ("without a scorer; the draft carries one"
+                                                                  if self.template is None else
+                                                                  "for a scorer; the draft carries none"))
+        self.logprobs.copy_(draft.logprobs)
+        if self.template is None:
+            return
+        inputs = _round_inputs(draft.scorer, "the draft's scorer")
+        if inputs.keys() != self.inputs.keys() or any(inputs[k].shape != self.inputs[k].shape for k in inputs):
+            raise ValueError(f"captured for scorer inputs { {k: tuple(v.shape) for k, v in self.inputs.items()} }, "
+                             f"got { {k: tuple(v.shape) for k, v in inputs.items()} }")
+        for name, tensor in inputs.items():
+            self.inputs[name].copy_(tensor)
+
+
+def _round_inputs(scorer: ConditionalScorer, which: str) -> dict[str, torch.Tensor]:
+    inputs = scorer.round_inputs()
+    if inputs is None:
+        raise ValueError(f"{which} ({type(scorer).__name__}) offers no round_inputs: it cannot be captured")
+    return inputs

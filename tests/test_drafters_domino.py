@@ -205,3 +205,34 @@ def test_bf16_children_are_computed_as_the_released_head_computes_them():
     assert out.states.dtype == torch.bfloat16 and torch.equal(out.states, h[0].view(K, K, -1))
     pending = scorer.expand_deferred(states, 1, top_m=m, k=K)
     assert torch.equal(scorer.advance(pending.states.reshape(K * K, -1)), h[0])
+
+
+# ---------------------------------------------------------------------------- round inputs (CUDA-graph capture)
+@pytest.mark.parametrize("table", [False, True])
+def test_a_scorer_rebuilt_from_its_round_inputs_builds_the_same_trees(target, table):
+    """`with_round_inputs` over copies of `round_inputs` (a tensor anchor, as a captured graph's
+    buffers hold it) is the same scorer: the same root state and every policy's tree bit for bit."""
+    from policies.chain import Chain
+    from policies.dominotree import DominoTree
+    from treespec.interfaces import DraftOutput
+
+    drafter, draft = drafted(target, table=table, block_size=6)
+    inputs = draft.scorer.round_inputs()
+    assert set(inputs) == {"rows", "base_logits", "anchor"} and inputs["anchor"].dtype == torch.int64
+    rebuilt = draft.scorer.with_round_inputs({k: v.clone() for k, v in inputs.items()})
+    assert torch.equal(rebuilt.root_state(), draft.scorer.root_state())
+    again = DraftOutput(logprobs=draft.logprobs.clone(), root_token=draft.root_token, scorer=rebuilt)
+    for policy in (DominoTree(budget=24, top_m=16, node_topk=4), Chain(top_m=16)):
+        for backend in ("torch", "networkx"):
+            assert policy.build(again, backend=backend).equal(policy.build(draft, backend=backend))
+        assert policy.build_torch(again, static=True).equal(policy.build_torch(draft, static=True))
+
+
+def test_a_replayed_round_offers_no_round_inputs(target):
+    """A replayed scorer's base log-probs are given, not computed: it cannot be captured (None)."""
+    _, draft = drafted(target)
+    s = draft.scorer
+    replayed = DominoScorer(rows=s.rows, base_logits=s.base_logits, prefix_gru=s.prefix_gru, embed_proj=s.embed_proj,
+                            embed=s.embed, anchor=s.anchor, pure_draft_prefix_len=1,
+                            prefix_logprobs=torch.log_softmax(s.base_logits[:1], dim=-1))
+    assert replayed.round_inputs() is None

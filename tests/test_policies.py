@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from drafters.domino import DominoScorer
 from drafters.toy import MarginalDrafter, ToyConditionalDrafter, ToyConfig
 from policies.best_first import BestFirstPolicy
 from policies.caddtree import CaDDTree
@@ -397,3 +398,40 @@ def test_cuda_graph_build_equals_reference(policy):
         on_gpu = DraftOutput(logprobs=draft.logprobs.cuda(), root_token=draft.root_token, position=draft.position)
         assert graphed.build(on_gpu).to("cpu").equal(policy.build(draft, backend="networkx"))
         assert policy.build(on_gpu).to("cpu").equal(policy.build(draft, backend="networkx"))
+
+
+
+def random_domino_round(seed: int, device: str, modules: tuple, *, vocab: int = 300, hidden: int = 24,
+                        depth: int = 6) -> DraftOutput:
+    """One round over random Domino ``modules`` (GRU, projection, embedding; float32) on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    gru_module, proj, embed = modules
+    logits = 3 * torch.randn(depth, vocab, generator=gen)
+    scorer = DominoScorer(rows=torch.randn(depth, hidden, generator=gen).to(device), base_logits=logits.to(device),
+                          prefix_gru=gru_module, embed_proj=proj, embed=embed, anchor=seed % vocab,
+                          pure_draft_prefix_len=1)
+    return DraftOutput(logprobs=torch.log_softmax(logits, -1).to(device), root_token=seed % vocab, scorer=scorer)
+
+
+def random_domino_modules(device: str, *, vocab: int = 300, hidden: int = 24, gru: int = 8, rank: int = 6) -> tuple:
+    torch.manual_seed(0)
+    modules = (torch.nn.GRU(hidden, gru, batch_first=True, bias=False),
+               torch.nn.Sequential(torch.nn.Linear(hidden + gru, rank, bias=False), torch.nn.SiLU(),
+                                   torch.nn.Linear(rank, vocab, bias=False)),
+               torch.nn.Embedding(vocab, hidden))
+    return tuple(m.requires_grad_(False).to(device) for m in modules)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", [DominoTree(budget=48, top_m=16, node_topk=4), Chain(top_m=16)],
+                         ids=["dominotree", "chain-domino"])
+def test_cuda_graph_build_over_a_scorer_equals_eager(policy):
+    """A Domino round's scorer captured through its round inputs: every replay is the eager static build."""
+    from policies.cuda_graph import GraphedBuild
+
+    modules = random_domino_modules("cuda")
+    first = random_domino_round(0, "cuda", modules)
+    graphed = GraphedBuild(policy, first.depth, first.vocab_size, scorer=first.scorer)
+    for seed in range(1, 5):  # one capture, several replays with new rounds
+        draft = random_domino_round(seed, "cuda", modules)
+        assert graphed.build(draft).equal(policy.build_torch(draft, static=True))

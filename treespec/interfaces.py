@@ -103,6 +103,16 @@ class ConditionalScorer(ABC):
         Depths below the scorer's pure-draft prefix use the base log-probs unchanged.
         """
 
+    def round_inputs(self) -> dict[str, torch.Tensor] | None:
+        """Optional: the tensors this round's scorer is made of (everything else, such as weights,
+        is shared by every round), so that a captured build (policies/cuda_graph.py) can copy a new
+        round into fixed buffers; None (the default): the scorer cannot be captured."""
+        return None
+
+    def with_round_inputs(self, inputs: Mapping[str, torch.Tensor]) -> ConditionalScorer:
+        """A fresh scorer like this one over ``inputs`` (the names and shapes of `round_inputs`)."""
+        raise NotImplementedError(f"{type(self).__name__} offers no round_inputs")
+
     @classmethod
     def stack(cls, scorers: Sequence[ConditionalScorer]) -> object | None:
         """Optional: S scorers of this class as one stacked scorer -- these methods with a leading
