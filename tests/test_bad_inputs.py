@@ -179,3 +179,25 @@ def test_train_drafter_names_bad_teacher_and_settings(tmp_path, args, message):
 def test_teacher_cache_names_its_bad_inputs(tmp_path, capsys, args, code, message):
     assert main(["teacher-cache", "--data", str(tmp_path), "--out", str(tmp_path / "c"), *args]) == code
     assert message in capsys.readouterr().err
+
+
+def test_train_drafter_on_a_target_without_a_tokenizer_asks_for_the_mask_token(tmp_path):
+    """No tokenizer is needed when --mask-token-id is given; without both, the message says so."""
+    from treespec.apps.selfdistill import DistillConfig, write_shards
+
+    model = tiny_model("llama", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "target")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [(f"p{i}", torch.randint(3, 96, (8,), generator=gen).tolist()) for i in range(4)]
+    write_shards(model, prompts, tmp_path / "data", DistillConfig(num_prompts=4, max_new_tokens=12, batch_size=2,
+                                                                  shard_size=4), stop_ids=[999], pad_id=0,
+                 progress=False)
+    argv = ["train-drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"),
+            "--out", str(tmp_path / "run"), "--set", "steps=2", "--set", "block_size=4", "--set", "num_layers=1",
+            "--set", "anchors_per_sequence=2", "--set", "warmup_steps=1"]
+    with pytest.raises(SystemExit, match="no usable tokenizer.*or pass --mask-token-id"):
+        main(argv)
+    assert main([*argv, "--mask-token-id", "0"]) == 0
+    assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+    with pytest.raises(SystemExit, match=re.escape(f"--target {tmp_path / 'none'}: no model here")):
+        main([*argv[:2], str(tmp_path / "none"), *argv[3:]])

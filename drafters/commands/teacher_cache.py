@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        target, _, identity = load_frozen_model(args.target, args.dtype)
+        target, _, identity = load_frozen_model(args.target, args.dtype, tokenizer=False)
         spec = TeacherSpec(layers or default_cache_layers(target.config.num_hidden_layers), args.top_k, args.max_seq_len)
         print(f"teacher cache of {identity['name']} (sha256 {identity['sha256'][:12]}…): layers "
               f"{list(spec.target_layer_ids)}, top {spec.top_k}, sequences cut at {spec.max_seq_len}", flush=True)

@@ -156,7 +156,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     cfg = _config(args)
     _check_data(args.data, args.teacher)
-    target, tokenizer, identity = load_frozen_model(args.target, args.target_dtype, args.device)
+    try:
+        target, tokenizer, identity = load_frozen_model(args.target, args.target_dtype, args.device,
+                                                        tokenizer=args.mask_token_id is None)
+    except OSError as exc:
+        hint = "; or pass --mask-token-id" if "tokenizer" in str(exc) else ""
+        raise SystemExit(f"treespec train-drafter: --target {exc}{hint}") from None
     mask = args.mask_token_id
     if mask is None:
         mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)

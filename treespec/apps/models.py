@@ -30,8 +30,11 @@ def model_identity(name: str, model_dir: str | Path) -> dict[str, str]:
     return {"name": name, "sha256": digest.hexdigest()}
 
 
-def load_frozen_model(path: Path | None, dtype_name: str, device: str = "cpu"):
-    """(model, tokenizer, identity) of the causal LM at ``path`` (default: the embedded SmolLM2)."""
+def load_frozen_model(path: Path | None, dtype_name: str, device: str = "cpu", *, tokenizer: bool = True):
+    """(model, tokenizer, identity) of the causal LM at ``path`` (default: the embedded SmolLM2);
+    ``tokenizer=False`` skips the tokenizer (None in its place) for callers that need only ids.
+    A directory that holds no model, or no usable tokenizer when one is asked for, raises an
+    OSError naming it."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from treespec.apps.embedded import SMOLLM2_135M_INSTRUCT, embedded_model_dir
@@ -39,7 +42,15 @@ def load_frozen_model(path: Path | None, dtype_name: str, device: str = "cpu"):
 
     name = str(path) if path else SMOLLM2_135M_INSTRUCT.requirement
     path = path or embedded_model_dir()
+    if not (Path(path) / "config.json").is_file():
+        raise OSError(f"{path}: no model here (a Hugging Face directory with config.json and *.safetensors)")
     dtype = resolve_dtype(dtype_name, device=device, config=AutoConfig.from_pretrained(path, local_files_only=True))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval().requires_grad_(False).to(device)
-    return model, AutoTokenizer.from_pretrained(path, local_files_only=True), model_identity(name, path)
+    words = None
+    if tokenizer:
+        try:
+            words = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise OSError(f"{path}: no usable tokenizer ({str(exc).strip().splitlines()[0]})") from None
+    return model, words, model_identity(name, path)

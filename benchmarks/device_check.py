@@ -1,0 +1,172 @@
+"""The checks to run when a CUDA machine is lent: captured builds against eager, and training on the GPU.
+
+1. **CUDA-graph builds.**  For B = 16 / 64 / 256, `policies.cuda_graph.GraphedBuild` against the
+   eager static build, bit for bit over several fresh rounds, and the build time per round of both
+   (median, synchronised): DDTree over random marginals (V = 151,936, L = 16) and DominoTree over
+   random Qwen3-4B-sized Domino parts (H 2,560, G 1,024, E 256; M = 64, 8 children per node).
+2. **Stacked builds.**  S = 8 drafts' trees in one stacked build on the GPU against their single
+   builds, and the time of both.
+3. **Training on the GPU.**  ``treespec train-drafter --device cuda`` for a few minutes on a random
+   target of SmolLM2-135M's shape (no network: the target is made here, and so is its
+   self-distillation data), printing the time per step.
+
+    python benchmarks/device_check.py                  # on the CUDA machine, about 10 minutes
+    python benchmarks/device_check.py --cpu-dry-run    # every code path at tiny sizes, no capture
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_build import SIZES, DominoParts, marginal_draft
+
+from policies.ddtree import DDTree
+from policies.dominotree import DominoTree
+from treespec.interfaces import DraftOutput
+
+DEPTH = 16
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256])
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per cell (median)")
+    parser.add_argument("--train-steps", type=int, default=300, help="train-drafter steps (part 3)")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU, graphs skipped")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["graphs", "stacked", "train"])
+    return parser.parse_args()
+
+
+def on(draft: DraftOutput, device: str) -> DraftOutput:
+    """A marginal draft moved to ``device`` (scorer drafts are made on their device)."""
+    return DraftOutput(logprobs=draft.logprobs.to(device), root_token=draft.root_token, position=draft.position)
+
+
+def timed_ms(fn, rounds: int, device: str) -> float:
+    times = []
+    for _ in range(rounds):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+class Cases:
+    """Fresh rounds for each policy at the machine's sizes."""
+
+    def __init__(self, device: str, dry: bool) -> None:
+        self.device = device
+        self.vocab = 300 if dry else 151936
+        sizes = {"hidden": 24, "gru": 8, "rank": 6} if dry else SIZES[151936]
+        self.parts = DominoParts(self.vocab, **sizes, scale=4.0)
+        for module in (self.parts.gru, self.parts.proj, self.parts.embed):
+            module.to(device)
+
+    def marginal(self, seed: int) -> DraftOutput:
+        return on(marginal_draft(self.vocab, 4.0, seed, DEPTH), self.device)
+
+    def domino(self, seed: int) -> DraftOutput:
+        draft = self.parts.draft(seed, DEPTH)
+        scorer = draft.scorer.with_round_inputs({k: v.to(self.device) for k, v in draft.scorer.round_inputs().items()})
+        return DraftOutput(logprobs=draft.logprobs.to(self.device), root_token=draft.root_token, scorer=scorer)
+
+
+def check_graphs(cases: Cases, args: argparse.Namespace) -> None:
+    from policies.cuda_graph import GraphedBuild
+
+    print("\n## 1. CUDA-graph builds against eager (static mode), ms per round")
+    print("| policy | B | eager ms | graph ms | eager / graph | identical rounds |")
+    print("|---|---|---|---|---|---|")
+    for budget in args.budgets:
+        for name, policy, make in (("ddtree", DDTree(budget=budget), cases.marginal),
+                                   ("dominotree", DominoTree(budget=budget), cases.domino)):
+            first = make(0)
+            start = time.perf_counter()
+            graphed = GraphedBuild(policy, first.depth, first.vocab_size, scorer=first.scorer)
+            capture_s = time.perf_counter() - start
+            drafts = [make(seed) for seed in range(1, 6)]
+            same = sum(graphed.build(d).equal(policy.build_torch(d, static=True)) for d in drafts)
+            eager = timed_ms(lambda: policy.build_torch(drafts[0], static=True), args.rounds, cases.device)
+            replay = timed_ms(lambda: graphed.build(drafts[0]), args.rounds, cases.device)
+            print(f"| {name} | {budget} | {eager:.2f} | {replay:.2f} | {eager / replay:.1f}x | {same}/{len(drafts)} "
+                  f"(capture {capture_s:.1f} s) |", flush=True)
+
+
+def check_stacked(cases: Cases, args: argparse.Namespace, size: int = 8) -> None:
+    print(f"\n## 2. {size} drafts' trees in one stacked build against {size} single builds, ms per batch")
+    print("| policy | B | single builds ms | stacked ms | identical trees |")
+    print("|---|---|---|---|---|")
+    for budget in args.budgets:
+        for name, policy, make in (("ddtree", DDTree(budget=budget), cases.marginal),
+                                   ("dominotree", DominoTree(budget=budget), cases.domino)):
+            drafts = [make(100 + i) for i in range(size)]
+            stacked = policy.build_batch(drafts)  # off the CPU the drafts always grow together
+            same = sum(a.equal(policy.build_torch(d, static=True)) for a, d in zip(stacked, drafts, strict=True))
+            single = timed_ms(lambda: [policy.build(d) for d in drafts], max(3, args.rounds // 4), cases.device)
+            batch = timed_ms(lambda: policy.build_batch(drafts), max(3, args.rounds // 4), cases.device)
+            print(f"| {name} | {budget} | {single:.1f} | {batch:.1f} | {same}/{size} |", flush=True)
+
+
+def check_training(device: str, steps: int, dry: bool) -> None:
+    """A random SmolLM2-shaped target, its self-distillation data, then train-drafter on ``device``."""
+    from treespec.apps.selfdistill import DistillConfig, write_shards
+    from treespec.apps.tiny import tiny_causal_lm
+
+    print(f"\n## 3. train-drafter --device {device}")
+    sizes = dict(vocab=512, hidden=64, layers=4, heads=4, kv_heads=2) if dry else \
+        dict(vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, head_dim=64)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        target = tiny_causal_lm("llama", init=0.02, dtype=torch.float32, **sizes).to(device)
+        target.save_pretrained(work / "target", safe_serialization=True)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [(f"p{i}", torch.randint(3, sizes["vocab"], (24,), generator=gen).tolist()) for i in range(96)]
+        config = DistillConfig(num_prompts=len(prompts), max_new_tokens=64 if dry else 256, batch_size=32,
+                               shard_size=32)
+        start = time.perf_counter()
+        write_shards(target, prompts, work / "data", config, stop_ids=[sizes["vocab"] + 1], pad_id=0, progress=False)
+        print(f"distill data: {len(prompts)} prompts in {time.perf_counter() - start:.1f} s", flush=True)
+        del target
+        head = 256 if dry else 8192
+        command = [sys.executable, "-m", "treespec.apps.cli", "train-drafter", "--target", str(work / "target"),
+                   "--data", str(work / "data"), "--out", str(work / "run"), "--preset", "smollm2-domino",
+                   "--mask-token-id", "0", "--device", device, "--set", f"steps={steps}", "--set", "save_every=100000",
+                   "--set", "num_layers=1", "--set", f"draft_vocab_size={head}"]
+        start = time.perf_counter()
+        subprocess.run(command, check=True)
+        wall = time.perf_counter() - start
+        state = json.loads((work / "run" / "trainer_state.json").read_text())
+        print(f"{state['step']} steps in {wall:.0f} s ({wall / max(1, state['step']):.2f} s per step, "
+              f"start-up included)")
+
+
+def main() -> None:
+    args = parse_args()
+    device = "cpu" if args.cpu_dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; --cpu-dry-run runs the code paths on the CPU")
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)"
+    print(f"device: {name}; torch {torch.__version__}")
+    cases = Cases(device, args.cpu_dry_run)
+    if "graphs" not in args.skip and device == "cuda":
+        check_graphs(cases, args)
+    if "stacked" not in args.skip:
+        check_stacked(cases, args)
+    if "train" not in args.skip:
+        check_training(device, args.train_steps if device == "cuda" else 4, args.cpu_dry_run)
+
+
+if __name__ == "__main__":
+    main()
