@@ -31,9 +31,9 @@ from abc import ABC, abstractmethod
 import attrs
 import torch
 
-from treespec.interfaces import ConditionalScorer
+from treespec.interfaces import ConditionalScorer, Expansion
 
-__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children", "defers"]
+__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children", "defers", "scorer_children"]
 
 
 @attrs.frozen(eq=False)
@@ -86,10 +86,6 @@ class ScorerSource(CandidateSource):
     k: int  # children kept per parent
     check_values: bool = True  # also reject NaN / positive log-probs (a host sync; off in static mode)
 
-    @property
-    def deferred(self) -> bool:
-        return defers(self.scorer)
-
     def root_state(self) -> torch.Tensor:
         state = self.scorer.root_state()
         if state.dim() != 1:
@@ -97,11 +93,7 @@ class ScorerSource(CandidateSource):
         return state
 
     def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Children:
-        if self.deferred:  # below the root, states are pending children: complete only these rows
-            states = states if depth == 0 else self.scorer.advance(states)
-            out = self.scorer.expand_deferred(states, depth, top_m=self.top_m, k=self.k)
-        else:
-            out = self.scorer.expand(states, depth, top_m=self.top_m, k=self.k)
+        out = scorer_children(self.scorer, states, depth, self.top_m, self.k)
         check_children(out.tokens, out.logprobs, out.states, (n,), depth, self.check_values)
         return Children(out.tokens, out.logprobs, out.states)
 
@@ -109,6 +101,15 @@ class ScorerSource(CandidateSource):
 def defers(scorer: object) -> bool:
     """Whether a scorer can leave child states pending (``expand_deferred`` and ``advance``)."""
     return hasattr(scorer, "expand_deferred") and hasattr(scorer, "advance")
+
+
+def scorer_children(scorer, states: torch.Tensor, depth: int, top_m: int, k: int) -> Expansion:
+    """``scorer``'s children of parents ``states``; a deferring scorer's states below the root are
+    pending children, completed first (only the rows being expanded pay for their GRU step)."""
+    if defers(scorer):
+        states = states if depth == 0 else scorer.advance(states)
+        return scorer.expand_deferred(states, depth, top_m=top_m, k=k)
+    return scorer.expand(states, depth, top_m=top_m, k=k)
 
 
 def check_children(tokens, logprobs, states, lead: tuple[int, ...], depth: int, check_values: bool) -> None:

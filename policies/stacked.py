@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, defers
+from policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, defers, scorer_children
 from treespec.interfaces import ConditionalScorer, Expansion
 from treespec.topk import order_key
 from treespec.tree import DraftTree
@@ -59,10 +59,6 @@ class ScorerStack:
     k: int  # children kept per parent
     check_values: bool = True  # also reject NaN / positive log-probs (a host sync)
 
-    @property
-    def deferred(self) -> bool:
-        return defers(self.scorer)
-
     def root_states(self) -> torch.Tensor:
         """[S, 1, G] the roots' states."""
         state = self.scorer.root_state()
@@ -72,11 +68,7 @@ class ScorerStack:
 
     def expand(self, states: torch.Tensor, depth: int) -> Expansion:
         """Children of the parents ``states`` [S, n, G]: tokens, log-probs [S, n, k], states [S, n, k, G]."""
-        if self.deferred:  # below the root, states are pending children: complete them first
-            states = states if depth == 0 else self.scorer.advance(states)
-            out = self.scorer.expand_deferred(states, depth, top_m=self.top_m, k=self.k)
-        else:
-            out = self.scorer.expand(states, depth, top_m=self.top_m, k=self.k)
+        out = scorer_children(self.scorer, states, depth, self.top_m, self.k)
         check_children(out.tokens, out.logprobs, out.states, tuple(states.shape[:-1]), depth, self.check_values)
         return out
 
