@@ -249,6 +249,11 @@ class DominoScorer(RecordableScorer):
             self._prefix[key] = (tokens[0], chosen[0])
         return self._prefix[key]
 
+    def _hidden(self, z: torch.Tensor, states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """silu(W1 [z ; s]) [..., E] of rows z [..., H] and states [..., G]: the first projection in
+        the drafter's dtype, then cast to ``dtype`` (that of the gathered W2 rows)."""
+        return F.silu(torch.cat([z, states.to(z.dtype)], dim=-1) @ self.w1.T).to(dtype)
+
     def _candidates(self, depth: int, top_m: int) -> tuple[torch.Tensor, ...]:
         """Once per round and depth: top-M ids [M], their base logits [M] and W2 rows [M, E], in >= float32."""
         m = min(top_m, self.vocab_size)
@@ -262,14 +267,8 @@ class DominoScorer(RecordableScorer):
 
     def _corrected_children(self, states: torch.Tensor, depth: int, top_m: int,
                             k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if top_m < 1:
-            raise ValueError(f"top_m must be >= 1, got {top_m}")
-        ids, base, w2_rows = self._candidates(depth, top_m)
-        if k > ids.numel():
-            raise ValueError(f"k = {k} children requested but only top_m = {ids.numel()} candidates exist")
-        z = self.rows[depth].expand(states.shape[0], -1)  # [n, H]
-        x = torch.cat([z, states.to(z.dtype)], dim=-1)  # [n, H + G]
-        hidden = F.silu(x @ self.w1.T).to(w2_rows.dtype)  # [n, E]: first projection in the drafter's dtype
+        ids, base, w2_rows = _checked_candidates(self._candidates, depth, top_m, k)
+        hidden = self._hidden(self.rows[depth].expand(states.shape[0], -1), states, w2_rows.dtype)  # [n, E]
         correction = hidden @ w2_rows.T  # [n, M] in >= float32
         logprobs = torch.log_softmax(base + correction, dim=-1)  # [n, M]
         chosen, order = exact_topk(logprobs, k)  # columns are ids ascending: ties go to the lower id
@@ -359,6 +358,17 @@ class DominoScorer(RecordableScorer):
 _HEAD_KEYS = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight")
 
 
+def _checked_candidates(candidates: Callable, depth: int, top_m: int, k: int) -> tuple[torch.Tensor, ...]:
+    """``candidates(depth, top_m)`` (ids [..., M], base logits, W2 rows) after checking that
+    ``top_m`` >= 1 and that the M candidates hold the ``k`` children asked for."""
+    if top_m < 1:
+        raise ValueError(f"top_m must be >= 1, got {top_m}")
+    ids, base, w2_rows = candidates(depth, top_m)
+    if k > ids.shape[-1]:
+        raise ValueError(f"k = {k} children requested but only top_m = {ids.shape[-1]} candidates exist")
+    return ids, base, w2_rows
+
+
 class DominoStack:
     """S `DominoScorer`s of one drafter as one stacked scorer (`ConditionalScorer.stack`): the
     correction of every sequence's parents in one batched matmul, the GRU steps of all S in one.
@@ -402,14 +412,8 @@ class DominoStack:
         if self.first._is_pure_draft(depth):
             tokens, logprobs = self._prefix_children(depth, k)  # [S, k]
             return tokens[:, None].repeat(1, n, 1), logprobs[:, None].repeat(1, n, 1)  # copies: callers may write
-        if top_m < 1:
-            raise ValueError(f"top_m must be >= 1, got {top_m}")
-        ids, base, w2_rows = self._candidates(depth, top_m)
-        if k > ids.shape[1]:
-            raise ValueError(f"k = {k} children requested but only top_m = {ids.shape[1]} candidates exist")
-        z = self.rows[:, depth, None].expand(-1, n, -1)  # [S, n, H]
-        x = torch.cat([z, states.to(z.dtype)], dim=-1)  # [S, n, H + G]
-        hidden = F.silu(x @ self.first.w1.T).to(w2_rows.dtype)  # [S, n, E]
+        ids, base, w2_rows = _checked_candidates(self._candidates, depth, top_m, k)
+        hidden = self.first._hidden(self.rows[:, depth, None].expand(-1, n, -1), states, w2_rows.dtype)  # [S, n, E]
         correction = hidden @ w2_rows.transpose(1, 2)  # [S, n, M]: each sequence's own candidates
         logprobs = torch.log_softmax(base[:, None] + correction, dim=-1)  # [S, n, M]
         chosen, order = exact_topk(logprobs.flatten(0, 1), k)  # [S n, k], ties to the lower id

@@ -7,7 +7,7 @@ build of ``policy`` -- Chain over marginals, DDTree, CaDDTree -- for drafts of s
 ``build(draft)`` validates the draft on the host, copies its log-probs into the graph's input,
 replays the graph and returns the same `DraftTree` as ``policy.build(draft)``.  The root token
 only names node 0, so it is written into the output after the replay; a stop rule (CaDDTree) is
-applied after the replay to the captured canonical order.
+applied after the replay to the captured canonical order, keep and trim, as the eager build does.
 
 Policies over a scorer (DominoTree, the Domino chain) are captured with ``scorer=`` a template
 `ConditionalScorer` whose class offers ``round_inputs`` / ``with_round_inputs``: its round inputs
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from policies.best_first import BestFirstPolicy
-from policies.frontier import assemble, frontier_selection
+from policies.frontier import finish, frontier_selection
 from treespec.interfaces import ConditionalScorer, DraftOutput
 from treespec.tree import DraftTree
 
@@ -70,10 +70,7 @@ class GraphedBuild:
         order, tokens, scores, depths, parents = self.outputs
         tokens = tokens.clone()
         tokens[0] = draft.root_token
-        stop = self.policy.stop
-        if stop is not None:
-            order = order[: int(stop.keep(draft, scores[order]))]
-        return assemble(order, tokens, scores, depths, parents)
+        return finish(draft, order, (tokens, scores, depths, parents), self.policy.stop)
 
     def _copy_inputs(self, draft: DraftOutput) -> None:
         if (draft.scorer is None) != (self.template is None):

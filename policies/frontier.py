@@ -193,17 +193,11 @@ class _Candidates:
                            torch.cat([p.tokens for p in parts])[order], col[order], states, shared=False)
 
 
-def _grid(n: int, k: int, device: torch.device, cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) [n * k] of each cell of a row-major [n, k] grid."""
-    if cache:
-        return _cached_grid(n, k, device)
+@functools.lru_cache(maxsize=512)
+def _grid(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) [n * k] of each cell of a row-major [n, k] grid (cached: compact builds reuse them)."""
     index = torch.arange(n * k, device=device)
     return index // k, index % k
-
-
-@functools.lru_cache(maxsize=512)
-def _cached_grid(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return _grid(n, k, device, cache=False)
 
 
 class _Frontier:
@@ -267,7 +261,7 @@ class _Frontier:
         """Every child of the nodes ``rows`` of the last level (None: all), from the source."""
         out = self.source.expand(states, scores.numel(), depth)
         n, k = out.tokens.shape
-        parent, col = _grid(n, k, self.device, cache=True)
+        parent, col = _grid(n, k, self.device)
         child_states = None if out.states is None else out.states.reshape(n * k, -1)
         child_scores = (scores[:, None] + out.logprobs).reshape(-1)  # float32(parent + logp)
         parent = parent if rows is None else rows[parent]
@@ -313,7 +307,7 @@ class _Frontier:
             child_scores = scores[parent] + values[col]
             if self._cut_is_safe(scores, values, limit, child_scores):
                 return _Candidates(parent if rows is None else rows[parent], child_scores, tokens, col, None)
-        parent, col = _grid(n, width, self.device, cache=True)
+        parent, col = _grid(n, width, self.device)
         parent = parent if rows is None else rows[parent]
         return _Candidates(parent, (scores[:, None] + values).reshape(-1), tokens, col, None)
 

@@ -33,7 +33,8 @@ import torch
 
 from treespec.interfaces import ConditionalScorer, Expansion
 
-__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children", "defers", "scorer_children"]
+__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children", "defers",
+           "scorer_children"]
 
 
 @attrs.frozen(eq=False)

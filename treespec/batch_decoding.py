@@ -40,6 +40,7 @@ from treespec.decoding import (
     _Sequence,
     _Stopwatch,
     check_backend,
+    check_first_token,
     check_request,
     checked_draft,
     checked_parts,
@@ -93,8 +94,7 @@ class BatchDecoder:
         ``first_token`` as in `SpeculativeDecoder.generate` (``"prefill"``: each sequence's first
         token is the target's after its prompt, from one batched forward timed with the prefill)."""
         start = time.perf_counter()
-        if first_token not in ("round", "prefill"):
-            raise ValueError(f"first_token must be 'round' or 'prefill', got {first_token!r}")
+        check_first_token(first_token)
         rows = self._start(prompts, max_new_tokens, SamplingParams(temperature, top_k, top_p, position_keyed),
                            frozenset(stop_token_ids or ()), generators, backend)
         batch = BatchTarget(self.target)
@@ -156,7 +156,8 @@ class BatchDecoder:
         if sampling.position_keyed and not sampling.greedy:  # the key a single-sequence run draws first
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
         fork = None if self.drafter is None else self.drafter.fork()
-        return _Row(_Sequence.start(prompt, max_new_tokens, stops), fork, DraftGate(self.draft_backoff), sampling, generator)
+        seq = _Sequence.start(prompt, max_new_tokens, stops)
+        return _Row(seq, fork, DraftGate(self.draft_backoff), sampling, generator)
 
     # ------------------------------------------------------------------ one round
     def _round(self, batch: BatchTarget, rows: list[_Row], backend: str) -> None:

@@ -58,9 +58,11 @@ from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["DRAFT_BACKOFF", "DraftGate", "SpeculativeDecoder", "check_backend", "check_request", "checked_draft",
-           "checked_parts", "commit_first_token", "commit_round", "fitted_tree", "limit_depth"]
+__all__ = ["DRAFT_BACKOFF", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder", "check_backend", "check_first_token",
+           "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round", "fitted_tree",
+           "limit_depth"]
 
+FIRST_TOKENS = ("round", "prefill")  # where the first new token comes from (see SpeculativeDecoder.generate)
 DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
 
 
@@ -208,8 +210,7 @@ class SpeculativeDecoder:
         generator = _generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
-        if first_token not in ("round", "prefill"):
-            raise ValueError(f"first_token must be 'round' or 'prefill', got {first_token!r}")
+        check_first_token(first_token)
         stats = GenerationStats()
         seq = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), stats)
         if first_token == "prefill":
@@ -349,6 +350,12 @@ def commit_round(seq: _Sequence, tree: DraftTree, result: VerifyResult, features
     path_tokens = tree.tokens[accepted]
     seq.append(path_tokens[1:].tolist() + [result.bonus_token])
     return path_tokens
+
+
+def check_first_token(first_token: str) -> None:
+    """Refuse a ``first_token`` that is not one of `FIRST_TOKENS`."""
+    if first_token not in FIRST_TOKENS:
+        raise ValueError(f"first_token must be 'round' or 'prefill', got {first_token!r}")
 
 
 def commit_first_token(seq: _Sequence, logits: torch.Tensor, features: torch.Tensor | None,

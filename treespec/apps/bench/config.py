@@ -23,6 +23,7 @@ import attrs
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord, load_prompts
 from treespec.apps.methods import Method, parse_method, with_budget
+from treespec.decoding import check_first_token
 
 __all__ = ["BENCH_PRESETS", "METHODS", "BenchConfig", "Shard", "bench_prompts", "canonical_key", "expand_methods",
            "pair_seed"]
@@ -63,8 +64,7 @@ class BenchConfig:
             raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.warmup_tokens < 0:
             raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
-        if self.first_token not in ("round", "prefill"):
-            raise ValueError(f"first_token must be 'round' or 'prefill', got {self.first_token!r}")
+        check_first_token(self.first_token)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 

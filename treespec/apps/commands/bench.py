@@ -21,6 +21,7 @@ import torch
 
 from treespec.apps import bench
 from treespec.apps.commands import DTYPES
+from treespec.decoding import FIRST_TOKENS
 
 
 def _csv(kind):
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--backend", choices=("torch", "networkx"), help="policy backend")
     run.add_argument("--batch-size", type=int,
                      help="prompt turns decoded together per method (default 1); speedups are throughput ratios at that size")
-    run.add_argument("--first-token", choices=("round", "prefill"),
+    run.add_argument("--first-token", choices=FIRST_TOKENS,
                      help="prefill: the first token from the prefill and τ counted from the rounds after it, as "
                           "the published loops count it (default round: the first round yields it)")
     run.add_argument("--enable-thinking", action="store_const", const=True, default=None,
