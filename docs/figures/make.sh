@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=docs/figures
 prompt="What is the capital of France?"
-round=4
+round=3
 
 trees() {
   # bf16 and a named cost model for the cost-aware methods: the figures do not depend on the machine
