@@ -92,10 +92,16 @@ class TrainConfig:
         return self.loss_decay_gamma or _GAMMA_BY_BLOCK.get(self.block_size, self.block_size / 2)
 
 
-# Named presets: the shipped SmolLM2 drafters were trained with exactly these (docs/embedded.md).
+# Named presets (docs/embedded.md): the first recipe's SmolLM2 drafters (two layers, full head, live
+# target; the base of the recipe sweep) and the shipped ones, trained with exactly the `-v8k-l1`
+# presets from teacher caches (one layer, 8,192-token head, 8,000 steps; Domino with the base floor).
+_SHIPPED = dict(block_size=8, num_layers=1, anchors_per_sequence=48, draft_vocab_size=8192, steps=8000,
+                eval_every=1000, save_every=250)
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "smollm2-dflash": TrainConfig(kind="dflash", block_size=8, num_layers=2, anchors_per_sequence=48),
     "smollm2-domino": TrainConfig(kind="domino", block_size=8, num_layers=2, anchors_per_sequence=48),
+    "smollm2-dflash-v8k-l1": TrainConfig(kind="dflash", **_SHIPPED),
+    "smollm2-domino-v8k-l1": TrainConfig(kind="domino", base_share_floor=0.3, **_SHIPPED),
 }
 
 

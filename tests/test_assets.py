@@ -29,6 +29,17 @@ def test_shipped_drafter_loads_strictly_in_bf16_at_smollm2_sizes(kind):
     assert (path / "model.safetensors").stat().st_size < 30 * 2**20  # small enough to ship
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_drafter_has_the_shape_of_its_named_preset(kind):
+    """docs/embedded.md says the shipped drafters are the `smollm2-KIND-v8k-l1` preset's runs."""
+    from drafters.training import TRAIN_PRESETS
+
+    preset, config = TRAIN_PRESETS[f"smollm2-{kind}-v8k-l1"], load_drafter(embedded_drafter_dir(kind)).config
+    assert preset.kind == kind
+    assert (config.block_size, config.num_hidden_layers, config.draft_vocab_size) == (
+        preset.block_size, preset.num_layers, preset.draft_vocab_size)
+
+
 _CACHED = cache_root() / SMOLLM2_135M_INSTRUCT.dirname
 
 
