@@ -72,3 +72,22 @@ def test_plots_are_written_reproducibly(tmp_path):
     b = plot_tau_histograms(recs, tmp_path / "b.svg").read_bytes()
     assert a == b and b"<svg" in a
     assert plot_budget_curves(summarize(recs), tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_two_datasets_add_a_pooled_cell_paired_within_each_dataset():
+    """The pooled cell holds every prompt turn once, even where prompt ids repeat across datasets."""
+    import attrs
+
+    from treespec.apps.bench.summary import POOLED
+
+    a, b = make_records(6, seed=1), make_records(6, seed=2)  # the same prompt ids "0".."5" in both
+    records = [attrs.evolve(r, dataset="x") for r in a] + [attrs.evolve(r, dataset="y") for r in b]
+    cells = {(s.dataset, s.method): s for s in summarize(records)}
+    assert {d for d, _ in cells} == {"x", "y", POOLED}
+    pooled, x, y = (cells[(d, "ddtree@16")] for d in (POOLED, "x", "y"))
+    assert pooled.prompts == x.prompts + y.prompts == 12
+    assert min(x.speedup, y.speedup) <= pooled.speedup <= max(x.speedup, y.speedup)
+    assert cells[(POOLED, "chain")].lossless == pytest.approx(10 / 12)  # prompt 0 differs in each dataset
+    pairs = {(c.dataset, c.a, c.b): c for c in compare_pairs(records)}
+    assert pairs[(POOLED, "chain", "ddtree@16")].tau_diff == pytest.approx(-1.0)
+    assert {s.dataset for s in summarize(a)} == {"toy"}  # one dataset: no pooled copy of it

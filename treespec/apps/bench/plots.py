@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from treespec.apps.bench.records import BenchRecord
-from treespec.apps.bench.summary import CellSummary
+from treespec.apps.bench.summary import POOLED, CellSummary
 
 __all__ = ["plot_budget_curves", "plot_tau_histograms"]
 
@@ -55,7 +55,7 @@ def plot_budget_curves(summaries: Sequence[CellSummary], path: str | Path) -> Pa
     _, plt = _pyplot()
     curves: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for s in summaries:
-        if s.budget > 0:
+        if s.budget > 0 and s.dataset != POOLED:  # the pooled cell would count every prompt twice
             curves[s.method.split("@")[0]][s.budget].append((s.speedup, s.tau))
     fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(9, 3.4))
     for policy in sorted(curves):

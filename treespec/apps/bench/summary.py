@@ -4,6 +4,9 @@ Contract: `summarize` and `compare_pairs` are deterministic functions of the rec
 uses its own seeded generator), and the CSV / Markdown writers format numbers with fixed precision,
 so re-deriving the tables from the same JSONL gives identical bytes.
 
+A run over two or more datasets also gets the pooled cell ``all`` per temperature: every prompt
+turn together, each still paired with its own AR run.
+
 Speedup of a method in a cell (dataset, temperature) = AR time per token / method time per token,
 both aggregated over the cell's prompts (total decode time / total new tokens), AR measured in the
 same run on the same prompts.  Intervals resample prompts with replacement, keeping each prompt's
@@ -22,10 +25,11 @@ import numpy as np
 
 from treespec.apps.bench.records import BenchRecord
 
-__all__ = ["CellSummary", "PairComparison", "compare_pairs", "markdown_table", "summarize", "time_per_token",
+__all__ = ["POOLED", "CellSummary", "PairComparison", "compare_pairs", "markdown_table", "summarize", "time_per_token",
            "write_csv"]
 
 AR = "ar"
+POOLED = "all"  # the cell of every dataset together
 
 
 @attrs.frozen
@@ -64,10 +68,16 @@ class PairComparison:
 
 
 def _group(records: Iterable[BenchRecord]) -> dict[tuple[str, float], dict[str, dict[tuple, BenchRecord]]]:
-    """cell -> method -> pairing key -> record."""
+    """cell -> method -> pairing key -> record; with two or more datasets, also the pooled cell
+    (`POOLED`, every prompt turn of the temperature, paired by dataset, prompt and turn)."""
+    records = list(records)
     cells: dict = defaultdict(lambda: defaultdict(dict))
     for r in records:
         cells[(r.dataset, r.temperature)][r.method][(r.prompt_id, r.turn)] = r
+    datasets = {r.dataset for r in records}
+    if len(datasets) > 1 and POOLED not in datasets:
+        for r in records:
+            cells[(POOLED, r.temperature)][r.method][(r.dataset, r.prompt_id, r.turn)] = r
     return cells
 
 
