@@ -51,7 +51,6 @@ def test_policy_page_figures_are_drawn_by_the_script(name):
     assert "FIGURE_NOTE" not in page and "MERMAID_" not in page, f"{name}.md has an unfilled placeholder"
 
 
-AB = DOCS / "figures" / "ab"
 
 
 def test_ab_walkthrough_code_prints_the_tables_it_shows(monkeypatch, capsys):
@@ -68,14 +67,17 @@ def test_ab_walkthrough_code_prints_the_tables_it_shows(monkeypatch, capsys):
     assert len(namespace["records"]) == 330
 
 
-def test_ab_report_rederives_byte_for_byte(tmp_path):
-    """The committed tables are what `treespec bench report` derives from the committed JSONL."""
+@pytest.mark.parametrize("run", ["ab", "live"])
+def test_bench_report_rederives_byte_for_byte(tmp_path, run):
+    """The committed tables (the A/B walkthrough's, the shipped drafters' live run in embedded.md)
+    are what `treespec bench report` derives from the committed JSONL."""
     from treespec.apps.bench import write_report
 
+    folder = DOCS / "figures" / run
     for name in ("records.jsonl", "divergences.jsonl"):
-        (tmp_path / name).write_bytes((AB / name).read_bytes())
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
     write_report(tmp_path)
     for name in ("summary.md", "summary.csv", "pairs.csv", "lossless.md"):
-        assert (tmp_path / name).read_bytes() == (AB / name).read_bytes(), f"{name} differs"
+        assert (tmp_path / name).read_bytes() == (folder / name).read_bytes(), f"{name} differs"
     for plot in ("tau_hist.svg", "budget_curves.svg"):
-        assert (AB / plot).is_file(), f"docs/figures/ab/{plot} is missing"
+        assert (folder / plot).is_file(), f"docs/figures/{run}/{plot} is missing"
