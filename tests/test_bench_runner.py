@@ -324,6 +324,27 @@ def test_an_output_folder_of_another_configuration_is_refused(tmp_path):
     assert not ab.shard_paths(tmp_path, 0)[0].exists()
 
 
+def test_new_weights_at_the_same_path_are_another_configuration(tmp_path):
+    from safetensors.torch import save_file
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    save_file({"w": torch.zeros(3)}, drafter / "model.safetensors")
+    before = ab.weights_identity(drafter)
+    settings = {"prompts": 2, "drafters": {"dflash": before}}
+    out = tmp_path / "out"
+    out.mkdir()
+    ab.write_settings(out, settings)
+    (out / ab.RECORDS).write_text("")
+    save_file({"w": torch.ones(3)}, drafter / "model.safetensors")  # retrained, saved over the old one
+    after = ab.weights_identity(drafter)
+    assert after["path"] == before["path"] and after["sha256"] != before["sha256"]
+    with pytest.raises(ValueError, match=r"differs in drafters"):
+        ab.prepare_out(out, {"prompts": 2, "drafters": {"dflash": after}})
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        ab.weights_identity(tmp_path)
+
+
 def test_a_failing_bench_leaves_an_existing_folder_untouched(tmp_path, capsys):
     from treespec.apps.cli import main
 

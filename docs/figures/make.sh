@@ -27,7 +27,7 @@ trees() {
 ab() {
   treespec bench --methods ar,dflash,domino,ddtree,caddtree,dominotree,static-corrected --budgets 16,64 \
     --temperatures 0,1 --datasets gsm8k,mt-bench,humaneval,alpaca --prompts 3 --max-new-tokens 96 \
-    --seed 0 --out "$out/ab"
+    --seed 0 --dtype float32 --out "$out/ab"
 }
 
 for what in "${@:-trees}"; do "$what"; done

@@ -11,7 +11,8 @@ from treespec.apps.bench.config import BENCH_PRESETS, METHODS, BenchConfig, Shar
 from treespec.apps.bench.harness import Chat, Harness, load_harness
 from treespec.apps.bench.lossless import GAP_TOLERANCE, Divergence, decision_gap, first_difference, read_divergences
 from treespec.apps.bench.merge import merge_shards
-from treespec.apps.bench.outdir import DIVERGENCES, RECORDS, SETTINGS, prepare_out, run_settings, shard_paths, write_settings
+from treespec.apps.bench.outdir import (DIVERGENCES, RECORDS, SETTINGS, prepare_out, run_settings, shard_paths,
+                                        weights_identity, write_settings)
 from treespec.apps.bench.records import BenchRecord, read_records
 from treespec.apps.bench.report import Report, write_report
 from treespec.apps.bench.runner import resume_shard, run_shard
@@ -20,5 +21,5 @@ __all__ = [
     "BENCH_PRESETS", "DIVERGENCES", "GAP_TOLERANCE", "METHODS", "RECORDS", "SETTINGS", "BenchConfig", "BenchRecord",
     "Chat", "Divergence", "Harness", "Report", "Shard", "bench_prompts", "decision_gap", "expand_methods",
     "first_difference", "load_harness", "merge_shards", "pair_seed", "prepare_out", "read_divergences", "read_records",
-    "resume_shard", "run_settings", "run_shard", "shard_paths", "write_report", "write_settings",
+    "resume_shard", "run_settings", "run_shard", "shard_paths", "weights_identity", "write_report", "write_settings",
 ]

@@ -5,7 +5,9 @@ Contract
 A run writes ``bench.json`` (its settings), per shard ``records-rank{r}.jsonl`` and
 ``divergences-rank{r}.jsonl``, and after merging ``records.jsonl`` and ``divergences.jsonl``.
 `prepare_out` checks a folder before anything is measured: the same settings resume, other
-settings are refused unless ``overwrite`` is given; results are never silently replaced.
+settings are refused unless ``overwrite`` is given; results are never silently replaced.  The
+settings name the target and the drafters by `weights_identity` (path and sha256 of the weights), so
+new weights saved over the same path are other settings, not a resume.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from treespec.apps.bench.config import BenchConfig
 from treespec.apps.methods import Method
 
 __all__ = ["DIVERGENCES", "RECORDS", "SETTINGS", "prepare_out", "run_settings", "shard_files", "shard_paths",
-           "write_settings"]
+           "weights_identity", "write_settings"]
 
 RECORDS, DIVERGENCES, SETTINGS = "records.jsonl", "divergences.jsonl", "bench.json"
 
@@ -43,6 +45,13 @@ def run_settings(config: BenchConfig, methods: Sequence[Method], extra: dict) ->
     """What a run measures, as JSON-ready data: the config, the expanded methods and ``extra``."""
     settings = attrs.asdict(config) | {"expanded_methods": [m.name for m in methods]} | extra
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def weights_identity(model_dir: str | Path) -> dict[str, str]:
+    """``{"path", "sha256"}`` of a model or drafter directory: where it is and what its weights are."""
+    from treespec.apps.models import model_identity
+
+    return {"path": str(model_dir), "sha256": model_identity(str(model_dir), model_dir)["sha256"]}
 
 
 def write_settings(out_dir: Path, settings: dict) -> Path:

@@ -123,17 +123,19 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
         cost = resolve_cost_model(args.cost_model)
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
+    harness = bench.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
+                                  float32_head=args.logits_dtype == "float32")
+    # the weights and the dtype actually used, so that a resume never mixes records of others
     settings = bench.run_settings(config, methods, {
-        "model": model, "drafters": drafters, "dtype": args.dtype, "logits_dtype": args.logits_dtype, "torch": torch.__version__,
-        "cost_model": args.cost_model or "this machine's profile", "device": args.device})
+        "model": bench.weights_identity(model), "drafters": {k: bench.weights_identity(p) for k, p in drafters.items()},
+        "dtype": str(harness.target.dtype).removeprefix("torch."), "logits_dtype": args.logits_dtype,
+        "torch": torch.__version__, "cost_model": args.cost_model or "this machine's profile", "device": args.device})
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         state = bench.prepare_out(args.out, settings, overwrite=args.overwrite)
         if state != "new":
             print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
                   f"{args.out}", file=sys.stderr)
-    harness = bench.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
-                                  float32_head=args.logits_dtype == "float32")
     harness.cost_override = cost
     harness.chat.enable_thinking = config.enable_thinking
     harness.progress = not args.no_progress
