@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from treespec.apps.tiny import tiny_causal_lm
 from treespec.target import ContextOverflowError, TargetModel

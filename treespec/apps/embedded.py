@@ -32,6 +32,7 @@ import torch
 from treespec.hardware import CACHE_ENV, cache_root
 
 __all__ = [
+    "CACHE_ENV",
     "SMOLLM2_135M_INSTRUCT",
     "EmbeddedError",
     "EmbeddedSource",
