@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -91,3 +92,21 @@ def test_two_datasets_add_a_pooled_cell_paired_within_each_dataset():
     pairs = {(c.dataset, c.a, c.b): c for c in compare_pairs(records)}
     assert pairs[(POOLED, "chain", "ddtree@16")].tau_diff == pytest.approx(-1.0)
     assert {s.dataset for s in summarize(a)} == {"toy"}  # one dataset: no pooled copy of it
+    with pytest.raises(ValueError, match="dataset 'all', the name of the pooled cell"):
+        summarize([attrs.evolve(r, dataset=POOLED) for r in a] + records)
+
+
+def test_a_dataset_named_like_the_pooled_cell_or_like_another_is_refused(tmp_path):
+    from treespec.apps.bench.config import BenchConfig, bench_prompts
+
+    row = json.dumps({"prompt": "say one"}) + "\n"
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "qa.jsonl").write_text(row)
+    (tmp_path / "all.jsonl").write_text(row)
+    with pytest.raises(ValueError, match="named 'all', the name of the report's pooled cell"):
+        bench_prompts(BenchConfig(datasets=(str(tmp_path / "all.jsonl"),), prompts=1))
+    with pytest.raises(ValueError, match="both named 'qa'.*would mix"):
+        bench_prompts(BenchConfig(datasets=(str(tmp_path / "a" / "qa.jsonl"), str(tmp_path / "b" / "qa.jsonl")),
+                                  prompts=1))
+    assert len(bench_prompts(BenchConfig(datasets=(str(tmp_path / "a" / "qa.jsonl"),), prompts=1))) == 1

@@ -51,8 +51,6 @@ def test_policy_page_figures_are_drawn_by_the_script(name):
     assert "FIGURE_NOTE" not in page and "MERMAID_" not in page, f"{name}.md has an unfilled placeholder"
 
 
-
-
 def test_ab_walkthrough_code_prints_the_tables_it_shows(monkeypatch, capsys):
     """The walkthrough's code runs on the committed records and prints exactly what the page shows."""
     monkeypatch.chdir(DOCS.parent)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from treespec.apps.bench.summary import AR
+from treespec.apps.bench.summary import AR, POOLED
 from treespec.apps.datasets import PromptRecord, load_prompts
 from treespec.apps.methods import Method, parse_method, with_budget
 from treespec.decoding import check_first_token
@@ -136,5 +136,20 @@ def canonical_key(record) -> tuple:
 
 
 def bench_prompts(config: BenchConfig) -> list[PromptRecord]:
-    """Every measured prompt, dataset by dataset, each dataset shuffled with the run's seed."""
-    return [p for name in config.datasets for p in load_prompts(name, seed=config.seed, limit=config.prompts)]
+    """Every measured prompt, dataset by dataset, each dataset shuffled with the run's seed.
+
+    Records are told apart by dataset name, so two sources of one name (files ``a/qa.jsonl`` and
+    ``b/qa.jsonl``) and the name of the pooled cell (`summary.POOLED`) are refused."""
+    prompts, sources = [], {}
+    for source in config.datasets:
+        loaded = load_prompts(source, seed=config.seed, limit=config.prompts)
+        name = loaded[0].dataset if loaded else source
+        if name == POOLED:
+            raise ValueError(f"dataset {source!r} is named {POOLED!r}, the name of the report's pooled cell; "
+                             "rename the file")
+        if name in sources:
+            raise ValueError(f"datasets {sources[name]!r} and {source!r} are both named {name!r}, so their records "
+                             "would mix; rename one file")
+        sources[name] = source
+        prompts += loaded
+    return prompts

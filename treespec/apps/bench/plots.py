@@ -55,7 +55,8 @@ def plot_budget_curves(summaries: Sequence[CellSummary], path: str | Path) -> Pa
     _, plt = _pyplot()
     curves: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for s in summaries:
-        if s.budget > 0 and s.dataset != POOLED:  # the pooled cell would count every prompt twice
+        if s.budget > 0 and s.dataset != POOLED:  # the pooled cell would count every prompt twice (no
+            # dataset has its name: `summarize` refuses such records)
             curves[s.method.split("@")[0]][s.budget].append((s.speedup, s.tau))
     fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(9, 3.4))
     for policy in sorted(curves):

@@ -75,7 +75,9 @@ def _group(records: Iterable[BenchRecord]) -> dict[tuple[str, float], dict[str, 
     for r in records:
         cells[(r.dataset, r.temperature)][r.method][(r.prompt_id, r.turn)] = r
     datasets = {r.dataset for r in records}
-    if len(datasets) > 1 and POOLED not in datasets:
+    if POOLED in datasets:
+        raise ValueError(f"records name a dataset {POOLED!r}, the name of the pooled cell; rename that dataset")
+    if len(datasets) > 1:
         for r in records:
             cells[(POOLED, r.temperature)][r.method][(r.dataset, r.prompt_id, r.turn)] = r
     return cells
