@@ -406,6 +406,49 @@ def test_second_turn_chats_continue_the_first_answer(tiny_llama, tmp_path):
         pid for pid, _ in _PROMPTS[:4] if firsts[pid][1]]
 
 
+def test_second_turn_takes_its_first_answers_from_a_greedy_run(tiny_llama, tmp_path):
+    """The same shards as generating the first answers, with only the second answers generated."""
+    import attrs
+
+    from treespec.apps.selfdistill import DistillConfig, first_answers, write_shards
+
+    def second_prompt(pid, ids, response):
+        return ids + response + [5, 6]
+
+    stop, meta = 7, {"model": "tiny sha256:0"}
+    greedy = DistillConfig(num_prompts=8, max_new_tokens=6, batch_size=3, shard_size=4)
+    write_shards(tiny_llama, _PROMPTS[:4], tmp_path / "g", greedy, stop_ids=[stop], pad_id=0, progress=False,
+                 metadata=meta)  # one shard of the two: the rest get their first answers generated
+    cfg = attrs.evolve(greedy, second_turn=True)
+    write_shards(tiny_llama, _PROMPTS[:8], tmp_path / "plain", cfg, stop_ids=[stop], pad_id=0, progress=False,
+                 metadata=meta, second_prompt=second_prompt)
+    known, other_target = first_answers(tmp_path / "g", cfg, meta["model"])
+    assert sorted(known) == sorted(pid for pid, _ in _PROMPTS[:4]) and other_target == []
+    plain, reused = _CountingModel(tiny_llama), _CountingModel(tiny_llama)
+    for out, model, first in (("plain2", plain, None), ("reused", reused, known)):
+        write_shards(model, _PROMPTS[:8], tmp_path / out, cfg, stop_ids=[stop], pad_id=0, progress=False,
+                     metadata=meta, second_prompt=second_prompt, known_first=first)
+        assert [_shard_content(p) for p in sorted((tmp_path / out).glob("shard-*"))] == \
+            [_shard_content(p) for p in sorted((tmp_path / "plain").glob("shard-*"))]
+    assert reused.calls < plain.calls  # the first shard's first answers were not generated again
+    with pytest.raises(ValueError, match="no shard .* was made by this target"):
+        first_answers(tmp_path / "g", cfg, "another sha256:1")
+    write_shards(tiny_llama, _PROMPTS[:8], tmp_path / "g", greedy, stop_ids=[stop], pad_id=0, progress=False,
+                 metadata={"model": "another sha256:1"})  # shard 1 written under another target identity
+    known, other_target = first_answers(tmp_path / "g", cfg, meta["model"])
+    assert sorted(known) == sorted(pid for pid, _ in _PROMPTS[:4])
+    assert [p.name for p in other_target] == ["shard-00001.safetensors"]
+    with pytest.raises(ValueError, match="differs in max_new_tokens"):
+        first_answers(tmp_path / "g", attrs.evolve(cfg, max_new_tokens=5), meta["model"])
+    with pytest.raises(ValueError, match="differs in second_turn"):
+        first_answers(tmp_path / "plain", cfg, meta["model"])
+    with pytest.raises(ValueError, match="greedy second-turn run only"):
+        first_answers(tmp_path / "g", attrs.evolve(cfg, temperature=0.7), meta["model"])
+    with pytest.raises(ValueError, match="not this run's"):
+        write_shards(tiny_llama, [(pid, ids + [3]) for pid, ids in _PROMPTS[:4]], tmp_path / "bad", cfg,
+                     stop_ids=[stop], pad_id=0, progress=False, second_prompt=second_prompt, known_first=known)
+
+
 def test_follow_ups_are_fixed_by_the_prompt_id():
     from treespec.apps.selfdistill import FOLLOW_UPS, follow_up
 

@@ -21,6 +21,8 @@ Contract:
   asks), a follow-up request from `FOLLOW_UPS` chosen by the prompt id; the stored sequence is the
   two-turn conversation (the first answer re-templated from its text, as a chat harness does) and
   its response is the second answer.  Chats whose first answer was cut at the limit are left out.
+  A greedy second-turn run can take its first answers from a greedy first-turn run of the same
+  prompts and target (`first_answers`) instead of generating them again, which halves its cost.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -42,6 +44,7 @@ __all__ = [
     "DistillConfig",
     "DistillSequence",
     "FOLLOW_UPS",
+    "first_answers",
     "generate_greedy",
     "generate_responses",
     "iter_sequences",
@@ -238,14 +241,69 @@ def _answer(model, prompts: list[Prompt], cfg: DistillConfig, stop_ids: Sequence
 
 # (prompt id, first prompt ids, first response ids) -> the two-turn prompt's ids
 SecondPrompt = Callable[[str, list[int], list[int]], list[int]]
+# prompt id -> (prompt ids, response ids, finished) of a first-turn run
+FirstAnswers = Mapping[str, tuple[list[int], list[int], bool]]
+# what a first-turn run must share with a second-turn run for its answers to be that run's first answers
+_FIRST_TURN_KEYS = ("dataset", "split", "max_new_tokens", "max_prompt_tokens", "temperature")
+
+
+def first_answers(data_dir: Path, cfg: DistillConfig, model: str,
+                  ) -> tuple[dict[str, tuple[list[int], list[int], bool]], list[Path]]:
+    """The answers of a greedy first-turn run in ``data_dir`` for the second-turn run ``cfg`` of the
+    target ``model`` (its ``model`` metadata), and the shards left out as made by another target.
+
+    Answers: prompt id -> (prompt ids, response ids, finished).  Refused (ValueError) unless ``cfg``
+    is a greedy second-turn run and every shard has its dataset, split, length limits and temperature,
+    or when no shard was made by ``model``.  The prompts of shards left out or not written yet get
+    their first answers generated as usual.
+    """
+    if not cfg.second_turn or cfg.temperature != 0:
+        raise ValueError("first answers from another run serve a greedy second-turn run only (a sampled run "
+                         "draws its first answers from its own seeded stream)")
+    paths = sorted(Path(data_dir).glob("shard-*.safetensors"))
+    if not paths:
+        raise ValueError(f"no shard-*.safetensors in {data_dir} to take first answers from")
+    answers, other_target = {}, []
+    for path in paths:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+        stored = json.loads(meta.get("config", "{}"))
+        differ = [k for k in _FIRST_TURN_KEYS if stored.get(k) != getattr(cfg, k)]
+        differ += ["second_turn"] if stored.get("second_turn") else []
+        if differ:
+            raise ValueError(f"{path} cannot give this run's first answers: it differs in {', '.join(differ)}")
+        if meta.get("model") != model:
+            other_target.append(path)
+            continue
+        for seq in read_shard(path):
+            tokens = seq.tokens.tolist()
+            answers[seq.id] = (tokens[: seq.response_start], tokens[seq.response_start:], seq.finished)
+    if not answers:
+        raise ValueError(f"no shard of {data_dir} was made by this target ({model})")
+    return answers, other_target
+
+
+def _first_answers(model, prompts: list[Prompt], cfg: DistillConfig, stop_ids: Sequence[int], pad_id: int,
+                   generator: torch.Generator, on_batch, known: FirstAnswers | None) -> list[tuple[list[int], bool]]:
+    """(response, finished) per prompt: from ``known`` where it holds the prompt, else generated."""
+    known = known or {}
+    for pid, ids in prompts:
+        if pid in known and known[pid][0] != list(ids):
+            raise ValueError(f"the first-turn data's prompt {pid!r} is not this run's (another tokenizer or template)")
+    missing = [(pid, ids) for pid, ids in prompts if pid not in known]
+    generated = dict(zip([pid for pid, _ in missing],
+                         _answer(model, missing, cfg, stop_ids, pad_id, generator, on_batch) if missing else []))
+    if len(missing) < len(prompts):
+        on_batch(len(prompts) - len(missing), 0)
+    return [generated[pid] if pid in generated else known[pid][1:] for pid, _ in prompts]
 
 
 def _generate_shard(model, prompts: list[Prompt], cfg: DistillConfig, index: int, stop_ids: Sequence[int],
-                    pad_id: int, on_batch, second_prompt: SecondPrompt | None,
+                    pad_id: int, on_batch, second_prompt: SecondPrompt | None, known: FirstAnswers | None = None,
                     ) -> list[tuple[str, list[int], list[int], bool]]:
     """One shard's (id, prompt, response, finished) rows, in input order."""
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
-    answers = _answer(model, prompts, cfg, stop_ids, pad_id, generator, on_batch)
+    answers = _first_answers(model, prompts, cfg, stop_ids, pad_id, generator, on_batch, known)
     rows = [(pid, list(ids), response, finished) for (pid, ids), (response, finished) in zip(prompts, answers)]
     if not cfg.second_turn:
         return rows
@@ -257,10 +315,11 @@ def _generate_shard(model, prompts: list[Prompt], cfg: DistillConfig, index: int
 
 def write_shards(model, prompts: Sequence[Prompt], out_dir: Path, cfg: DistillConfig, *, stop_ids: Sequence[int],
                  pad_id: int, metadata: dict[str, str] | None = None, progress: bool = True,
-                 second_prompt: SecondPrompt | None = None) -> list[Path]:
+                 second_prompt: SecondPrompt | None = None, known_first: FirstAnswers | None = None) -> list[Path]:
     """Generate and store every missing shard for ``prompts``; returns all shard paths.
 
-    ``second_prompt`` builds the two-turn prompt of a `DistillConfig.second_turn` run.
+    ``second_prompt`` builds the two-turn prompt of a `DistillConfig.second_turn` run;
+    ``known_first`` (from `first_answers`) gives first answers that need not be generated again.
     """
     from tqdm import tqdm
 
@@ -277,7 +336,7 @@ def write_shards(model, prompts: Sequence[Prompt], out_dir: Path, cfg: DistillCo
                disable=not progress, smoothing=0.1)
     counter = _TokenRate(bar)
     for k in todo:
-        rows = _generate_shard(model, chunks[k], cfg, k, stop_ids, pad_id, counter.update, second_prompt)
+        rows = _generate_shard(model, chunks[k], cfg, k, stop_ids, pad_id, counter.update, second_prompt, known_first)
         _write_shard(paths[k], [pid for pid, _ in chunks[k]], rows, meta)
     bar.close()
     return paths

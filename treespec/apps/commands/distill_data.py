@@ -1,8 +1,10 @@
 """``treespec distill-data``: the target's responses to training prompts, as safetensors shards.
 
 Greedy by default, sampled with ``--temperature`` (seeded by ``--seed``); ``--second-turn`` stores
-two-turn chats (a follow-up after the target's own first answer).  Resumable: rerunning the same
-command skips the shards already written.  Multi-turn records contribute their first turn only.
+two-turn chats (a follow-up after the target's own first answer), with ``--first-answers DIR``
+taking those first answers from a greedy first-turn run instead of generating them.  Resumable:
+rerunning the same command skips the shards already written.  Multi-turn records contribute their
+first turn only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from treespec.apps.models import load_frozen_model
 from treespec.apps.selfdistill import (
     SMOLLM2_CPU,
     DistillConfig,
+    first_answers,
     follow_up,
     iter_sequences,
     write_shards,
@@ -44,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed (with the shard index)")
     parser.add_argument("--second-turn", action="store_true",
                         help="store two-turn chats: a follow-up request after the target's first answer")
+    parser.add_argument("--first-answers", type=Path, default=None, metavar="DIR",
+                        help="with --second-turn (greedy): take the first answers from this greedy first-turn "
+                             "run of the same prompts and target instead of generating them again")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto (the faster here), bfloat16, float32, ...")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
@@ -83,6 +89,14 @@ def _second_prompt(tokenizer, first_turns: dict[str, str], stops: list[int]):
     return build
 
 
+def _known_first(data_dir: Path, cfg: DistillConfig, model: str):
+    known, other_target = first_answers(data_dir, cfg, model)
+    print(f"first answers of {len(known)} prompts from {data_dir}"
+          + (f"; {len(other_target)} shards made by another target identity left out (answered again)"
+             if other_target else ""), flush=True)
+    return known
+
+
 def _summary(out_dir: Path) -> str:
     sequences = list(iter_sequences(out_dir))
     responses = sum(len(s.tokens) - s.response_start for s in sequences)
@@ -107,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
     metadata = {"model": f"{identity['name']} sha256:{identity['sha256']}", "dtype": str(model.dtype).removeprefix("torch."), "stop_ids": json.dumps(stops)}
     second = _second_prompt(tokenizer, first_turns, stops) if cfg.second_turn else None
     try:
+        known = _known_first(args.first_answers, cfg, metadata["model"]) if args.first_answers else None
         write_shards(model, prompts, args.out, cfg, stop_ids=stops, pad_id=pad, metadata=metadata,
-                     second_prompt=second)
-    except ValueError as exc:  # shards left by a run with other settings
+                     second_prompt=second, known_first=known)
+    except ValueError as exc:  # shards left by a run with other settings, or unusable first answers
         print(f"treespec distill-data: {exc}", file=sys.stderr)
         return 1
     print(f"done: {_summary(args.out)}; settings {json.dumps(attrs.asdict(cfg))}")
