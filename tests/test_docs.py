@@ -62,7 +62,7 @@ def test_ab_walkthrough_code_prints_the_tables_it_shows(monkeypatch, capsys):
         exec(compile(block, "ab-walkthrough.md", "exec"), namespace)  # noqa: S102 - the docs' own code
         printed = capsys.readouterr().out.strip()
         assert printed and printed in page, "the page does not show what its code prints"
-    assert len(namespace["records"]) == 330
+    assert len(namespace["records"]) == 220
 
 
 @pytest.mark.parametrize("run", ["ab", "live"])
