@@ -444,6 +444,9 @@ def test_second_turn_takes_its_first_answers_from_a_greedy_run(tiny_llama, tmp_p
         first_answers(tmp_path / "plain", cfg, meta["model"])
     with pytest.raises(ValueError, match="greedy second-turn run only"):
         first_answers(tmp_path / "g", attrs.evolve(cfg, temperature=0.7), meta["model"])
+    with pytest.raises(ValueError, match="greedy second-turn run only"):
+        write_shards(tiny_llama, _PROMPTS[:4], tmp_path / "first", greedy, stop_ids=[stop], pad_id=0,
+                     progress=False, known_first=known)
     with pytest.raises(ValueError, match="not this run's"):
         write_shards(tiny_llama, [(pid, ids + [3]) for pid, ids in _PROMPTS[:4]], tmp_path / "bad", cfg,
                      stop_ids=[stop], pad_id=0, progress=False, second_prompt=second_prompt, known_first=known)

@@ -257,9 +257,7 @@ def first_answers(data_dir: Path, cfg: DistillConfig, model: str,
     or when no shard was made by ``model``.  The prompts of shards left out or not written yet get
     their first answers generated as usual.
     """
-    if not cfg.second_turn or cfg.temperature != 0:
-        raise ValueError("first answers from another run serve a greedy second-turn run only (a sampled run "
-                         "draws its first answers from its own seeded stream)")
+    _check_reuse(cfg)
     paths = sorted(Path(data_dir).glob("shard-*.safetensors"))
     if not paths:
         raise ValueError(f"no shard-*.safetensors in {data_dir} to take first answers from")
@@ -281,6 +279,12 @@ def first_answers(data_dir: Path, cfg: DistillConfig, model: str,
     if not answers:
         raise ValueError(f"no shard of {data_dir} was made by this target ({model})")
     return answers, other_target
+
+
+def _check_reuse(cfg: DistillConfig) -> None:
+    if not cfg.second_turn or cfg.temperature != 0:
+        raise ValueError("first answers from another run serve a greedy second-turn run only (a sampled run "
+                         "draws its first answers from its own seeded stream)")
 
 
 def _first_answers(model, prompts: list[Prompt], cfg: DistillConfig, stop_ids: Sequence[int], pad_id: int,
@@ -325,6 +329,8 @@ def write_shards(model, prompts: Sequence[Prompt], out_dir: Path, cfg: DistillCo
 
     if cfg.second_turn and second_prompt is None:
         raise ValueError("a second_turn run needs second_prompt to build the two-turn chats")
+    if known_first is not None:
+        _check_reuse(cfg)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     chunks = [list(prompts[i:i + cfg.shard_size]) for i in range(0, len(prompts), cfg.shard_size)]
