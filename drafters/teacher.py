@@ -20,7 +20,9 @@ in all:
 the sha256 of its weight files), ``target_layer_ids``, ``top_k``, ``max_seq_len`` and the feature
 dtype.  A rerun into the same directory skips the shards already written (each is written under a
 temporary name and renamed, so a present shard is complete) and refuses other settings, naming the
-field; `TeacherCache.check` refuses a cache made for another target, tap set or K.
+field; a cache shard records the prompt ids of its data shard (``rows``), and one whose data shard
+has changed since (distill-data regenerates a short last shard in full when a run grows) is built
+again.  `TeacherCache.check` refuses a cache made for another target, tap set or K.
 
 `live_record` computes the same `TeacherRecord` from the target directly, so training reads one
 record type with or without a cache, and a cached run equals a live one (features rounded to bf16
@@ -155,6 +157,25 @@ def cache_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / f"teacher-{index:05d}.safetensors"
 
 
+def _rows(sequences) -> str:
+    return json.dumps([s.id for s in sequences])
+
+
+def _is_current(path: Path, shard: Path) -> bool:
+    """Whether cache shard ``path`` exists and was built from data shard ``shard`` as it is now (by
+    its prompt ids; a cache shard from before they were recorded, by its number of sequences)."""
+    if not path.exists():
+        return False
+    with safe_open(str(shard), framework="pt") as handle:
+        meta = handle.metadata()
+        rows = meta.get("rows", meta.get("ids"))
+    with safe_open(str(path), framework="pt") as handle:
+        cached, offsets = handle.metadata().get("rows"), handle.get_slice("offsets").get_shape()[0]
+    if cached is not None:
+        return cached == json.dumps(json.loads(rows))
+    return offsets - 1 == len(json.loads(rows))
+
+
 def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec: TeacherSpec,
                         identity: dict[str, str], *, progress: bool = True) -> list[Path]:
     """Write every missing cache shard for the data shards in ``data_dir``; returns all cache paths."""
@@ -176,12 +197,13 @@ def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "manifest.json").write_text(json.dumps(wanted, indent=1) + "\n")
     paths = [cache_path(out_dir, int(p.stem.split("-")[1])) for p in shards]
-    todo = [(s, p) for s, p in zip(shards, paths) if not p.exists()]
+    todo = [(s, p) for s, p in zip(shards, paths) if not _is_current(p, s)]
     bar = tqdm(total=len(shards), initial=len(shards) - len(todo), unit="shard", disable=not progress)
     for shard, path in todo:
-        records = [live_record(target, s.tokens, s.response_start, spec) for s in read_shard(shard)]
+        sequences = read_shard(shard)
+        records = [live_record(target, s.tokens, s.response_start, spec) for s in sequences]
         tmp = path.with_name(path.name + ".tmp")
-        save_file(_pack(records), str(tmp), metadata={"source": shard.name})
+        save_file(_pack(records), str(tmp), metadata={"source": shard.name, "rows": _rows(sequences)})
         os.replace(tmp, path)
         bar.update(1)
     bar.close()

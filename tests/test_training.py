@@ -160,6 +160,19 @@ def test_the_teacher_cache_holds_the_live_records_and_resumes(target, tmp_path):
     assert paths[1].read_bytes() == before
 
 
+def test_a_cache_shard_whose_data_shard_grew_is_built_again(target, tmp_path):
+    """distill-data rewrites a short last shard in full when a run grows; its cache shard follows."""
+    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache
+
+    spec = TeacherSpec((0, 2), top_k=8, max_seq_len=24)
+    paths = build_teacher_cache(target, _distill_dir(target, tmp_path, n=6), tmp_path / "cache", spec, _ID,
+                                progress=False)
+    first = paths[0].read_bytes()
+    assert len(TeacherCache(tmp_path / "cache")) == 6  # shards of 4 + 2
+    build_teacher_cache(target, _distill_dir(target, tmp_path, n=8), tmp_path / "cache", spec, _ID, progress=False)
+    assert len(TeacherCache(tmp_path / "cache")) == 8 and paths[0].read_bytes() == first  # shard 1 rebuilt only
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(identity={"name": "other", "sha256": "1" * 64}), "identity: the cache has"),
     (dict(top_k=4), "top_k: the cache has 8, this run 4"),
