@@ -157,23 +157,19 @@ def cache_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / f"teacher-{index:05d}.safetensors"
 
 
-def _rows(sequences) -> str:
-    return json.dumps([s.id for s in sequences])
-
-
 def _is_current(path: Path, shard: Path) -> bool:
     """Whether cache shard ``path`` exists and was built from data shard ``shard`` as it is now (by
     its prompt ids; a cache shard from before they were recorded, by its number of sequences)."""
+    from treespec.apps.selfdistill import shard_rows
+
     if not path.exists():
         return False
-    with safe_open(str(shard), framework="pt") as handle:
-        meta = handle.metadata()
-        rows = meta.get("rows", meta.get("ids"))
+    rows = shard_rows(shard)
     with safe_open(str(path), framework="pt") as handle:
         cached, offsets = handle.metadata().get("rows"), handle.get_slice("offsets").get_shape()[0]
     if cached is not None:
-        return cached == json.dumps(json.loads(rows))
-    return offsets - 1 == len(json.loads(rows))
+        return json.loads(cached) == rows
+    return offsets - 1 == len(rows)
 
 
 def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec: TeacherSpec,
@@ -203,7 +199,8 @@ def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec:
         sequences = read_shard(shard)
         records = [live_record(target, s.tokens, s.response_start, spec) for s in sequences]
         tmp = path.with_name(path.name + ".tmp")
-        save_file(_pack(records), str(tmp), metadata={"source": shard.name, "rows": _rows(sequences)})
+        save_file(_pack(records), str(tmp), metadata={"source": shard.name,
+                                                        "rows": json.dumps([s.id for s in sequences])})
         os.replace(tmp, path)
         bar.update(1)
     bar.close()

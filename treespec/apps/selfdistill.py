@@ -50,6 +50,7 @@ __all__ = [
     "iter_sequences",
     "read_shard",
     "shard_path",
+    "shard_rows",
     "write_shards",
 ]
 
@@ -295,8 +296,7 @@ def _first_answers(model, prompts: list[Prompt], cfg: DistillConfig, stop_ids: S
         if pid in known and known[pid][0] != list(ids):
             raise ValueError(f"the first-turn data's prompt {pid!r} is not this run's (another tokenizer or template)")
     missing = [(pid, ids) for pid, ids in prompts if pid not in known]
-    generated = dict(zip([pid for pid, _ in missing],
-                         _answer(model, missing, cfg, stop_ids, pad_id, generator, on_batch) if missing else []))
+    generated = dict(zip([pid for pid, _ in missing], _answer(model, missing, cfg, stop_ids, pad_id, generator, on_batch)))
     if len(missing) < len(prompts):
         on_batch(len(prompts) - len(missing), 0)
     return [generated[pid] if pid in generated else known[pid][1:] for pid, _ in prompts]
@@ -377,11 +377,21 @@ class _TokenRate:
         self.bar.update(prompts)
 
 
+def _row_ids(meta: dict[str, str]) -> list[str]:
+    # ``rows``: the prompt of each stored row; shards from before second turns have only ``ids``
+    return json.loads(meta.get("rows", meta["ids"]))
+
+
+def shard_rows(path: Path) -> list[str]:
+    """The prompt id of each sequence of one shard, without reading its tensors."""
+    with safe_open(str(path), framework="pt") as handle:
+        return _row_ids(handle.metadata())
+
+
 def read_shard(path: Path) -> list[DistillSequence]:
     """The sequences of one shard, in the order they were written."""
     with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata()
-        ids = json.loads(meta.get("rows", meta["ids"]))
+        ids = _row_ids(handle.metadata())
         tokens, offsets = handle.get_tensor("tokens").long(), handle.get_tensor("offsets")
         starts, finished = handle.get_tensor("response_start"), handle.get_tensor("finished")
     return [DistillSequence(ids[i], tokens[offsets[i]:offsets[i + 1]], int(starts[i]), bool(finished[i]))
