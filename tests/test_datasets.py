@@ -293,6 +293,61 @@ def test_batched_greedy_equals_reference_one_at_a_time(tiny_llama):
     assert expected[0][1] and len(expected[0][0]) <= 3
 
 
+def test_continuous_batch_refills_and_equals_one_at_a_time(tiny_llama):
+    """Fewer rows than prompts: finished rows hand their places on; every response is the prompt's own."""
+    from treespec.apps.continuous_batch import ContinuousBatch, Job
+
+    prompts = [ids for _, ids in _PROMPTS]
+    stop = _reference_greedy(tiny_llama, prompts[0], 8, _NEVER)[0][2]
+    expected = [_reference_greedy(tiny_llama, p, 8, stop) for p in prompts]
+    assert 0 < sum(f for _, f in expected) < len(prompts)  # rows end at different steps
+    batch = ContinuousBatch(tiny_llama, size=3, max_new_tokens=8, stop_ids=[stop], pad_id=0)
+    widths, order = [], []
+    for i, prompt in enumerate(prompts):
+        batch.submit(Job(i, prompt))
+    for done in batch.run():
+        assert len(batch) <= 3
+        widths.append(batch._mask.shape[1])
+        order.append(done.key)
+        assert (done.response, done.finished) == expected[done.key]
+    assert sorted(order) == list(range(len(prompts))) and order != sorted(order)  # short answers left early
+    assert max(widths) <= max(len(p) for p in prompts) + 8  # columns no row uses any more are dropped
+    assert len(batch) == 0 and batch._cache is None
+
+
+def test_continuous_batch_follow_ups_jump_the_queue_and_bad_jobs_are_refused(tiny_llama):
+    from treespec.apps.continuous_batch import ContinuousBatch, Job
+
+    batch = ContinuousBatch(tiny_llama, size=1, max_new_tokens=2, stop_ids=[_NEVER], pad_id=0)
+    for key in ("a", "b"):
+        batch.submit(Job(key, [1, 5, 6]))
+    seen = []
+    for done in batch.run():
+        seen.append(done.key)
+        if done.key == "a":
+            batch.submit(Job("a2", [1, 5, 6] + done.response), front=True)
+    assert seen == ["a", "a2", "b"]
+    with pytest.raises(ValueError, match="empty prompt"):
+        batch.submit(Job("e", []))
+    sampled = ContinuousBatch(tiny_llama, size=2, max_new_tokens=2, stop_ids=[_NEVER], pad_id=0, temperature=1.0)
+    with pytest.raises(ValueError, match="explicit torch.Generator"):
+        sampled.submit(Job("s", [1, 2]))
+    with pytest.raises(ValueError, match="size >= 1"):
+        ContinuousBatch(tiny_llama, size=0, max_new_tokens=2, stop_ids=[_NEVER], pad_id=0)
+
+
+def test_sampled_shards_do_not_depend_on_the_batch_size(tiny_llama, tmp_path):
+    """Each answer draws from its own stream, so the batch changes only rounding (none in float64)."""
+    from treespec.apps.selfdistill import DistillConfig, iter_sequences, write_shards
+
+    runs = []
+    for size in (1, 3, 8):
+        cfg = DistillConfig(num_prompts=8, max_new_tokens=6, batch_size=size, shard_size=4, temperature=1.0, seed=5)
+        write_shards(tiny_llama, _PROMPTS[:8], tmp_path / str(size), cfg, stop_ids=[7], pad_id=0, progress=False)
+        runs.append([s.tokens.tolist() for s in iter_sequences(tmp_path / str(size))])
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_shards_round_trip_and_resume(tiny_llama, tmp_path):
     from treespec.apps.selfdistill import (
         DistillConfig,

@@ -12,10 +12,12 @@ Contract:
     ``response_start``  [n] int64  index in sequence i where the response begins (its prompt length)
     ``finished``        [n] bool  the response ended with a stop token (else it was cut at the limit)
   and string metadata: ``ids`` (JSON list of prompt ids), ``config`` (JSON), ``model``.
-- Responses are the target's continuations, decoded in left-padded batches with a KV cache: greedy
-  (argmax) at ``temperature == 0``, else sampled from softmax(logits / T) with a generator seeded by
-  (``seed``, shard index), so a resumed or repeated run writes the same shard.  A row leaves the
-  batch at its first stop token, which the response keeps, so a drafter learns where answers end.
+- Responses are the target's continuations, decoded as one continuous batch of ``batch_size`` rows
+  over every missing shard (`treespec.apps.continuous_batch`): a row leaves at its first stop token,
+  which the response keeps so a drafter learns where answers end, and the next prompt takes its
+  place; a shard is written once its last answer is in.  Greedy (argmax) at ``temperature == 0``,
+  else sampled from softmax(logits / T), each answer from its own generator seeded by (``seed``,
+  shard, row, turn), so a resumed or repeated run writes the same shard whatever the batch size.
   Responses cut at ``max_new_tokens`` are marked unfinished.
 - ``second_turn``: each chat gets a second user turn after the target's first answer (as MT-Bench
   asks), a follow-up request from `FOLLOW_UPS` chosen by the prompt id; the stored sequence is the
@@ -38,6 +40,8 @@ import attrs
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from treespec.apps.continuous_batch import ContinuousBatch, Job, generate_responses
 
 __all__ = [
     "SMOLLM2_CPU",
@@ -68,7 +72,7 @@ class DistillConfig:
     num_prompts: int = 3200  # prompts to answer (after shuffling with seed 0)
     max_new_tokens: int = 256  # response length limit
     max_prompt_tokens: int = 512  # longer prompts are left out
-    batch_size: int = 32  # prompts decoded together
+    batch_size: int = 32  # rows decoded at once (a finished row's place goes to the next prompt)
     shard_size: int = 64  # prompts per shard file (the unit of resumption)
     temperature: float = 0.0  # 0: greedy responses; > 0: sampled at this temperature (no top-k/top-p)
     seed: int = 0  # sampling seed (with the shard index); unused when greedy
@@ -128,79 +132,9 @@ def shard_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / f"shard-{index:05d}.safetensors"
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids [B, W], attention_mask [B, W]) with the prompts right-aligned."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
-
-
-def _forward_last(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-    """Logits of each row's last position, [B, V]; the cache grows by ``ids.shape[1]`` positions."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                logits_to_keep=1)
-    return out.logits[:, -1]
-
-
-def _record(responses: list[list[int]], finished: list[bool], rows: torch.Tensor, token: torch.Tensor,
-            done: torch.Tensor) -> None:
-    for row, tok, stop in zip(rows.tolist(), token.tolist(), done.tolist()):
-        responses[row].append(tok)
-        finished[row] = stop
-
-
-def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """[b] argmax at temperature 0, else one draw per row from softmax(logits / T)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [b, V]
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-@torch.inference_mode()
-def generate_responses(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
-                       pad_id: int, temperature: float = 0.0,
-                       generator: torch.Generator | None = None) -> list[tuple[list[int], bool]]:
-    """Responses to a batch of prompts: (response ids ending at the first stop, finished) per prompt.
-
-    Greedy at ``temperature == 0``; sampled otherwise, from ``generator`` (required then).  A row
-    that reaches a stop token leaves the batch (its cache rows are dropped), so one long answer
-    does not make the finished ones pay for its remaining steps.
-    """
-    from transformers import DynamicCache
-
-    if temperature > 0 and generator is None:
-        raise ValueError("sampled responses (temperature > 0) need an explicit torch.Generator")
-    ids, mask = _left_pad(prompts, pad_id)  # [B, W]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]; padding is masked, its position unused
-    cache = DynamicCache(config=model.config)
-    logits = _forward_last(model, ids, mask, positions, cache)  # [B, V]
-    rows, next_pos = torch.arange(len(prompts)), positions[:, -1] + 1  # [b] prompt of each row, [b]
-    responses, finished = [[] for _ in prompts], [False] * len(prompts)
-    stops = torch.as_tensor(list(stop_ids), dtype=torch.long)
-    for step in range(max_new_tokens):
-        token = _next_token(logits, temperature, generator)  # [b]
-        done = torch.isin(token, stops)  # [b]
-        _record(responses, finished, rows, token, done)
-        keep = (~done).nonzero().squeeze(-1)  # [b']
-        if step + 1 == max_new_tokens or keep.numel() == 0:
-            break
-        if keep.numel() < rows.numel():
-            cache.batch_select_indices(keep)
-            rows, mask, next_pos, token = rows[keep], mask[keep], next_pos[keep], token[keep]
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)  # [b', W + step + 1]
-        logits = _forward_last(model, token[:, None], mask, next_pos[:, None], cache)
-        next_pos = next_pos + 1
-    return list(zip(responses, finished))
-
-
 def generate_greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
                     pad_id: int) -> list[tuple[list[int], bool]]:
-    """`generate_responses` at temperature 0."""
+    """`generate_responses` at temperature 0, all prompts in one batch."""
     return generate_responses(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id)
 
 
@@ -223,21 +157,6 @@ def _write_shard(path: Path, covered: list[str], items: list[tuple[str, list[int
     save_file(_pack(items), str(tmp),
               metadata={**metadata, "ids": json.dumps(covered), "rows": json.dumps([i for i, *_ in items])})
     os.replace(tmp, path)
-
-
-def _answer(model, prompts: list[Prompt], cfg: DistillConfig, stop_ids: Sequence[int], pad_id: int,
-            generator: torch.Generator, on_batch) -> list[tuple[list[int], bool]]:
-    """(response, finished) for each prompt, batching prompts of similar length; in input order."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
-    results: dict[int, tuple[list[int], bool]] = {}
-    for start in range(0, len(order), cfg.batch_size):
-        batch = order[start:start + cfg.batch_size]
-        outs = generate_responses(model, [prompts[i][1] for i in batch], max_new_tokens=cfg.max_new_tokens,
-                                  stop_ids=stop_ids, pad_id=pad_id, temperature=cfg.temperature,
-                                  generator=generator)
-        results.update(zip(batch, outs))
-        on_batch(len(batch), sum(len(r) for r, _ in outs))
-    return [results[i] for i in range(len(prompts))]
 
 
 # (prompt id, first prompt ids, first response ids) -> the two-turn prompt's ids
@@ -288,33 +207,86 @@ def _check_reuse(cfg: DistillConfig) -> None:
                          "draws its first answers from its own seeded stream)")
 
 
-def _first_answers(model, prompts: list[Prompt], cfg: DistillConfig, stop_ids: Sequence[int], pad_id: int,
-                   generator: torch.Generator, on_batch, known: FirstAnswers | None) -> list[tuple[list[int], bool]]:
-    """(response, finished) per prompt: from ``known`` where it holds the prompt, else generated."""
-    known = known or {}
+def _check_known(prompts: Sequence[Prompt], known: FirstAnswers) -> None:
     for pid, ids in prompts:
         if pid in known and known[pid][0] != list(ids):
             raise ValueError(f"the first-turn data's prompt {pid!r} is not this run's (another tokenizer or template)")
-    missing = [(pid, ids) for pid, ids in prompts if pid not in known]
-    generated = dict(zip([pid for pid, _ in missing], _answer(model, missing, cfg, stop_ids, pad_id, generator, on_batch)))
-    if len(missing) < len(prompts):
-        on_batch(len(prompts) - len(missing), 0)
-    return [generated[pid] if pid in generated else known[pid][1:] for pid, _ in prompts]
 
 
-def _generate_shard(model, prompts: list[Prompt], cfg: DistillConfig, index: int, stop_ids: Sequence[int],
-                    pad_id: int, on_batch, second_prompt: SecondPrompt | None, known: FirstAnswers | None = None,
-                    ) -> list[tuple[str, list[int], list[int], bool]]:
-    """One shard's (id, prompt, response, finished) rows, in input order."""
-    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
-    answers = _first_answers(model, prompts, cfg, stop_ids, pad_id, generator, on_batch, known)
-    rows = [(pid, list(ids), response, finished) for (pid, ids), (response, finished) in zip(prompts, answers)]
-    if not cfg.second_turn:
-        return rows
-    chats = [(pid, second_prompt(pid, ids, response)) for pid, ids, response, finished in rows if finished]
-    chats = [(pid, ids) for pid, ids in chats if len(ids) <= cfg.max_prompt_tokens]
-    answers = _answer(model, chats, cfg, stop_ids, pad_id, generator, lambda _p, t: on_batch(0, t))
-    return [(pid, ids, response, finished) for (pid, ids), (response, finished) in zip(chats, answers)]
+def _row_generator(cfg: DistillConfig, shard: int, row: int, turn: int) -> torch.Generator | None:
+    """The sampling stream of one answer, fixed by (seed, shard, row, turn); None when greedy."""
+    if cfg.temperature == 0:
+        return None
+    digest = hashlib.sha256(f"{cfg.seed}/{shard}/{row}/{turn}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+
+Row = tuple[str, list[int], list[int], bool]  # (prompt id, prompt ids, response ids, finished)
+
+
+@attrs.define
+class _Shard:
+    """The rows of one shard as its answers come in; complete when no answer is pending."""
+
+    index: int
+    prompts: list[Prompt]
+    pending: int  # answers still to come
+    rows: dict[int, Row] = attrs.Factory(dict)  # row -> stored row (chats left out have none)
+
+
+class _ShardWriter:
+    """Feeds the missing shards' prompts to one continuous batch and writes each shard once its last
+    answer is in.  First turns queue in shard order and second turns go ahead of them, so shards
+    end roughly in order and an interruption loses only the few shards in flight."""
+
+    def __init__(self, batch: ContinuousBatch, cfg: DistillConfig, second_prompt: SecondPrompt | None,
+                 write: Callable[[int, list[Row]], None], progress: _TokenRate) -> None:
+        self.batch, self.cfg, self.second_prompt = batch, cfg, second_prompt
+        self.write, self.progress = write, progress
+        self.shards: dict[int, _Shard] = {}
+
+    def add(self, index: int, prompts: list[Prompt], known: FirstAnswers) -> None:
+        """Queue one shard's prompts; first answers in ``known`` are taken, not generated."""
+        shard = self.shards[index] = _Shard(index, prompts, pending=len(prompts))
+        for row, (pid, ids) in enumerate(prompts):
+            if pid in known:
+                self.progress.update(1, 0)
+                self._first_done(shard, row, *known[pid][1:])
+            else:
+                self.batch.submit(Job((index, row, 1), ids, _row_generator(self.cfg, index, row, 1)))
+        self._write_if_complete(shard)
+
+    def run(self) -> None:
+        for done in self.batch.run():
+            index, row, turn = done.key
+            shard = self.shards[index]
+            self.progress.update(int(turn == 1), len(done.response))
+            if turn == 1:
+                self._first_done(shard, row, done.response, done.finished)
+            else:
+                pid, chat = shard.rows[row][:2]
+                shard.rows[row] = (pid, chat, done.response, done.finished)
+                shard.pending -= 1
+            self._write_if_complete(shard)
+
+    def _first_done(self, shard: _Shard, row: int, response: list[int], finished: bool) -> None:
+        pid, ids = shard.prompts[row]
+        if not self.cfg.second_turn:
+            shard.rows[row] = (pid, list(ids), response, finished)
+            shard.pending -= 1
+            return
+        chat = self.second_prompt(pid, list(ids), response) if finished else None
+        if chat is None or len(chat) > self.cfg.max_prompt_tokens:  # a cut first answer, or too long a chat
+            shard.pending -= 1
+            return
+        shard.rows[row] = (pid, chat, [], False)  # its response comes with the second turn
+        self.batch.submit(Job((shard.index, row, 2), chat, _row_generator(self.cfg, shard.index, row, 2)),
+                          front=True)
+
+    def _write_if_complete(self, shard: _Shard) -> None:
+        if shard.pending == 0:
+            self.write(shard.index, [shard.rows[i] for i in sorted(shard.rows)])
+            del self.shards[shard.index]
 
 
 def write_shards(model, prompts: Sequence[Prompt], out_dir: Path, cfg: DistillConfig, *, stop_ids: Sequence[int],
@@ -340,10 +312,15 @@ def write_shards(model, prompts: Sequence[Prompt], out_dir: Path, cfg: DistillCo
     todo = [k for k in range(len(chunks)) if not _is_done(paths[k], [pid for pid, _ in chunks[k]], meta["config"])]
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(chunks[k]) for k in todo), unit="prompt",
                disable=not progress, smoothing=0.1)
-    counter = _TokenRate(bar)
+    batch = ContinuousBatch(model, size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids,
+                            pad_id=pad_id, temperature=cfg.temperature)
+    writer = _ShardWriter(batch, cfg, second_prompt, lambda k, rows: _write_shard(
+        paths[k], [pid for pid, _ in chunks[k]], rows, meta), _TokenRate(bar))
     for k in todo:
-        rows = _generate_shard(model, chunks[k], cfg, k, stop_ids, pad_id, counter.update, second_prompt, known_first)
-        _write_shard(paths[k], [pid for pid, _ in chunks[k]], rows, meta)
+        _check_known(chunks[k], known_first or {})
+    for k in todo:
+        writer.add(k, chunks[k], known_first or {})
+    writer.run()
     bar.close()
     return paths
 
