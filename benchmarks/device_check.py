@@ -6,9 +6,10 @@
    random Qwen3-4B-sized Domino parts (H 2,560, G 1,024, E 256; M = 64, 8 children per node).
 2. **Stacked builds.**  S = 8 drafts' trees in one stacked build on the GPU against their single
    builds, and the time of both.
-3. **Training on the GPU.**  ``treespec train-drafter --device cuda`` for a few minutes on a random
-   target of SmolLM2-135M's shape (no network: the target is made here, and so is its
-   self-distillation data), printing the time per step.
+3. **The drafter pipeline on the GPU.**  On a random target of SmolLM2-135M's shape (no network:
+   the target is made here): its self-distillation data (one continuous batch on the GPU, tokens
+   per second), ``treespec teacher-cache --device cuda`` over it, then ``treespec train-drafter
+   --device cuda`` from that cache for a few minutes, printing the time of each stage and per step.
 
     python benchmarks/device_check.py                  # on the CUDA machine, about 10 minutes
     python benchmarks/device_check.py --cpu-dry-run    # every code path at tiny sizes, no capture
@@ -119,12 +120,22 @@ def check_stacked(cases: Cases, args: argparse.Namespace, size: int = 8) -> None
             print(f"| {name} | {budget} | {single:.1f} | {batch:.1f} | {same}/{size} |", flush=True)
 
 
+def _timed_command(label: str, *args: str) -> float:
+    """Run one treespec command to completion; its wall time in seconds."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "treespec.apps.cli", *args], check=True)
+    wall = time.perf_counter() - start
+    print(f"{label}: {wall:.1f} s (start-up included)", flush=True)
+    return wall
+
+
 def check_training(device: str, steps: int, dry: bool) -> None:
-    """A random SmolLM2-shaped target, its self-distillation data, then train-drafter on ``device``."""
-    from treespec.apps.selfdistill import DistillConfig, write_shards
+    """A random SmolLM2-shaped target, its self-distillation data, its teacher cache, then
+    train-drafter from the cache, every stage on ``device``."""
+    from treespec.apps.selfdistill import DistillConfig, iter_sequences, write_shards
     from treespec.apps.tiny import tiny_causal_lm
 
-    print(f"\n## 3. train-drafter --device {device}")
+    print(f"\n## 3. the drafter pipeline on {device}")
     sizes = dict(vocab=512, hidden=64, layers=4, heads=4, kv_heads=2) if dry else \
         dict(vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, head_dim=64)
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,24 +143,26 @@ def check_training(device: str, steps: int, dry: bool) -> None:
         target = tiny_causal_lm("llama", init=0.02, dtype=torch.float32, **sizes).to(device)
         target.save_pretrained(work / "target", safe_serialization=True)
         gen = torch.Generator().manual_seed(0)
-        prompts = [(f"p{i}", torch.randint(3, sizes["vocab"], (24,), generator=gen).tolist()) for i in range(96)]
-        config = DistillConfig(num_prompts=len(prompts), max_new_tokens=64 if dry else 256, batch_size=32,
-                               shard_size=32)
+        prompts = [(f"p{i}", torch.randint(3, sizes["vocab"], (24,), generator=gen).tolist()) for i in range(256)]
+        config = DistillConfig(num_prompts=len(prompts), max_new_tokens=64 if dry else 256,
+                               batch_size=32 if dry else 128, shard_size=64)
         start = time.perf_counter()
         write_shards(target, prompts, work / "data", config, stop_ids=[sizes["vocab"] + 1], pad_id=0, progress=False)
-        print(f"distill data: {len(prompts)} prompts in {time.perf_counter() - start:.1f} s", flush=True)
-        del target
-        head = 256 if dry else 8192
-        command = [sys.executable, "-m", "treespec.apps.cli", "train-drafter", "--target", str(work / "target"),
-                   "--data", str(work / "data"), "--out", str(work / "run"), "--preset", "smollm2-domino",
-                   "--mask-token-id", "0", "--device", device, "--set", f"steps={steps}", "--set", "save_every=100000",
-                   "--set", "num_layers=1", "--set", f"draft_vocab_size={head}"]
-        start = time.perf_counter()
-        subprocess.run(command, check=True)
         wall = time.perf_counter() - start
+        tokens = sum(len(s.tokens) - s.response_start for s in iter_sequences(work / "data"))
+        print(f"distill data: {len(prompts)} prompts, {tokens} tokens in {wall:.1f} s ({tokens / wall:.0f} tokens/s, "
+              f"batch {config.batch_size})", flush=True)
+        del target
+        _timed_command("teacher cache", "teacher-cache", "--data", str(work / "data"), "--out", str(work / "cache"),
+                       "--target", str(work / "target"), "--device", device)
+        head = 256 if dry else 8192
+        wall = _timed_command(f"train-drafter, {steps} steps", "train-drafter", "--target", str(work / "target"),
+                              "--teacher", str(work / "cache"), "--out", str(work / "run"),
+                              "--preset", "smollm2-domino-v8k-l1", "--mask-token-id", "0", "--device", device,
+                              "--set", f"steps={steps}", "--set", "save_every=100000", "--set", "eval_every=0",
+                              "--set", f"draft_vocab_size={head}")
         state = json.loads((work / "run" / "trainer_state.json").read_text())
-        print(f"{state['step']} steps in {wall:.0f} s ({wall / max(1, state['step']):.2f} s per step, "
-              f"start-up included)")
+        print(f"{state['step']} steps: {wall / max(1, state['step']):.2f} s per step, start-up included")
 
 
 def main() -> None:

@@ -201,3 +201,28 @@ def test_train_drafter_on_a_target_without_a_tokenizer_asks_for_the_mask_token(t
     assert (tmp_path / "run" / "drafter" / "config.json").is_file()
     with pytest.raises(SystemExit, match=re.escape(f"--target {tmp_path / 'none'}: no model here")):
         main([*argv[:2], str(tmp_path / "none"), *argv[3:]])
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("gpu", id="unknown"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
+])
+def test_pipeline_commands_name_a_device_this_machine_lacks(tmp_path, capsys, device):
+    """distill-data, teacher-cache and train-drafter refuse --device up front, naming it."""
+    from treespec.apps.selfdistill import DistillConfig, write_shards
+
+    model = tiny_model("llama", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "target")
+    write_shards(model, [("p0", [3, 4, 5])], tmp_path / "data", DistillConfig(num_prompts=1, max_new_tokens=2),
+                 stop_ids=[999], pad_id=0, progress=False)
+    message = "unknown device 'gpu'" if device == "gpu" else "sees no CUDA device"
+    common = ["--device", device]
+    assert main(["distill-data", "--model-dir", str(tmp_path / "target"), "--out", str(tmp_path / "d2"), *common]) == 1
+    assert message in capsys.readouterr().err
+    assert main(["teacher-cache", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "c"),
+                 "--target", str(tmp_path / "target"), *common]) == 1
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["train-drafter", "--data", str(tmp_path / "data"), "--target", str(tmp_path / "target"),
+              "--out", str(tmp_path / "run"), "--mask-token-id", "0", *common])
+    assert not (tmp_path / "d2").exists() and not (tmp_path / "c").exists()

@@ -46,7 +46,7 @@ from treespec.hardware import reduced_precision
 from treespec.tree import DraftTree
 
 __all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
-           "crop_cache", "select_taps", "tap_features", "use_float32_head"]
+           "check_device", "crop_cache", "select_taps", "tap_features", "use_float32_head"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
 
@@ -102,7 +102,7 @@ class TargetModel:
 
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a Hugging Face model directory")
-        _check_device(device)
+        check_device(device)
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         dtype = resolve_dtype(dtype, device=device, config=config)
         _check_safetensors(Path(path))
@@ -256,9 +256,12 @@ def crop_cache(cache, length: int) -> None:
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
-def _check_device(device: str | torch.device) -> None:
+def check_device(device: str | torch.device) -> None:
     """A clear error for a device this torch build or machine does not have."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r} (cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} asked for, but this torch build sees no CUDA device "
                          f"(torch {torch.__version__}); use --device cpu")

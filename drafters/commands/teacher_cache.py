@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=384, help="sequences are cut at this length")
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto", help="dtype of the target forward")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target runs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,12 +47,12 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        target, _, identity = load_frozen_model(args.target, args.dtype, tokenizer=False)
+        target, _, identity = load_frozen_model(args.target, args.dtype, args.device, tokenizer=False)
         spec = TeacherSpec(layers or default_cache_layers(target.config.num_hidden_layers), args.top_k, args.max_seq_len)
         print(f"teacher cache of {identity['name']} (sha256 {identity['sha256'][:12]}…): layers "
               f"{list(spec.target_layer_ids)}, top {spec.top_k}, sequences cut at {spec.max_seq_len}", flush=True)
         paths = build_teacher_cache(target, args.data, args.out, spec, identity)
-    except (TeacherCacheError, OSError) as exc:
+    except (TeacherCacheError, OSError, ValueError) as exc:
         print(f"treespec teacher-cache: {exc}", file=sys.stderr)
         return 1
     print(f"done: {len(paths)} shards in {args.out}")

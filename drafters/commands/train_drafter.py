@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         hint = "; or pass --mask-token-id" if "tokenizer" in str(exc) else ""
         raise SystemExit(f"treespec train-drafter: --target {exc}{hint}") from None
+    except ValueError as exc:  # a device this machine does not have
+        raise SystemExit(f"treespec train-drafter: {exc}") from None
     mask = args.mask_token_id
     if mask is None:
         mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)

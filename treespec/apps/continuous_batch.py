@@ -34,7 +34,7 @@ class Job:
 
     key: Hashable  # the caller's name for the job, returned with its response
     prompt: Sequence[int]  # token ids, chat template applied
-    generator: torch.Generator | None = None  # its sampling stream; required when temperature > 0
+    generator: torch.Generator | None = None  # its sampling stream, on the model's device; required when T > 0
 
 
 @attrs.frozen
@@ -52,17 +52,22 @@ class ContinuousBatch:
     def __init__(self, model, *, size: int, max_new_tokens: int, stop_ids: Sequence[int], pad_id: int,
                  temperature: float = 0.0) -> None:
         if size < 1 or max_new_tokens < 1:
-            raise ValueError(f"a continuous batch needs size >= 1 and max_new_tokens >= 1, got {size}, {max_new_tokens}")
+            raise ValueError(f"a continuous batch needs size >= 1 and max_new_tokens >= 1, "
+                             f"got {size} and {max_new_tokens}")
         self.model, self.size, self.max_new_tokens = model, size, max_new_tokens
         self.temperature, self.pad_id = temperature, pad_id
-        self._stops = torch.as_tensor(list(stop_ids), dtype=torch.long)
+        self.device = model.get_input_embeddings().weight.device  # every row tensor lives with the model
+        self._stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=self.device)
         self._queue: deque[Job] = deque()
         self._jobs: list[Job] = []  # the job of each row
         self._responses: list[list[int]] = []  # [b] generated ids so far
         self._cache = None  # one DynamicCache over every row, left-padded
-        self._mask = torch.zeros(0, 0, dtype=torch.long)  # [b, W] 1 where a cache column is the row's
-        self._next_pos = torch.zeros(0, dtype=torch.long)  # [b] position of each row's next token
-        self._last = torch.zeros(0, dtype=torch.long)  # [b] the token each row feeds next
+        self._mask = self._empty(0, 0)  # [b, W] 1 where a cache column is the row's
+        self._next_pos = self._empty(0)  # [b] position of each row's next token
+        self._last = self._empty(0)  # [b] the token each row feeds next
+
+    def _empty(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.long, device=self.device)
 
     def submit(self, job: Job, *, front: bool = False) -> None:
         """Queue ``job``; ``front``: before the jobs already waiting (a follow-up that completes a group)."""
@@ -94,7 +99,7 @@ class ContinuousBatch:
         """Prefill ``jobs`` together, choose their first tokens and join them to the running rows."""
         from transformers import DynamicCache
 
-        ids, mask = _left_pad([j.prompt for j in jobs], self.pad_id)  # [k, P]
+        ids, mask = (t.to(self.device) for t in _left_pad([j.prompt for j in jobs], self.pad_id))  # [k, P]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [k, P]; padding is masked, its position unused
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, positions, cache)  # [k, V]
@@ -153,17 +158,17 @@ class ContinuousBatch:
         self._jobs += jobs
         self._responses += [[] for _ in jobs]
         self._next_pos = torch.cat([self._next_pos, next_pos])
-        self._last = torch.cat([self._last, torch.zeros(len(jobs), dtype=torch.long)])
+        self._last = torch.cat([self._last, self._empty(len(jobs))])
 
     def _keep(self, rows: list[int]) -> None:
         """Only ``rows`` stay; cache columns that no remaining row uses are dropped."""
         self._jobs = [self._jobs[r] for r in rows]
         self._responses = [self._responses[r] for r in rows]
         if not rows:
-            self._cache, self._mask = None, torch.zeros(0, 0, dtype=torch.long)
-            self._next_pos, self._last = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+            self._cache = None
+            self._mask, self._next_pos, self._last = self._empty(0, 0), self._empty(0), self._empty(0)
             return
-        index = torch.as_tensor(rows, dtype=torch.long)
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         self._mask, self._next_pos, self._last = self._mask[index], self._next_pos[index], self._last[index]
         used = self._mask.any(0).nonzero()  # columns some row still attends to
         start = int(used[0]) if used.numel() else self._mask.shape[1]
@@ -213,6 +218,6 @@ def generate_responses(model, prompts: Sequence[Sequence[int]], *, max_new_token
     batch = ContinuousBatch(model, size=batch_size or len(prompts), max_new_tokens=max_new_tokens,
                             stop_ids=stop_ids, pad_id=pad_id, temperature=temperature)
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        batch.submit(Job(i, prompt, None if seed is None else torch.Generator().manual_seed(seed)))
+        batch.submit(Job(i, prompt, None if seed is None else torch.Generator(batch.device).manual_seed(seed)))
     results = {done.key: (done.response, done.finished) for done in batch.run()}
     return [results[i] for i in range(len(prompts))]

@@ -39,7 +39,9 @@ def load_frozen_model(path: Path | None, dtype_name: str, device: str = "cpu", *
 
     from treespec.apps.embedded import SMOLLM2_135M_INSTRUCT, embedded_model_dir
     from treespec.hardware import resolve_dtype
+    from treespec.target import check_device
 
+    check_device(device)
     name = str(path) if path else SMOLLM2_135M_INSTRUCT.requirement
     path = path or embedded_model_dir()
     if not (Path(path) / "config.json").is_file():

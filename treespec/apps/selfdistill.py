@@ -213,12 +213,13 @@ def _check_known(prompts: Sequence[Prompt], known: FirstAnswers) -> None:
             raise ValueError(f"the first-turn data's prompt {pid!r} is not this run's (another tokenizer or template)")
 
 
-def _row_generator(cfg: DistillConfig, shard: int, row: int, turn: int) -> torch.Generator | None:
+def _row_generator(cfg: DistillConfig, shard: int, row: int, turn: int,
+                   device: torch.device) -> torch.Generator | None:
     """The sampling stream of one answer, fixed by (seed, shard, row, turn); None when greedy."""
     if cfg.temperature == 0:
         return None
     digest = hashlib.sha256(f"{cfg.seed}/{shard}/{row}/{turn}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "big") >> 1)
 
 
 Row = tuple[str, list[int], list[int], bool]  # (prompt id, prompt ids, response ids, finished)
@@ -253,7 +254,7 @@ class _ShardWriter:
                 self.progress.update(1, 0)
                 self._first_done(shard, row, *known[pid][1:])
             else:
-                self.batch.submit(Job((index, row, 1), ids, _row_generator(self.cfg, index, row, 1)))
+                self._submit(index, row, 1, ids)
         self._write_if_complete(shard)
 
     def run(self) -> None:
@@ -280,8 +281,11 @@ class _ShardWriter:
             shard.pending -= 1
             return
         shard.rows[row] = (pid, chat, [], False)  # its response comes with the second turn
-        self.batch.submit(Job((shard.index, row, 2), chat, _row_generator(self.cfg, shard.index, row, 2)),
-                          front=True)
+        self._submit(shard.index, row, 2, chat, front=True)
+
+    def _submit(self, index: int, row: int, turn: int, ids: Sequence[int], front: bool = False) -> None:
+        generator = _row_generator(self.cfg, index, row, turn, self.batch.device)
+        self.batch.submit(Job((index, row, turn), ids, generator), front=front)
 
     def _write_if_complete(self, shard: _Shard) -> None:
         if shard.pending == 0:

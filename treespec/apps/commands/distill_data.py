@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "run of the same prompts and target instead of generating them again")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto (the faster here), bfloat16, float32, ...")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target runs")
 
 
 def _config(args: argparse.Namespace) -> DistillConfig:
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         cfg = _config(args)
-        model, tokenizer, identity = load_frozen_model(args.model_dir, args.dtype)
+        model, tokenizer, identity = load_frozen_model(args.model_dir, args.dtype, args.device)
         prompts, skipped, first_turns = _encoded_prompts(cfg, tokenizer)
         stops, pad = _stop_and_pad(model, tokenizer)
     except (DatasetError, EmbeddedError, ValueError, OSError) as exc:

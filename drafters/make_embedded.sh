@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Rebuilds the embedded default's drafters from nothing: the self-distillation data, the held-out
+# answers, the teacher caches, and the DFlash and Domino training runs (recipe: docs/embedded.md).
+# Run from the repository root; every stage resumes where an interrupted run stopped, so rerunning
+# the same command goes on:
+#
+#   drafters/make_embedded.sh                  # all stages, in order
+#   drafters/make_embedded.sh data heldout     # some stages
+#
+# RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10") picks the data
+# passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default, or cuda) is
+# where the target and the drafters run; BATCH (default 48) is the rows of the data passes'
+# continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship one
+# by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
+# pipeline: PROMPTS (training prompts per pass, default 4498) and TRAIN_SET (extra train-drafter
+# flags, e.g. "--set steps=20 --set eval_every=10").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${RUNS:-runs}
+passes=${PASSES:-greedy turn2 t07 t10}
+threads=${THREADS:-1}
+prompts=${PROMPTS:-4498}
+train_set=${TRAIN_SET:-}
+device=${DEVICE:-cpu}
+batch=${BATCH:-48}
+export OMP_NUM_THREADS=$threads
+heldout_sets="gsm8k humaneval mt-bench alpaca"
+
+pass_args() {  # the distill-data settings of one pass
+  case $1 in
+    greedy) echo "" ;;
+    turn2) echo "--second-turn --first-answers $runs/data/greedy" ;;
+    t07) echo "--temperature 0.7 --seed 7" ;;
+    t10) echo "--temperature 1.0 --seed 10" ;;
+    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10)" >&2; exit 2 ;;
+  esac
+}
+
+data() {  # the target's answers to all 4,498 Alpaca training prompts, one directory per pass
+  for pass in $passes; do
+    # shellcheck disable=SC2046  # pass_args is a word list
+    treespec distill-data --threads "$threads" --device "$device" --num-prompts "$prompts" --batch-size "$batch" \
+      --out "$runs/data/$pass" $(pass_args "$pass")
+  done
+}
+
+heldout() {  # greedy answers to 4 benchmark prompts of each set: scored during training, never trained on
+  for set in $heldout_sets; do
+    treespec distill-data --threads "$threads" --device "$device" --dataset "$set" --split bench --num-prompts 4 \
+      --max-new-tokens 128 --out "$runs/data/heldout-$set"
+  done
+}
+
+cache() {  # the frozen target once over every data set: taps and top-32 teacher log-probs
+  for name in $passes $(printf 'heldout-%s ' $heldout_sets); do
+    treespec teacher-cache --threads "$threads" --device "$device" --data "$runs/data/$name" \
+      --out "$runs/teacher/$name"
+  done
+}
+
+train() {  # both drafters from the same caches and held-out set, best checkpoint by held-out tau exported
+  local teachers="" heldouts="" kind
+  for pass in $passes; do teachers+=" --teacher $runs/teacher/$pass"; done
+  for set in $heldout_sets; do heldouts+=" --heldout $runs/teacher/heldout-$set"; done
+  for kind in domino dflash; do
+    # shellcheck disable=SC2086  # word lists of flags
+    treespec train-drafter $teachers $heldouts --preset "smollm2-$kind-v8k-l1" --threads "$threads" \
+      --device "$device" $train_set --out "$runs/train/$kind" --export "$runs/export/$kind"
+  done
+}
+
+for stage in "${@:-data heldout cache train}"; do
+  for what in $stage; do "$what"; done
+done
