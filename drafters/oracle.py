@@ -35,7 +35,6 @@ from treespec.topk import exact_topk, top_set
 __all__ = ["ORACLE_PRESETS", "GreedyContinuations", "OracleConfig", "OracleDrafter", "OracleScorer"]
 
 
-
 @attrs.frozen
 class OracleConfig:
     """How good the oracle's drafts are."""

@@ -400,7 +400,6 @@ def test_cuda_graph_build_equals_reference(policy):
         assert policy.build(on_gpu).to("cpu").equal(policy.build(draft, backend="networkx"))
 
 
-
 def random_domino_round(seed: int, device: str, modules: tuple, *, vocab: int = 300, hidden: int = 24,
                         depth: int = 6) -> DraftOutput:
     """One round over random Domino ``modules`` (GRU, projection, embedding; float32) on ``device``."""

@@ -29,6 +29,7 @@ from treespec.apps.selfdistill import (
     write_shards,
 )
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SMOLLM2_CPU
     parser.add_argument("--out", type=Path, default=Path("runs/distill"), help="output directory of the shards")
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=d.num_prompts)
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size,
+                        help="rows decoded at once; a finished row's place goes to the next prompt")
     parser.add_argument("--shard-size", type=int, default=d.shard_size)
     parser.add_argument("--temperature", type=float, default=d.temperature,
                         help="0: greedy responses; > 0: sampled at this temperature")
