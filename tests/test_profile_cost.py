@@ -29,3 +29,19 @@ def test_fitted_model_round_trips(tmp_path):
     assert torch.equal(again.verify_costs(64, 300), model.verify_costs(64, 300))
     costs = model.verify_costs(64, 64)[1:]
     assert bool((costs[1:] >= costs[:-1]).all())  # monotone
+
+
+def test_verify_sizes_are_timed_in_turn_and_leave_the_cache():
+    """Every repeat times each size once, starting one size later, so drift reaches all sizes alike."""
+    from treespec.profile import time_verify_sizes
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    target = TargetModel(Qwen3ForCausalLM(cfg))
+    calls, forward = [], target.forward_tree
+    target.forward_tree = lambda tree, taps=(): calls.append(tree.num_nodes) or forward(tree, taps)
+    seconds = time_verify_sizes(target, (1, 2, 5), ctx=20, repeats=4, generator=torch.Generator().manual_seed(0))
+    assert sorted(seconds) == [1, 2, 5] and all(s > 0 for s in seconds.values())
+    assert calls == [1, 2, 5] + [1, 2, 5] + [2, 5, 1] + [5, 1, 2] + [1, 2, 5]  # warm-up, then the repeats
+    assert target.length == 20 and target.cache_length() == 20

@@ -4,7 +4,8 @@ Contract
 --------
 `machine_profile(target, drafters)` returns a `CostProfile`: the median seconds of one target
 forward over a tree of n tokens on top of ctx cached tokens, for n in `PROFILE_SIZES` and each of
-``contexts``, and the median seconds of one round of each drafter.  It is measured on first use
+``contexts`` (the sizes of one context timed in turn within each repeat, `time_verify_sizes`), and
+the median seconds of one round of each drafter.  It is measured on first use
 (about 20 s for the embedded default on a 2-core CPU) and cached in the treespec cache directory
 under a key naming the machine (`treespec.hardware.machine_identity`), the target's architecture
 and dtype, and each drafter's identity (`Drafter.identity`): forward costs depend on shapes, not
@@ -39,7 +40,7 @@ from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
 
 __all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "fit_calibration", "machine_profile", "save_profile",
-           "target_identity", "time_draft", "time_verify"]
+           "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
 
 PROFILE_SIZES = (1, 2, 3, 5, 9, 17, 33)  # tree tokens n (root included) of the verify samples
 PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
@@ -67,15 +68,37 @@ def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) 
 
 def time_verify(target: TargetModel, n: int, ctx: int, repeats: int, generator: torch.Generator) -> float:
     """Median seconds of one forward over an n-node chain on top of ``ctx`` cached tokens."""
+    return time_verify_sizes(target, (n,), ctx, repeats, generator)[n]
+
+
+def time_verify_sizes(target: TargetModel, sizes: Sequence[int], ctx: int, repeats: int,
+                      generator: torch.Generator) -> dict[int, float]:
+    """Median seconds of one forward over an n-node chain on top of ``ctx`` cached tokens, for each n
+    in ``sizes``.  The sizes are timed in turn within every repeat (each repeat starting one size
+    later), so a drift of the machine's speed during the profile (another process, a clock change)
+    reaches every size alike instead of making some sizes look cheaper than others."""
     prompt = torch.randint(0, target.vocab_size, (ctx + 1,), generator=generator)
     target.prefill(prompt[:-1])  # the last token is the tree's root, as in decoding
-    tree = DraftTree.chain(int(prompt[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=generator))
+    trees = {n: DraftTree.chain(int(prompt[-1]), torch.randint(0, target.vocab_size, (n - 1,), generator=generator))
+             for n in sizes}
 
-    def forward() -> None:
-        target.forward_tree(tree)
-        crop_cache(target.cache, target.length)  # drop the tree's rows: the next repeat sees the same cache
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        target.forward_tree(trees[n])
+        if target.device.type == "cuda":
+            torch.cuda.synchronize(target.device)
+        seconds = time.perf_counter() - start
+        crop_cache(target.cache, target.length)  # drop the tree's rows: the next forward sees the same cache
+        return seconds
 
-    return _median_seconds(forward, repeats, target.device)
+    order = list(trees)
+    for n in order:
+        timed(n)  # warm-up
+    samples: dict[int, list[float]] = {n: [] for n in order}
+    for r in range(repeats):
+        for n in order[r % len(order):] + order[:r % len(order)]:
+            samples[n].append(timed(n))
+    return {n: statistics.median(xs) for n, xs in samples.items()}
 
 
 def time_draft(target: TargetModel, drafter: Drafter, ctx: int, repeats: int, generator: torch.Generator) -> float:
@@ -183,7 +206,7 @@ def _profile_file(target: TargetModel, sizes: Sequence[int], contexts: Sequence[
     contexts = sorted({min(c, room - 1) for c in contexts})
     key = {"machine": machine_identity(target.device), "target": target_identity(target),
            "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-           "sizes": list(sizes), "contexts": list(contexts)}
+           "sizes": list(sizes), "contexts": list(contexts), "timing": "interleaved"}
     return machine_file("profile", key, cache_dir), key, contexts
 
 
@@ -199,7 +222,7 @@ def _cached_profile(path: Path, key: dict) -> CostProfile | None:
 
 
 def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
-                    contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 5, cache: bool = True,
+                    contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 9, cache: bool = True,
                     cache_dir: Path | None = None, progress: bool = False) -> CostProfile:
     """This machine's `CostProfile` of ``target`` and ``drafters`` (cached; see the module docstring)."""
     if any(n < 1 for n in sizes) or not sizes or not contexts or repeats < 1:
@@ -210,13 +233,13 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     missing = [d for d in drafters if profile is None or d.identity() not in profile.drafts]
     if profile is not None and not missing:
         return profile
-    points = [(n, c) for c in contexts for n in sizes]
-    work = (len(points) if profile is None else 0) + len(missing)
+    work = (len(contexts) if profile is None else 0) + len(missing)
     bar = _bar(work, progress)
     if profile is None:
         verify = []
-        for n, c in points:
-            verify.append((n, c, time_verify(target, n, c, repeats, generator)))
+        for c in contexts:
+            seconds = time_verify_sizes(target, sizes, c, repeats, generator)
+            verify += [(n, c, seconds[n]) for n in sizes]
             bar.update(1)
         profile = CostProfile(tuple(verify))
     drafts = dict(profile.drafts)

@@ -1,7 +1,7 @@
 """``treespec profile-cost``: measure this machine's verify and draft costs and fit the cost model.
 
 Times one target forward over a tree of n tokens on top of ctx cached tokens (median of repeats
-after a warm-up) and one round of each drafter, caches the profile where every treespec command
+after a warm-up, the sizes taken in turn within each repeat) and one round of each drafter, caches the profile where every treespec command
 finds it (`treespec.profile`: keyed by machine, architecture and dtype) and prints C_v in ms and in
 AR steps with the break-even τ of a 16-node tree.  ``--out FILE`` also writes the fitted
 `ConvexCost` (with the first drafter's C_d) as JSON, for ``--cost-model`` or `load_cost_model`.
@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the fitted cost model here (JSON)")
     parser.add_argument("--sizes", type=_ints, default=PROFILE_SIZES, help="tree sizes n (tokens, root included)")
     parser.add_argument("--contexts", type=_ints, default=PROFILE_CONTEXTS, help="context lengths")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point (median kept)")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="timed repeats per point, sizes taken in turn (median kept)")
     parser.add_argument("--fresh", action="store_true", help="measure again even if this machine's profile is cached")
     parser.add_argument("--calibrate", action="store_true",
                         help="also fit each drafter's calibration κ (accepted draft tokens over the Φ its 16-node trees "
