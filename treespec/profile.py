@@ -54,16 +54,18 @@ def target_identity(target: TargetModel) -> str:
     return digest(config)
 
 
-def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    def timed() -> float:
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one call of ``fn``, the device synchronised before the clock stops."""
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
-    timed()  # warm-up
-    return statistics.median(timed() for _ in range(repeats))
+
+def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    _seconds(fn, device)  # warm-up
+    return statistics.median(_seconds(fn, device) for _ in range(repeats))
 
 
 def time_verify(target: TargetModel, n: int, ctx: int, repeats: int, generator: torch.Generator) -> float:
@@ -83,11 +85,7 @@ def time_verify_sizes(target: TargetModel, sizes: Sequence[int], ctx: int, repea
              for n in sizes}
 
     def timed(n: int) -> float:
-        start = time.perf_counter()
-        target.forward_tree(trees[n])
-        if target.device.type == "cuda":
-            torch.cuda.synchronize(target.device)
-        seconds = time.perf_counter() - start
+        seconds = _seconds(lambda: target.forward_tree(trees[n]), target.device)
         crop_cache(target.cache, target.length)  # drop the tree's rows: the next forward sees the same cache
         return seconds
 

@@ -1,9 +1,9 @@
 """``treespec profile-cost``: measure this machine's verify and draft costs and fit the cost model.
 
 Times one target forward over a tree of n tokens on top of ctx cached tokens (median of repeats
-after a warm-up, the sizes taken in turn within each repeat) and one round of each drafter, caches the profile where every treespec command
-finds it (`treespec.profile`: keyed by machine, architecture and dtype) and prints C_v in ms and in
-AR steps with the break-even τ of a 16-node tree.  ``--out FILE`` also writes the fitted
+after a warm-up, the sizes taken in turn within each repeat) and one round of each drafter, caches
+the profile where every treespec command finds it (`treespec.profile`: keyed by machine,
+architecture and dtype) and prints C_v in ms and in AR steps with the break-even τ of a 16-node tree.  ``--out FILE`` also writes the fitted
 `ConvexCost` (with the first drafter's C_d) as JSON, for ``--cost-model`` or `load_cost_model`.
 """
 
