@@ -132,7 +132,8 @@ class ContinuousBatch:
                 ended.append(r)
                 yield Finished(self._jobs[r].key, self._responses[r], bool(stop))
         if ended:
-            self._keep([r for r in range(len(self._jobs)) if r not in set(ended)])
+            left = set(ended)
+            self._keep([r for r in range(len(self._jobs)) if r not in left])
 
     def _draw(self, logits: torch.Tensor, rows: range) -> torch.Tensor:
         """[k] tokens from [k, V] logits: argmax at temperature 0, else one draw per row from

@@ -320,10 +320,11 @@ def write_shards(model, prompts: Sequence[Prompt], out_dir: Path, cfg: DistillCo
                             pad_id=pad_id, temperature=cfg.temperature)
     writer = _ShardWriter(batch, cfg, second_prompt, lambda k, rows: _write_shard(
         paths[k], [pid for pid, _ in chunks[k]], rows, meta), _TokenRate(bar))
+    known = known_first or {}
+    for k in todo:  # every shard's prompts checked before anything is generated
+        _check_known(chunks[k], known)
     for k in todo:
-        _check_known(chunks[k], known_first or {})
-    for k in todo:
-        writer.add(k, chunks[k], known_first or {})
+        writer.add(k, chunks[k], known)
     writer.run()
     bar.close()
     return paths
