@@ -51,7 +51,8 @@ from drafters.domino import DominoDrafter
 from drafters.teacher import TeacherCache, TeacherRecord, TeacherSpec, live_record
 
 __all__ = ["DrafterTrainer", "TRAIN_PRESETS", "TrainConfig", "coverage", "decay_weights", "draft_config_for",
-           "draft_vocabulary", "init_from_target", "new_drafter", "response_token_counts", "use_autocast"]
+           "draft_vocabulary", "init_from_target", "new_drafter", "response_token_counts", "use_autocast",
+           "warm_start"]
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -176,8 +177,10 @@ class Batch:
 class DrafterTrainer:
     """Runs the recipe of the module docstring; see `train`."""
 
-    def __init__(self, target, drafter: DFlashDrafter, cfg: TrainConfig, *, out_dir: str | Path) -> None:
+    def __init__(self, target, drafter: DFlashDrafter, cfg: TrainConfig, *, out_dir: str | Path,
+                 init: str | None = None) -> None:
         self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.init = init  # the warm start's weights (path and sha256), None for fresh weights
         self.out_dir = Path(out_dir)
         self.embed, self.head = target.get_input_embeddings(), target.get_output_embeddings()
         self.spec = TeacherSpec(drafter.config.target_layer_ids, cfg.teacher_top_k, cfg.max_seq_len)
@@ -445,7 +448,7 @@ class DrafterTrainer:
             moments[f"{names[id(p)]}::exp_avg"] = st["exp_avg"].contiguous()
             moments[f"{names[id(p)]}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
         save_file(moments, str(self.out_dir / "optimizer.safetensors"))
-        state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast,
+        state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast, "init": self.init,
                  "best_tau": self.best_tau if self.best_tau > float("-inf") else None,
                  "recent": list(history[-50:])}
         (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
@@ -457,6 +460,9 @@ class DrafterTrainer:
         if not state_file.exists():
             return False
         state = json.loads(state_file.read_text())
+        if state.get("init") != self.init:
+            raise ValueError(f"{self.out_dir} is a run started from {state.get('init') or 'fresh weights'}, "
+                             f"not from {self.init or 'fresh weights'}: use a new --out or the same start")
         loaded = type(self.drafter).from_pretrained(self.out_dir / "drafter", dtype=self.dtype)
         with torch.no_grad():
             for p, q in zip(self.drafter.model.parameters(), loaded.model.parameters(), strict=True):
@@ -490,6 +496,31 @@ def new_drafter(target, cfg: TrainConfig, mask_token_id: int,
         drafter.set_draft_vocab(draft_vocab)
     if cfg.init_from_target:
         init_from_target(drafter, target)
+    return drafter
+
+
+def warm_start(target, cfg: TrainConfig, mask_token_id: int, init_dir: str | Path) -> DFlashDrafter:
+    """The drafter saved at ``init_dir`` (weights and ``d2t``), in float32 where the target runs, as the
+    start of a run of ``cfg`` (``train-drafter --init``): the optimiser starts afresh (its own warm-up).
+
+    Refused (ValueError naming the fields) when the saved drafter is not the drafter ``cfg`` would
+    make for ``target``: another kind, shape, tap set or draft-vocabulary size."""
+    init_dir = Path(init_dir)
+    if not (init_dir / "config.json").is_file():
+        raise ValueError(f"--init {init_dir}: no drafter checkpoint here (config.json missing)")
+    cls = DominoDrafter if cfg.kind == "domino" else DFlashDrafter
+    device = target.get_input_embeddings().weight.device
+    try:
+        drafter = cls.from_pretrained(init_dir, dtype=torch.float32, device=device)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--init {init_dir}: cannot load it as a {cfg.kind} drafter ({exc})") from None
+    wanted = draft_config_for(target.config, cfg, mask_token_id)
+    differ = [f.name for f in attrs.fields(DFlashConfig)
+              if f.eq and f.name != "mask_token_id" and getattr(drafter.config, f.name) != getattr(wanted, f.name)]
+    if differ:
+        raise ValueError(f"--init {init_dir}: the saved drafter differs from the run's config in "
+                         + ", ".join(f"{n} ({getattr(drafter.config, n)!r} saved, {getattr(wanted, n)!r} asked)"
+                                     for n in differ))
     return drafter
 
 

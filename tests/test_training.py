@@ -330,3 +330,40 @@ def test_the_base_share_decays_to_its_floor(target, tmp_path):
     trainer = make(target, tmp_path, kind="domino", steps=10, base_share_floor=0.25)
     assert [trainer.base_share(s) for s in (0, 5, 8, 10)] == [1.0, 0.5, 0.25, 0.25]
     assert make(target, tmp_path, kind="domino", steps=10).base_share(10) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
+    """``--init``: the saved weights and d2t are the start, the optimiser is fresh, a mismatch is refused."""
+    from drafters.training import draft_vocabulary, response_token_counts, warm_start
+
+    data = sequences(3, target=target)
+    vocab = draft_vocabulary(response_token_counts(data, 64), 24)
+    cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=8, steps=20, warmup_steps=2,
+                      gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=10, lr=3e-3,
+                      soft_label_share=0.0)
+    first = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / "a")
+    first.train(data, progress=False)
+    start = warm_start(target, cfg, 1, tmp_path / "a" / "drafter")
+    assert torch.equal(start.draft_token_ids, vocab)
+    for p, q in zip(first.drafter.model.parameters(), start.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    probe = first.make_batch(first.record(data, 0), torch.Generator().manual_seed(5))
+    second = DrafterTrainer(target, start, cfg, out_dir=tmp_path / "b", init="a")
+    assert not second.optimizer.state  # fresh moments
+    second.step = first.step  # the same loss weighting, so the probe losses compare
+    with torch.no_grad():
+        before = float(second.loss(probe)[0])
+        assert before == pytest.approx(float(first.loss(probe)[0]), rel=1e-6)
+    second.step = 0
+    second.train(data, progress=False)
+    second.step = first.step
+    with torch.no_grad():
+        assert float(second.loss(probe)[0]) < before  # the added steps go on lowering the loss
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        warm_start(target, attrs_evolve(cfg, num_layers=2), 1, tmp_path / "a" / "drafter")
+    with pytest.raises(ValueError, match="no drafter checkpoint"):
+        warm_start(target, cfg, 1, tmp_path / "nothing")
+    other = DrafterTrainer(target, start, cfg, out_dir=tmp_path / "b", init="elsewhere")
+    with pytest.raises(ValueError, match="started from a"):
+        other.resume()

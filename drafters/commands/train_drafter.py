@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a teacher cache of held-out greedy answers (repeatable): held-out τ every "
                              "eval_every steps (--set eval_every=N), logged to OUT/eval.jsonl; the best weights "
                              "go to OUT/best")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="start from this drafter (weights and draft vocabulary, e.g. a shipped one) with a "
+                             "fresh optimiser and its warm-up, instead of fresh weights; the run's steps are added")
     parser.add_argument("--target", type=Path, default=None, help="local HF target directory (default: the embedded SmolLM2)")
     parser.add_argument("--preset", default="smollm2-dflash", help="named TrainConfig (see drafters.training.TRAIN_PRESETS)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -148,8 +151,36 @@ def _draft_vocab(cfg, sequences, vocab_size: int):
     return vocab
 
 
+def _start_drafter(args: argparse.Namespace, target, cfg, mask: int, data):
+    """Fresh weights (and a draft vocabulary picked from the data), or the ``--init`` drafter's."""
+    from drafters.teacher import TeacherCache
+    from drafters.training import coverage, new_drafter, response_token_counts, warm_start
+
+    if args.init is None:
+        return new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
+    try:
+        drafter = warm_start(target, cfg, mask, args.init)
+    except ValueError as exc:
+        raise SystemExit(f"treespec train-drafter: {exc}") from None
+    if drafter.draft_token_ids is not None:
+        pairs = data.pairs() if isinstance(data, TeacherCache) else data
+        counts = response_token_counts(pairs, target.config.vocab_size)
+        print(f"warm start from {args.init}: its draft vocabulary covers "
+              f"{coverage(drafter.draft_token_ids.cpu(), counts):.2%} of the training responses")
+    return drafter
+
+
+def _init_identity(init: Path | None) -> str | None:
+    """``--init``'s weights by path and sha256 (a resumed run must continue from the same start)."""
+    if init is None:
+        return None
+    from treespec.apps.embedded import sha256_of
+
+    return f"{init} sha256:{sha256_of(init / 'model.safetensors')}"
+
+
 def run(args: argparse.Namespace) -> int:
-    from drafters.training import DrafterTrainer, new_drafter
+    from drafters.training import DrafterTrainer
     from treespec.apps.models import load_frozen_model
 
     if args.threads:
@@ -170,10 +201,14 @@ def run(args: argparse.Namespace) -> int:
     data, heldout = _sequences(args, identity, cfg), _heldout(args, identity)
     source = f"teacher cache {', '.join(map(str, args.teacher))}" if args.teacher else f"{args.data}"
     print(f"{len(data)} sequences from {source}; config: {cfg}")
-    drafter = new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
+    drafter = _start_drafter(args, target, cfg, mask, data)
     _check_taps({"teacher": data, "heldout": heldout}, drafter.config.target_layer_ids)
-    trainer = DrafterTrainer(target, drafter, cfg, out_dir=args.out)
-    if trainer.resume():
+    trainer = DrafterTrainer(target, drafter, cfg, out_dir=args.out, init=_init_identity(args.init))
+    try:
+        resumed = trainer.resume()
+    except ValueError as exc:
+        raise SystemExit(f"treespec train-drafter: {exc}") from None
+    if resumed:
         print(f"resumed at step {trainer.step}")
     trainer.train(data, until=args.until, heldout=heldout)
     print(f"drafter written to {args.out / 'drafter'}")
