@@ -7,6 +7,12 @@
 #   drafters/make_embedded.sh                  # all stages, in order
 #   drafters/make_embedded.sh data heldout     # some stages
 #
+# The data passes' answers are kept in the repository (drafters/embedded/data/PASS, xz-compressed
+# shards and a manifest): `restore` lays them out under $RUNS/data first, so a pass resumes where the
+# committed data ends, and `store` copies the new shards back (commit them).  INIT (a directory with
+# dflash/ and domino/ drafters, e.g. treespec/assets as shipped: INIT=shipped) warm-starts training
+# from those drafters instead of fresh weights.
+#
 # RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10") picks the data
 # passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default, or cuda) is
 # where the target and the drafters run; BATCH (default 48) is the rows of the data passes'
@@ -23,6 +29,8 @@ prompts=${PROMPTS:-4498}
 train_set=${TRAIN_SET:-}
 device=${DEVICE:-cpu}
 batch=${BATCH:-48}
+init=${INIT:-}
+store_dir=drafters/embedded/data
 export OMP_NUM_THREADS=$threads
 heldout_sets="gsm8k humaneval mt-bench alpaca"
 
@@ -33,6 +41,30 @@ pass_args() {  # the distill-data settings of one pass
     t07) echo "--temperature 0.7 --seed 7" ;;
     t10) echo "--temperature 1.0 --seed 10" ;;
     *) echo "unknown data pass '$1' (greedy, turn2, t07, t10)" >&2; exit 2 ;;
+  esac
+}
+
+restore() {  # the committed answers of each pass, back under $runs/data (shards present are kept)
+  for pass in $passes; do
+    if [ -f "$store_dir/$pass/manifest.json" ]; then
+      treespec data-store restore --store "$store_dir/$pass" --data "$runs/data/$pass"
+    fi
+  done
+}
+
+store() {  # each pass's new shards into the repository's store
+  for pass in $passes; do
+    if [ -d "$runs/data/$pass" ]; then
+      treespec data-store save --data "$runs/data/$pass" --store "$store_dir/$pass"
+    fi
+  done
+}
+
+init_flag() {  # --init of one drafter kind, or nothing for fresh weights
+  case $init in
+    "") echo "" ;;
+    shipped) echo "--init treespec/assets/smollm2-135m-instruct-$1" ;;
+    *) echo "--init $init/$1" ;;
   esac
 }
 
@@ -65,10 +97,10 @@ train() {  # both drafters from the same caches and held-out set, best checkpoin
   for kind in domino dflash; do
     # shellcheck disable=SC2086  # word lists of flags
     treespec train-drafter $teachers $heldouts --preset "smollm2-$kind-v8k-l1" --threads "$threads" \
-      --device "$device" $train_set --out "$runs/train/$kind" --export "$runs/export/$kind"
+      --device "$device" $(init_flag "$kind") $train_set --out "$runs/train/$kind" --export "$runs/export/$kind"
   done
 }
 
-for stage in "${@:-data heldout cache train}"; do
+for stage in "${@:-restore data store heldout cache train}"; do
   for what in $stage; do "$what"; done
 done

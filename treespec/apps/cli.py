@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("treespec.apps.commands.generate", "generate text from a local model, optionally speculatively"),
     "fetch-model": ("treespec.apps.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
     "distill-data": ("treespec.apps.commands.distill_data", "generate self-distillation data with the target"),
+    "data-store": ("treespec.apps.commands.data_store", "keep a data pass's shards in the repository, or restore them"),
     "profile-cost": ("treespec.apps.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),
     "replay": ("treespec.apps.commands.replay", "record drafter traces once, then replay policies' tau without the target"),
     "bench": ("treespec.apps.commands.bench", "A/B comparison of methods: paired runs, tables with CIs, plots"),

