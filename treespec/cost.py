@@ -36,7 +36,7 @@ import torch
 
 __all__ = [
     "COST_PRESETS", "ConvexCost", "CostModel", "CostModelError", "LinearCost", "cost_model_from_dict",
-    "fit_convex_curve", "load_cost_model", "nnls", "resolve_cost_model",
+    "fit_convex_curve", "fit_verify_curve", "load_cost_model", "nnls", "resolve_cost_model",
 ]
 
 
@@ -125,7 +125,8 @@ def nnls(a: np.ndarray, y: np.ndarray, *, max_iter: int | None = None) -> np.nda
     return x
 
 
-def fit_convex_curve(points: Iterable[tuple[float, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def fit_convex_curve(points: Iterable[tuple[float, float]], weights: Iterable[float] | None = None,
+                     ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Knots and values of the least-squares non-decreasing convex piecewise-linear fit.
 
     With distinct profiled sizes x_0 < ... < x_{m-1} (repeated sizes count once per sample), every
@@ -133,18 +134,23 @@ def fit_convex_curve(points: Iterable[tuple[float, float]]) -> tuple[tuple[float
 
         f(x) = c + b (x - x_0) + sum_k a_k (x - x_k)_+,    k = 1..m-2,  b >= 0,  a_k >= 0,
 
-    (b: the first slope; a_k: the slope increase at knot k).  Minimising sum (y - f(x))^2 over
-    every sample is a non-negative least-squares problem in (b, a) once the free intercept c is
-    projected out, so the fit is exact; the function returns f at the knots.
+    (b: the first slope; a_k: the slope increase at knot k).  Minimising sum w (y - f(x))^2 over
+    every sample (``weights``: one per sample, default 1) is a non-negative least-squares problem in
+    (b, a) once the free intercept c is projected out, so the fit is exact; the function returns f
+    at the knots.
     """
-    groups: dict[float, list[float]] = defaultdict(list)
-    for n, seconds in points:
-        groups[float(n)].append(float(seconds))
+    points = list(points)
+    sample_weights = [1.0] * len(points) if weights is None else [float(w) for w in weights]
+    if len(sample_weights) != len(points) or any(not w > 0 for w in sample_weights):
+        raise CostModelError("a cost curve's sample weights must be one positive number per sample")
+    groups: dict[float, list[tuple[float, float]]] = defaultdict(list)
+    for (n, seconds), w in zip(points, sample_weights):
+        groups[float(n)].append((float(seconds), w))
     if not groups:
         raise CostModelError("cannot fit a cost curve to zero samples")
     knots = np.array(sorted(groups))
-    means = np.array([np.mean(groups[k]) for k in knots])  # [m]
-    weights = np.array([len(groups[k]) for k in knots], dtype=np.float64)  # [m] samples per knot
+    weights = np.array([sum(w for _, w in groups[k]) for k in knots], dtype=np.float64)  # [m] weight per knot
+    means = np.array([sum(s * w for s, w in groups[k]) for k in knots]) / weights  # [m] weighted means
     if knots.size == 1:
         return (float(knots[0]),), (float(means[0]),)
     basis = np.stack([knots - knots[0]] + [np.maximum(knots - k, 0.0) for k in knots[1:-1]], axis=1)  # [m, m-1]
@@ -156,6 +162,27 @@ def fit_convex_curve(points: Iterable[tuple[float, float]]) -> tuple[tuple[float
     intercept = float(w @ means - (w @ basis) @ coef)
     values = intercept + basis @ coef
     return tuple(float(k) for k in knots), tuple(float(v) for v in values)
+
+
+def fit_verify_curve(points: Iterable[tuple[float, float]], weights: Iterable[float] | None = None,
+                     ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Knots and values of one context's C_v from (n, seconds) samples: the convex fit
+    (`fit_convex_curve`) of the samples with n >= 2, and the one-token forward as measured (its median,
+    capped by the fit at the first knot so the curve stays non-decreasing).  A CPU runs a one-token
+    forward through another kernel (matrix-vector) than a many-token one, so a convex fit through
+    both would price an AR step far above its cost.  ``weights``: as in `fit_convex_curve`; a
+    weighted one-token point takes the weighted mean instead of the median."""
+    points = [(float(n), float(s)) for n, s in points]
+    w = [1.0] * len(points) if weights is None else [float(x) for x in weights]
+    single = [(s, x) for (n, s), x in zip(points, w) if n == 1]
+    many = [(p, x) for p, x in zip(points, w) if p[0] >= 2]
+    if not single or not many:
+        return fit_convex_curve(points, w)
+    knots, values = fit_convex_curve([p for p, _ in many], [x for _, x in many])
+    if weights is not None:
+        one = sum(s * x for s, x in single) / sum(x for _, x in single)
+        return (1.0, *knots), (min(one, values[0]), *values)
+    return (1.0, *knots), (min(float(np.median([s for s, _ in single])), values[0]), *values)
 
 
 def _interp_curve(n: torch.Tensor, knots: tuple[float, ...], values: tuple[float, ...]) -> torch.Tensor:

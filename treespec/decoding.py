@@ -26,6 +26,14 @@ it) call ``gate.reset()`` at each conversation's start.  AR rounds commit exactl
 output is unchanged; the drafter receives the taps of every token committed meanwhile at its
 next draft.
 
+A policy that prices its trees with a `treespec.live_cost.LiveCost` (its ``cost_model``) has it fed
+by this loop: before each round ``begin_round`` says whether the round explores (it then drafts
+whatever the back-off says, and its tree is not taken as the policy's verdict on whether trees
+pay), and after it ``observe`` receives the round's tree size, cached context, verify seconds and,
+for a drafted round, draft + build seconds; an exploring round that finds a new speed of the
+machine ends the back-off.  So the cost model learns the machine while it decodes;
+the tokens committed are the same whatever it prices (every tree is verified losslessly).
+
 Trees are pruned to the depth that can still be used (remaining tokens, context window) before the
 target sees them; pruning a tree to a depth keeps it a tree and changes no accepted token.
 Stage times are wall-clock seconds around each stage, synchronised on CUDA; the prefill is timed
@@ -53,6 +61,7 @@ from treespec.interfaces import (
     VerifyResult,
     check_single_batch,
 )
+from treespec.live_cost import live_cost_of
 from treespec.sampling import sampling_key, target_tokens
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
@@ -144,14 +153,15 @@ class DraftGate:
 class _Stopwatch:
     """Wall-clock stage timer; synchronises CUDA so that queued kernels count in their stage."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = device.type == "cuda"
+        self.clock = clock
         self.times: dict[str, float] = {}
 
     def now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self.clock()
 
     def run(self, stage: str, fn, *args):
         start = self.now()
@@ -177,13 +187,15 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None,
                  on_round: Callable[[DraftTree, VerifyResult], None] | None = None, *,
-                 draft_backoff: int = DRAFT_BACKOFF) -> None:
+                 draft_backoff: int = DRAFT_BACKOFF, clock: Callable[[], float] = time.perf_counter) -> None:
         self.target = target
         self.drafter = drafter
         self.policy = policy
         self.verifier = checked_parts(drafter, policy, verifier, draft_backoff)
         self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
+        self.clock = clock  # seconds; stage times are differences of it (a test may inject a fake one)
         self.gate = DraftGate(draft_backoff)  # when the drafter is asked next (kept across generations)
+        self.live = live_cost_of(policy)  # the live cost model the policy prices with, fed every round
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -214,10 +226,10 @@ class SpeculativeDecoder:
         stats = GenerationStats()
         seq = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), stats)
         if first_token == "prefill":
-            clock = _Stopwatch(self.target.device)
+            clock = _Stopwatch(self.target.device, self.clock)
             clock.run("prefill", self._first_from_prefill, seq, sampling, generator)
             stats.prefill_time += clock.times["prefill"]  # the published loops time it with the prefill
-        clock = _Stopwatch(self.target.device)
+        clock = _Stopwatch(self.target.device, self.clock)
         start = clock.now()
         while not seq.done:
             stats.rounds.append(self._round(seq, sampling, generator, backend))
@@ -230,7 +242,7 @@ class SpeculativeDecoder:
                stats: GenerationStats) -> _Sequence:
         if self.drafter is not None:
             self.drafter.reset()
-        clock = _Stopwatch(self.target.device)
+        clock = _Stopwatch(self.target.device, self.clock)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
         stats.prefill_time = clock.times["prefill"]
         seq = _Sequence.start(prompt, max_new_tokens, stops)
@@ -247,26 +259,33 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ one round
     def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,
                backend: str) -> RoundStats:
-        clock = _Stopwatch(self.target.device)  # "verify" = the target's tree forward + the verifier's walk
-        drafted = not self.autoregressive and self.gate.drafts_now()
+        clock = _Stopwatch(self.target.device, self.clock)  # "verify" = the target's tree forward + the verifier's walk
+        explore = self.live is not None and self.live.begin_round()
+        drafted = not self.autoregressive and (explore or self.gate.drafts_now())
         draft = clock.run("draft", self._draft, seq) if drafted else None
-        tree = clock.run("build", self._build, draft, seq, backend)
+        tree = clock.run("build", self._build, draft, seq, backend, explore)
+        ctx = seq.anchor_position  # cached tokens under the tree
         result, verified = clock.run("verify", self._verify, tree, draft, seq, sampling, generator)
         if self.on_round is not None:
             self.on_round(tree, result)
         clock.run("commit", self._commit, tree, result, verified, seq, drafted)
-        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times)
+        if self.live is not None:
+            drafting = clock.times["draft"] + clock.times["build"] if drafted else None
+            if self.live.observe(len(tree), ctx, clock.times["verify"], drafting) and explore:
+                self.gate.reset()  # exploring found a new speed: let the policy judge the next round
+        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=explore)
 
     def _draft(self, seq: _Sequence) -> DraftOutput | None:
         if self.autoregressive:
             return None
         return checked_draft(self.drafter.draft(seq.context()), self.target)
 
-    def _build(self, draft: DraftOutput | None, seq: _Sequence, backend: str) -> DraftTree:
+    def _build(self, draft: DraftOutput | None, seq: _Sequence, backend: str, explore: bool = False) -> DraftTree:
         if draft is None:
             return DraftTree.root_only(seq.anchor, device=self.target.device)
         tree = self.policy.build(draft, backend=backend)
-        self.gate.record(len(tree))  # the policy's answer, before the window and the length cut it
+        if not explore:  # an exploring round's tree says nothing about whether trees pay
+            self.gate.record(len(tree))  # the policy's answer, before the window and the length cut it
         return fitted_tree(tree, seq, self.target)
 
     def _verify(self, tree: DraftTree, draft: DraftOutput | None, seq: _Sequence, sampling: SamplingParams,

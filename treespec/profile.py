@@ -33,7 +33,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.cost import ConvexCost, fit_convex_curve
+from treespec.cost import ConvexCost, fit_verify_curve
 from treespec.hardware import digest, machine_file, machine_identity, read_cached, write_cached
 from treespec.interfaces import DraftContext, Drafter
 from treespec.target import TargetModel, crop_cache
@@ -141,7 +141,7 @@ class CostProfile:
                 raise KeyError("this profile has not measured that drafter: pass it to machine_profile")
             draft = self.drafts[ident]
         contexts = sorted({c for _, c, _ in self.verify})
-        curves = [_curve([(n, s) for n, c, s in self.verify if c == ctx]) for ctx in contexts]
+        curves = [fit_verify_curve([(n, s) for n, c, s in self.verify if c == ctx]) for ctx in contexts]
         return ConvexCost(draft, tuple(contexts), tuple(k for k, _ in curves), tuple(v for _, v in curves))
 
     def verify_in_steps(self, n: int) -> float:
@@ -183,16 +183,6 @@ def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[i
     """Write ``profile`` (a calibration added, say) where `machine_profile` finds it."""
     path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
     write_cached(path, key, profile.to_record())
-
-
-def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Knots and values of one context's C_v: the convex fit for n >= 2, the one-token point as measured."""
-    single = [s for n, s in points if n == 1]
-    many = [(n, s) for n, s in points if n >= 2]
-    if not single or not many:
-        return fit_convex_curve(points)
-    knots, values = fit_convex_curve(many)
-    return (1.0, *knots), (min(statistics.median(single), values[0]), *values)
 
 
 def _profile_file(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int],

@@ -23,6 +23,7 @@ class RoundStats:
     tau: int  # accepted draft tokens + 1
     tree_size: int  # nodes in the verified tree, root included
     times: dict[str, float]  # seconds per stage, keys from STAGES
+    explored: bool = False  # a live cost model priced this round for exploration (treespec.live_cost)
 
 
 @attrs.define

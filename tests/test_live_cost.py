@@ -1,0 +1,182 @@
+"""The live cost model: converging to injected round times, following a step change, exploring, and
+driving a cost-aware policy between full and root-only trees on a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_target import hf_greedy, tiny_target
+
+from drafters.oracle import ORACLE_PRESETS, OracleDrafter
+from treespec import registry
+from treespec.cost import ConvexCost, LinearCost
+from treespec.decoding import SpeculativeDecoder
+from treespec.live_cost import LiveCost, LiveSettings, Observation, live_cost_of
+
+SIZES, CONTEXTS = (1, 2, 3, 5, 9, 17, 33), (128, 512)
+
+
+def profile(step: float = 0.05, per_token: float = 0.001, draft: float = 0.01) -> ConvexCost:
+    """A profiled curve: a one-token step and trees growing linearly, the same at both contexts."""
+    return ConvexCost.fit([(n, c, step + per_token * n) for n in SIZES for c in CONTEXTS], draft=draft)
+
+
+def at(model, n: int, ctx: int = 300) -> float:
+    return float(model.verify_cost(torch.tensor([float(n)]), ctx)[0])
+
+
+def test_the_estimate_converges_to_the_injected_curve():
+    prior = profile()
+    truth = lambda n: 0.05 if n == 1 else 0.08 + 0.002 * n  # noqa: E731  trees 1.6x the AR step, steeper
+    live = LiveCost(prior)
+    for i in range(64):
+        n = SIZES[i % len(SIZES)]
+        live.begin_round()
+        live.observe(n, 300, truth(n), 0.02 if n > 1 else None)
+    for n in SIZES:
+        assert at(live, n) == pytest.approx(truth(n), rel=0.12), n  # within the prior's pull (2 of 18)
+    assert live.draft_cost == pytest.approx(0.02, rel=0.1)
+    assert abs(at(live, 17) - truth(17)) < 0.2 * abs(at(prior, 17) - truth(17))
+    assert sum(live.support().values()) == 64 and live.support()[17] == 64 // len(SIZES) + (1 if 64 % 7 > 5 else 0)
+
+
+def test_one_descheduled_round_does_not_move_the_estimate():
+    live = LiveCost(profile())
+    for _ in range(15):
+        live.observe(17, 300, 0.1, 0.02)
+    before = at(live, 17)
+    live.observe(17, 300, 5.0, 0.02)  # a round the guest was descheduled in
+    for _ in range(7):
+        live.observe(17, 300, 0.1, 0.02)
+    assert at(live, 17) == pytest.approx(before, rel=0.02)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_a_step_change_is_followed_within_the_drift_rounds_plus_the_window_median(factor):
+    s = LiveSettings()
+    live = LiveCost(profile(), s)
+    for _ in range(20):
+        live.observe(17, 300, 0.1, 0.02)
+    rounds = 0
+    while abs(math.log(at(live, 17) / (0.1 * factor))) > 0.15:
+        live.observe(17, 300, 0.1 * factor, 0.02)
+        rounds += 1
+        assert rounds <= s.window // 2 + s.drift_rounds + 1, "the estimate did not follow the step change"
+
+
+def test_the_one_token_step_and_trees_are_corrected_apart():
+    """A CPU runs one token through another kernel: once trees are observed, an AR step's correction
+    does not reach them (before that, a slower AR step is taken as a slower machine)."""
+    live = LiveCost(profile())
+    for _ in range(24):  # a full window, then a re-fit
+        live.observe(1, 300, 0.1)  # AR steps twice the profile's
+    assert at(live, 1) == pytest.approx(0.1, rel=1e-6)  # the prior no longer counts
+    assert at(live, 17) == pytest.approx(at(profile(), 17) * 0.1 / 0.051, rel=1e-6)
+    for _ in range(24):
+        live.observe(17, 300, 3 * at(profile(), 17))  # trees three times the profile's
+    assert at(live, 1) == pytest.approx(0.1, rel=1e-6)
+    assert at(live, 9) == pytest.approx(3 * at(profile(), 9), rel=1e-6)  # the trees' own correction
+
+
+def test_exploration_comes_after_explore_every_rounds_without_a_large_tree_and_prices_a_step():
+    live = LiveCost(profile(), LiveSettings(explore_every=4))
+    assert not live.begin_round()
+    live.observe(17, 300, 0.2, 0.02)  # a large tree
+    flags = []
+    for _ in range(12):
+        flags.append(live.begin_round())
+        if flags[-1]:
+            assert at(live, 33) == pytest.approx(at(live, 1))  # priced as if a tree cost an AR step
+            live.observe(17, 300, 0.2, 0.02)
+        else:
+            live.observe(1, 300, 0.05)
+    assert flags == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 2
+    assert not LiveCost(profile(), LiveSettings(explore_every=0)).begin_round()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(SIZES), st.integers(0, 900), st.floats(0.01, 1.0),
+                          st.one_of(st.none(), st.floats(0.0, 0.2))), min_size=1, max_size=40))
+def test_the_model_is_rebuilt_from_its_observations_and_stays_monotone(rows):
+    live = LiveCost(profile())
+    for n, ctx, verify, draft in rows:
+        live.begin_round()
+        live.observe(n, ctx, verify, draft)
+    again = LiveCost.restore(profile(), [o.to_list() for o in live.observations])
+    assert again.to_dict() == live.to_dict() and again.support() == live.support()
+    for ctx in (0, 128, 300, 512, 2000):
+        costs = live.verify_costs(40, ctx)[1:]
+        assert bool((costs[1:] >= costs[:-1] - 1e-12).all())
+
+
+def test_bad_observations_and_a_non_convex_prior():
+    live = LiveCost(LinearCost(0.01, 0.05, 0.001))
+    assert live.contexts == CONTEXTS and at(live, 9) == pytest.approx(0.059)
+    with pytest.raises(ValueError, match="cannot be observed"):
+        live.observe(0, 10, 0.1)
+    with pytest.raises(ValueError, match="cannot be observed"):
+        live.observe(3, 10, float("nan"))
+    assert Observation.from_list([3, 10, 0.1, None, True]) == Observation(3, 10, 0.1, None, True)
+
+
+# --- the loop feeds it: a cost-aware policy on a fake clock ------------------------------------------------
+
+class FakeClock:
+    """Seconds that pass only when the target verifies or the drafter drafts, as the test says."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def clocked(target, drafter, clock: FakeClock, verify_cost):
+    """Make the target's tree forward take ``verify_cost(n)`` and a draft 10 ms of the fake clock."""
+    forward, draft = target.forward_tree, drafter.draft
+
+    def timed_forward(tree, *args, **kwargs):
+        clock.now += verify_cost(len(tree))
+        return forward(tree, *args, **kwargs)
+
+    def timed_draft(ctx):
+        clock.now += 0.01
+        return draft(ctx)
+
+    target.forward_tree, drafter.draft = timed_forward, timed_draft
+
+
+def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_root_only_and_back():
+    target = tiny_target("qwen3")
+    drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))
+    clock, phase = FakeClock(), {"verify": "cheap"}
+    costs = {"cheap": lambda n: 0.05 + 0.0005 * n, "dear": lambda n: 0.05 if n == 1 else 0.4}
+    clocked(target, drafter, clock, lambda n: costs[phase["verify"]](n))
+    live = LiveCost(profile(step=0.05, per_token=0.0005), LiveSettings(explore_every=8))
+    policy = registry.create("policy", "caddtree", budget=16, cost_model=live)
+    assert live_cost_of(policy) is live
+    decoder = SpeculativeDecoder(target, drafter, policy, clock=clock)
+    prompt = torch.tensor([5, 9, 2, 7])
+
+    def rounds(new_tokens: int) -> list[tuple[int, bool]]:
+        out = decoder.generate(prompt, max_new_tokens=new_tokens)
+        assert out.tokens.tolist() == hf_greedy(target.model, prompt, new_tokens)  # lossless whatever it prices
+        return [(r.tree_size, r.explored) for r in out.stats.rounds][:-4]  # the last ones are cut to what is left
+
+    cheap = rounds(60)
+    assert all(n >= 9 for n, _ in cheap)  # trees pay: the policy builds large ones
+    phase["verify"] = "dear"
+    dear = rounds(80)
+    switched = next(i for i, (n, _) in enumerate(dear) if n == 1)
+    assert switched <= LiveSettings().drift_rounds  # root-only trees (AR steps) within the drift rounds
+    assert all(n == 1 for n, explored in dear[switched:] if not explored)
+    assert 2 <= sum(explored for _, explored in dear) <= len(dear) // 8  # exploring, every 8 rounds at most
+    assert at(live, 17) == pytest.approx(0.4, rel=0.15)
+    phase["verify"] = "cheap"
+    back = rounds(80)
+    first = next(i for i, (_, explored) in enumerate(back) if explored)
+    assert first <= 8 and all(n >= 9 for n, _ in back[first:])  # one exploring round saw cheap trees again

@@ -1,0 +1,289 @@
+"""A cost model that learns the machine while it decodes: the profile corrected by live round times.
+
+Contract
+--------
+`LiveCost(prior)` is a `treespec.cost.CostModel` (C_d, C_v(n; ctx)) that prices like ``prior`` (the
+machine's one-shot profile) until the decoding loop tells it what rounds really cost: after every
+round of a single-sequence decoder whose policy prices with it, ``observe(n, ctx, verify, draft)``
+receives the verify seconds of that round's n tree tokens on ctx cached tokens and, for a drafted
+round, the seconds of its draft and build stages.  Policies read it as any cost model; the loop
+(`treespec.decoding.SpeculativeDecoder`) feeds it and nothing else writes to it.
+
+The estimator (all of it deterministic in the observations, so a recorded run can be priced again):
+
+* **Buckets.** The curve's knots (the prior's profiled sizes) are the size buckets; an observed n
+  goes to the knot nearest in log n.  n = 1 (an AR step) is a bucket of its own kind: a CPU runs a
+  one-token forward through another kernel than a tree's, so its correction never spreads to trees.
+* **Per bucket**, the ratios rho = seconds / prior(n, ctx) of the last ``window`` observations; the
+  bucket's correction r_b is their median, so one descheduled round does not move it.  A bucket never
+  observed takes the correction of the nearest observed bucket of its kind (trees: n >= 2), else of
+  the nearest observed one (a machine slower at AR steps is taken to be slower at trees until a
+  tree says otherwise), else 1.
+* **The curve**, per profiled context c: at each knot k the mean of the prior's value prior(k, c),
+  weighted by a pseudo-count w_0 (1 - m / window), and the corrected value prior(k, c) * r_k,
+  weighted by the m observations in the bucket's window: the prior counts while a bucket has few
+  observations and not at all once its window is full.  The knots so valued and weighted are fitted
+  by `treespec.cost.fit_verify_curve` (the exact weighted least-squares non-decreasing convex fit for
+  n >= 2, the one-token point apart), as the profile fits its own samples.  C_d: the median of the
+  last ``window`` draft + build times against the prior's C_d, weighted the same way.  Build time
+  counts because a tree round pays it and an AR round does not.
+* **Re-fit** every ``refit_every`` observations, and at once on a change of regime: when the median
+  |log(measured / predicted)| of the last ``drift_rounds`` observations exceeds ``drift`` (the
+  machine got slower, or faster, for several rounds: one descheduled round is not enough), or when
+  one round is cheaper than predicted by more than 2 ``drift`` in log (noise only ever slows a forward
+  down, so a round that fast is the machine's speed, e.g. an exploring tree after a busy spell).
+  Drift is judged per kind (one-token steps, trees), and a change of regime empties that kind's
+  windows (trees: with the draft window) of what came before it and drops its prior's
+  pseudo-count, so its medians follow the new speed at once instead of after half a window: a
+  step change is followed within ``drift_rounds`` rounds of its kind.
+* **Exploration.**  A policy that prices trees as too dear builds root-only trees, and the loop
+  then never observes a tree again.  So when ``explore_every`` rounds have passed without a verified
+  tree of at least the last explored size, `begin_round` answers True once: that round drafts (past
+  the decoder's back-off) and is priced as if a verify cost what an AR step costs, so the policy
+  builds its full budget, which is observed.  At most one round in ``explore_every + 1`` explores,
+  and it still commits its accepted tokens: it costs at most (C_d + C_v(B + 1) - C_v(1)) / (explore_every
+  + 1) per round over the right choice (2.3 % of an AR step for a round of 1.76 AR steps and
+  explore_every 32), and nothing while trees are being built anyway.
+
+`snapshot()` is the current curve as a frozen `ConvexCost`; `support()` says how many observations
+each knot rests on.  `LiveCost.restore(prior, observations)` rebuilds the model a run ended with.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import attrs
+import torch
+
+from treespec.cost import ConvexCost, CostModel, fit_verify_curve
+
+__all__ = ["LIVE_PRESETS", "LiveCost", "LiveSettings", "Observation", "live_cost_of"]
+
+
+@attrs.frozen
+class LiveSettings:
+    """How the live estimator weighs, re-fits and explores (module docstring)."""
+
+    window: int = attrs.field(default=16, validator=attrs.validators.ge(1))  # observations kept per bucket
+    prior_weight: int = attrs.field(default=2, validator=attrs.validators.ge(0))  # the prior's weight, in observations
+    refit_every: int = attrs.field(default=8, validator=attrs.validators.ge(1))  # observations between re-fits
+    drift: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))  # |log(measured/predicted)| that re-fits at once
+    drift_rounds: int = attrs.field(default=3, validator=attrs.validators.ge(1))  # observations the drift median covers
+    explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))  # rounds without a large tree before one explores (0: never)
+
+
+LIVE_PRESETS: dict[str, LiveSettings] = {
+    "default": LiveSettings(),
+    "no-exploration": LiveSettings(explore_every=0),  # for reproducing runs that never explore
+}
+
+
+@attrs.frozen
+class Observation:
+    """One round as the loop measured it."""
+
+    n: int  # tree tokens verified, root included
+    ctx: int  # cached context tokens under the tree
+    verify: float  # seconds of the verify stage
+    draft: float | None = None  # seconds of the draft and build stages (None: an AR round, nothing drafted)
+    explored: bool = False  # the round was priced for exploration
+
+    def to_list(self) -> list:
+        return [self.n, self.ctx, self.verify, self.draft, self.explored]
+
+    @classmethod
+    def from_list(cls, row: Sequence) -> Observation:
+        n, ctx, verify, draft, explored = row
+        return cls(int(n), int(ctx), float(verify), None if draft is None else float(draft), bool(explored))
+
+
+def _grid(prior: CostModel) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """(contexts, knots) the live curve is kept on: the prior's own when it is a profiled curve."""
+    if isinstance(prior, ConvexCost):
+        return prior.contexts, tuple(sorted({k for ks in prior.knots for k in ks}))
+    return (128, 512), (1.0, 2.0, 3.0, 5.0, 9.0, 17.0, 33.0)
+
+
+class LiveCost(CostModel):
+    """The prior cost model corrected by observed rounds (module docstring)."""
+
+    def __init__(self, prior: CostModel, settings: LiveSettings | None = None) -> None:
+        if isinstance(prior, LiveCost):
+            prior = prior.snapshot()
+        self.prior = prior
+        self.settings = settings or LiveSettings()
+        self.contexts, self.knots = _grid(prior)
+        # (observation index, value) windows: verify ratios per knot, draft + build seconds
+        self._ratios: list[deque[tuple[int, float]]] = [deque(maxlen=self.settings.window) for _ in self.knots]
+        self._counts = [0] * len(self.knots)  # observations ever made per knot
+        self._drafts: deque[tuple[int, float]] = deque(maxlen=self.settings.window)
+        # per kind (0: the one-token step, 1: trees): the last |log(measured / predicted)|, and whether
+        # the kind has changed regime (its prior then no longer counts)
+        self._errors = [deque(maxlen=self.settings.drift_rounds) for _ in range(2)]
+        self._changed = [False, False]
+        self._since_fit = 0
+        self._since_large = 0  # rounds since a verified tree of at least `_explore_size` tokens
+        self._explore_size = 2
+        self._exploring = False
+        self.observations: list[Observation] = []  # every round observed, in order
+        self.refits = 0
+        self._current = self._fit()
+
+    # ------------------------------------------------------------------ CostModel
+    @property
+    def draft_cost(self) -> float:
+        return self._current.draft_cost
+
+    def verify_cost(self, n: torch.Tensor, ctx: int) -> torch.Tensor:
+        if self._exploring:  # a verify priced as an AR step: the policy builds its full budget
+            n = torch.as_tensor(n, dtype=torch.float64)
+            return torch.full_like(n, float(self._current.verify_cost(torch.tensor([1.0]), ctx)[0]))
+        return self._current.verify_cost(n, ctx)
+
+    def to_dict(self) -> dict:
+        """The current curve (a plain convex cost model: what a saved file or a record replays with)."""
+        return self._current.to_dict()
+
+    # ------------------------------------------------------------------ the loop's side
+    def begin_round(self) -> bool:
+        """Called by the loop before each round; True when this round explores (module docstring)."""
+        every = self.settings.explore_every
+        self._exploring = every > 0 and self._since_large >= every
+        return self._exploring
+
+    @property
+    def exploring(self) -> bool:
+        return self._exploring
+
+    def observe(self, n: int, ctx: int, verify: float, draft: float | None = None) -> bool:
+        """One round's measured seconds: ``verify`` for ``n`` tree tokens on ``ctx`` cached tokens, and
+        the draft and build seconds of a drafted round.  True when it changed the regime (the model
+        re-fitted to a new speed of the machine)."""
+        obs = Observation(int(n), int(ctx), float(verify), None if draft is None else float(draft), self._exploring)
+        if obs.n < 1 or not math.isfinite(obs.verify) or obs.verify <= 0:
+            raise ValueError(f"a round of {n} tokens that took {verify} s cannot be observed")
+        return self._update(obs)
+
+    def _update(self, obs: Observation) -> bool:
+        index = len(self.observations)
+        self.observations.append(obs)
+        kind = int(obs.n > 1)
+        predicted = float(self._current.verify_cost(torch.tensor([float(obs.n)]), obs.ctx)[0])
+        error = math.log(obs.verify / predicted) if predicted > 0 else math.inf  # > 0: dearer than priced
+        self._errors[kind].append(abs(error))
+        prior = float(self.prior.verify_cost(torch.tensor([float(obs.n)]), obs.ctx)[0])
+        bucket = self._bucket(obs.n)
+        if prior > 0:
+            self._ratios[bucket].append((index, obs.verify / prior))
+            self._counts[bucket] += 1
+        if obs.draft is not None:
+            self._drafts.append((index, obs.draft))
+        if obs.explored and obs.n > 1:
+            self._explore_size = obs.n
+        self._since_large = 0 if obs.n >= self._explore_size else self._since_large + 1
+        self._exploring = False
+        self._since_fit += 1
+        s, errors = self.settings, self._errors[kind]
+        drifted = len(errors) == errors.maxlen and statistics.median(errors) > s.drift
+        cheaper = error < -2 * s.drift  # nothing makes a forward faster than the machine is: a new regime
+        if drifted or cheaper:
+            self._new_regime(kind, index - s.drift_rounds + 1 if drifted else index)
+        if self._since_fit >= s.refit_every or drifted or cheaper:
+            self._current = self._fit()
+            self._since_fit = 0
+            for e in self._errors:
+                e.clear()
+            self.refits += 1
+        return drifted or cheaper
+
+    def _new_regime(self, kind: int, index: int) -> None:
+        """A change of regime of one kind: its windows (and the drafts', for trees) keep only what was
+        observed from observation ``index`` on, and its prior no longer counts."""
+        self._changed[kind] = True
+        windows = [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) == kind]
+        for window in windows + ([self._drafts] if kind else []):
+            kept = [(i, x) for i, x in window if i >= index]
+            window.clear()
+            window.extend(kept)
+
+    # ------------------------------------------------------------------ the estimator
+    def _bucket(self, n: int) -> int:
+        """The knot nearest ``n`` in log n; n = 1 only in the one-token bucket and never in a tree's."""
+        if n == 1 and 1.0 in self.knots:
+            return self.knots.index(1.0)
+        trees = [i for i, k in enumerate(self.knots) if k >= 2] or list(range(len(self.knots)))
+        return min(trees, key=lambda i: abs(math.log(self.knots[i]) - math.log(n)))
+
+    def _corrections(self) -> list[float]:
+        """r_k per knot: the median observed ratio, or the nearest observed bucket's of the same kind."""
+        own = [statistics.median(x for _, x in r) if r else None for r in self._ratios]
+        out = []
+        for i, k in enumerate(self.knots):
+            if own[i] is not None:
+                out.append(own[i])
+                continue
+            seen = [j for j in range(len(self.knots)) if own[j] is not None]
+            kin = [j for j in seen if (self.knots[j] >= 2) == (k >= 2)] or seen
+            out.append(own[min(kin, key=lambda j: abs(math.log(self.knots[j]) - math.log(k)))] if kin else 1.0)
+        return out
+
+    def _fit(self) -> ConvexCost:
+        w0, window = self.settings.prior_weight, self.settings.window
+        ratios = self._corrections()
+        seen = [len(r) for r in self._ratios]  # observations in each bucket's window
+        knots, values = [], []
+        for ctx in self.contexts:
+            base = self.prior.verify_cost(torch.tensor(self.knots, dtype=torch.float64), ctx).tolist()  # [K]
+            points, weights = [], []
+            for k, b, r, m in zip(self.knots, base, ratios, seen, strict=True):
+                # the prior's pseudo-count, replaced as observations come, gone after a change of regime
+                prior_w = 0.0 if self._changed[int(k > 1)] else w0 * (1.0 - m / window)
+                if m == 0:  # never observed: the prior's shape at the level of the nearest observed bucket
+                    points.append((k, b * r))
+                    weights.append(max(prior_w, 1.0))
+                else:
+                    points.append((k, (prior_w * b + m * b * r) / (prior_w + m)))
+                    weights.append(prior_w + m)
+            kn, va = fit_verify_curve(points, weights)
+            knots.append(kn)
+            values.append(va)
+        draft = self.prior.draft_cost
+        if self._drafts:
+            m = len(self._drafts)
+            prior_w = 0.0 if self._changed[1] else w0 * (1.0 - m / window)
+            draft = (prior_w * draft + m * statistics.median(x for _, x in self._drafts)) / (prior_w + m)
+        return ConvexCost(float(draft), tuple(self.contexts), tuple(knots), tuple(values))
+
+    # ------------------------------------------------------------------ reading it back
+    def snapshot(self) -> ConvexCost:
+        """The current curve, frozen."""
+        return self._current
+
+    def support(self) -> dict[int, int]:
+        """Observations each knot rests on (every round ever observed, not only the window)."""
+        return {int(k): c for k, c in zip(self.knots, self._counts, strict=True)}
+
+    @property
+    def draft_support(self) -> int:
+        return len(self._drafts)
+
+    @classmethod
+    def restore(cls, prior: CostModel, observations: Iterable[Observation | Sequence],
+                settings: LiveSettings | None = None) -> LiveCost:
+        """The model a run ended with, rebuilt from its prior and its observations in order."""
+        live = cls(prior, settings)
+        for obs in observations:
+            obs = obs if isinstance(obs, Observation) else Observation.from_list(obs)
+            live._exploring = obs.explored
+            live._update(obs)
+        return live
+
+
+def live_cost_of(policy: object) -> LiveCost | None:
+    """The `LiveCost` a policy prices with (its ``cost_model``), which the loop feeds; None otherwise."""
+    cost = getattr(policy, "cost_model", None)
+    return cost if isinstance(cost, LiveCost) else None
