@@ -262,6 +262,7 @@ class SpeculativeDecoder:
         clock = _Stopwatch(self.target.device, self.clock)  # "verify" = the target's tree forward + the verifier's walk
         explore = self.live is not None and self.live.begin_round()
         drafted = not self.autoregressive and (explore or self.gate.drafts_now())
+        priced = self._priced_with() if drafted else None
         draft = clock.run("draft", self._draft, seq) if drafted else None
         tree = clock.run("build", self._build, draft, seq, backend, explore)
         ctx = seq.anchor_position  # cached tokens under the tree
@@ -273,7 +274,12 @@ class SpeculativeDecoder:
             drafting = clock.times["draft"] + clock.times["build"] if drafted else None
             if self.live.observe(len(tree), ctx, clock.times["verify"], drafting) and explore:
                 self.gate.reset()  # exploring found a new speed: let the policy judge the next round
-        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=explore)
+        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=explore, drafted=drafted,
+                          priced_with=priced)
+
+    def _priced_with(self):
+        """The curve the policy's cost model prices this round with (None without a cost model)."""
+        return self.live.priced() if self.live is not None else getattr(self.policy, "cost_model", None)
 
     def _draft(self, seq: _Sequence) -> DraftOutput | None:
         if self.autoregressive:

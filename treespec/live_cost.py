@@ -129,6 +129,7 @@ class LiveCost(CostModel):
         self._since_large = 0  # rounds since a verified tree of at least `_explore_size` tokens
         self._explore_size = 2
         self._exploring = False
+        self._flat: ConvexCost | None = None  # the exploring round's curve
         self.observations: list[Observation] = []  # every round observed, in order
         self.refits = 0
         self._current = self._fit()
@@ -139,20 +140,29 @@ class LiveCost(CostModel):
         return self._current.draft_cost
 
     def verify_cost(self, n: torch.Tensor, ctx: int) -> torch.Tensor:
-        if self._exploring:  # a verify priced as an AR step: the policy builds its full budget
-            n = torch.as_tensor(n, dtype=torch.float64)
-            return torch.full_like(n, float(self._current.verify_cost(torch.tensor([1.0]), ctx)[0]))
-        return self._current.verify_cost(n, ctx)
+        return self.priced().verify_cost(n, ctx)  # exploring: a verify priced as an AR step, so the full budget
 
     def to_dict(self) -> dict:
         """The current curve (a plain convex cost model: what a saved file or a record replays with)."""
         return self._current.to_dict()
+
+    def priced(self) -> ConvexCost:
+        """The curve this round is priced with, frozen: the current one, or while exploring the flat
+        curve at the current one-token step (one knot per context: `ConvexCost` extends it flat)."""
+        return self._flat if self._exploring else self._current
+
+    def _flat_curve(self) -> ConvexCost:
+        cur = self._current
+        steps = tuple(float(cur.verify_cost(torch.tensor([1.0]), c)[0]) for c in cur.contexts)
+        return ConvexCost(cur.draft, cur.contexts, tuple((1.0,) for _ in cur.contexts), tuple((v,) for v in steps))
 
     # ------------------------------------------------------------------ the loop's side
     def begin_round(self) -> bool:
         """Called by the loop before each round; True when this round explores (module docstring)."""
         every = self.settings.explore_every
         self._exploring = every > 0 and self._since_large >= every
+        if self._exploring:
+            self._flat = self._flat_curve()
         return self._exploring
 
     @property
@@ -278,7 +288,9 @@ class LiveCost(CostModel):
         live = cls(prior, settings)
         for obs in observations:
             obs = obs if isinstance(obs, Observation) else Observation.from_list(obs)
-            live._exploring = obs.explored
+            if live.begin_round() != obs.explored:
+                raise ValueError(f"observation {len(live.observations)} was {'' if obs.explored else 'not '}an "
+                                 "exploring round here: the observations were made with other settings")
             live._update(obs)
         return live
 

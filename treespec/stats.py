@@ -11,6 +11,8 @@ import statistics
 import attrs
 import torch
 
+from treespec.cost import CostModel
+
 __all__ = ["GenerationResult", "GenerationStats", "RoundStats", "STAGES"]
 
 STAGES = ("draft", "build", "verify", "commit")  # the timed stages of one round
@@ -24,6 +26,8 @@ class RoundStats:
     tree_size: int  # nodes in the verified tree, root included
     times: dict[str, float]  # seconds per stage, keys from STAGES
     explored: bool = False  # a live cost model priced this round for exploration (treespec.live_cost)
+    drafted: bool = True  # the drafter was asked (False: an AR round of the back-off, or AR decoding)
+    priced_with: CostModel | None = None  # the curve the policy's cost model priced this round's tree with
 
 
 @attrs.define
