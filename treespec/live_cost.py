@@ -120,6 +120,7 @@ class LiveCost(CostModel):
         # (observation index, value) windows: verify ratios per knot, draft + build seconds
         self._ratios: list[deque[tuple[int, float]]] = [deque(maxlen=self.settings.window) for _ in self.knots]
         self._counts = [0] * len(self.knots)  # observations ever made per knot
+        self._draft_count = 0  # drafted rounds ever observed
         self._drafts: deque[tuple[int, float]] = deque(maxlen=self.settings.window)
         # per kind (0: the one-token step, 1: trees): the last |log(measured / predicted)|, and whether
         # the kind has changed regime (its prior then no longer counts)
@@ -192,6 +193,7 @@ class LiveCost(CostModel):
             self._counts[bucket] += 1
         if obs.draft is not None:
             self._drafts.append((index, obs.draft))
+            self._draft_count += 1
         if obs.explored and obs.n > 1:
             self._explore_size = obs.n
         self._since_large = 0 if obs.n >= self._explore_size else self._since_large + 1
@@ -279,7 +281,8 @@ class LiveCost(CostModel):
 
     @property
     def draft_support(self) -> int:
-        return len(self._drafts)
+        """Drafted rounds observed (every one, not only the window)."""
+        return self._draft_count
 
     @classmethod
     def restore(cls, prior: CostModel, observations: Iterable[Observation | Sequence],

@@ -118,6 +118,9 @@ class CostProfile:
     verify: tuple[tuple[int, int, float], ...]  # (n tokens, context length, median seconds)
     drafts: Mapping[str, float] = attrs.field(factory=dict)  # drafter identity -> median seconds per round
     calibrations: Mapping[str, float] = attrs.field(factory=dict)  # drafter identity -> κ (`fit_calibration`)
+    # the live-corrected curve decoding runs left (`with_live`): (n, context, seconds, rounds it rests on)
+    live_verify: tuple[tuple[int, int, float, int], ...] = ()
+    live_drafts: Mapping[str, tuple[float, int]] = attrs.field(factory=dict)  # identity -> (draft + build s, rounds)
 
     def calibration(self, drafter: Drafter | str | None) -> float:
         """The drafter's fitted κ, 1.0 (its probabilities taken as they are) when none was fitted."""
@@ -132,33 +135,61 @@ class CostProfile:
     def with_calibration(self, drafter: Drafter, kappa: float) -> CostProfile:
         return attrs.evolve(self, calibrations={**self.calibrations, drafter.identity(): float(kappa)})
 
-    def cost_model(self, drafter: Drafter | str | None = None) -> ConvexCost:
-        """The fitted C_v with this drafter's C_d (0 without a drafter)."""
+    def cost_model(self, drafter: Drafter | str | None = None, *, live: bool = True) -> ConvexCost:
+        """The fitted C_v with this drafter's C_d (0 without a drafter); ``live``: corrected by what
+        earlier decoding runs measured (`with_live`) where they left a correction."""
         draft = 0.0
         if drafter is not None:
             ident = drafter if isinstance(drafter, str) else drafter.identity()
             if ident not in self.drafts:
                 raise KeyError("this profile has not measured that drafter: pass it to machine_profile")
-            draft = self.drafts[ident]
-        contexts = sorted({c for _, c, _ in self.verify})
-        curves = [fit_verify_curve([(n, s) for n, c, s in self.verify if c == ctx]) for ctx in contexts]
+            draft = self.live_drafts[ident][0] if live and ident in self.live_drafts else self.drafts[ident]
+        verify = [(n, c, s) for n, c, s, _ in self.live_verify] if live and self.live_verify else self.verify
+        contexts = sorted({c for _, c, _ in verify})
+        curves = [fit_verify_curve([(n, s) for n, c, s in verify if c == ctx]) for ctx in contexts]
         return ConvexCost(draft, tuple(contexts), tuple(k for k, _ in curves), tuple(v for _, v in curves))
 
-    def verify_in_steps(self, n: int) -> float:
+    @property
+    def live_rounds(self) -> int:
+        """Rounds of decoding the live correction rests on (0: the profile as measured)."""
+        if not self.live_verify:
+            return 0
+        first = self.live_verify[0][1]
+        return sum(r for _, c, _, r in self.live_verify if c == first)
+
+    def with_live(self, live) -> CostProfile:
+        """This profile with the verify curve a `treespec.live_cost.LiveCost` ended with, at the profiled
+        sizes and contexts, its round counts added to those already stored."""
+        curve, support = live.snapshot(), live.support()
+        before = {(n, c): r for n, c, _, r in self.live_verify}
+        rows = tuple((n, c, float(curve.verify_cost(torch.tensor([float(n)]), c)[0]),
+                      before.get((n, c), 0) + support.get(n, 0)) for n, c, _ in self.verify)
+        return attrs.evolve(self, live_verify=rows)
+
+    def with_live_draft(self, live, drafter: Drafter | str) -> CostProfile:
+        """This profile with the draft + build seconds a `LiveCost` that priced ``drafter`` ended with."""
+        if not live.draft_support:
+            return self
+        ident = drafter if isinstance(drafter, str) else drafter.identity()
+        rounds = self.live_drafts.get(ident, (0.0, 0))[1] + live.draft_support
+        return attrs.evolve(self, live_drafts={**self.live_drafts, ident: (live.snapshot().draft_cost, rounds)})
+
+    def verify_in_steps(self, n: int, *, live: bool = True) -> float:
         """C_v(n) / C_v(1) at the shortest profiled context: a tree verify in AR steps."""
-        model = self.cost_model()
+        model = self.cost_model(live=live)
         costs = model.verify_costs(n, model.contexts[0])
         return float(costs[n] / costs[1])
 
-    def break_even_tau(self, drafter: Drafter | str, nodes: int) -> float:
+    def break_even_tau(self, drafter: Drafter | str, nodes: int, *, live: bool = True) -> float:
         """The mean τ a tree of ``nodes`` non-root nodes needs to match AR: (C_d + C_v(nodes + 1)) / C_v(1)."""
-        model = self.cost_model(drafter)
+        model = self.cost_model(drafter, live=live)
         costs = model.verify_costs(nodes + 1, model.contexts[0])
         return float((model.draft_cost + costs[nodes + 1]) / costs[1])
 
     def to_record(self) -> dict:
         return {"format": _FORMAT, "verify": [list(s) for s in self.verify], "drafts": dict(self.drafts),
-                "calibrations": dict(self.calibrations)}
+                "calibrations": dict(self.calibrations), "live_verify": [list(s) for s in self.live_verify],
+                "live_drafts": {k: list(v) for k, v in self.live_drafts.items()}}
 
     @classmethod
     def from_record(cls, record: Mapping) -> CostProfile:
@@ -166,7 +197,10 @@ class CostProfile:
             raise ValueError(f"profile format {record.get('format')!r}, expected {_FORMAT}")
         verify = tuple((int(n), int(c), float(s)) for n, c, s in record["verify"])
         calibrations = {str(k): float(v) for k, v in dict(record.get("calibrations", {})).items()}
-        return cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations)
+        live = tuple((int(n), int(c), float(s), int(r)) for n, c, s, r in record.get("live_verify", []))
+        live_drafts = {str(k): (float(s), int(r)) for k, (s, r) in dict(record.get("live_drafts", {})).items()}
+        return cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations, live,
+                   live_drafts)
 
 
 def fit_calibration(rounds: Iterable[tuple[float, int]]) -> float:
@@ -236,7 +270,7 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
         bar.update(1)
     bar.close()
     target.reset()
-    profile = CostProfile(profile.verify, drafts, profile.calibrations)
+    profile = attrs.evolve(profile, drafts=drafts)
     if cache:
         write_cached(path, key, profile.to_record())
     return profile

@@ -18,8 +18,10 @@ Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample`
   ``drafter_kwargs``), or a local DFlash / Domino checkpoint directory.
 * ``policy``: a `TreePolicy` or a registered name, built with ``budget`` (when given) and
   ``policy_kwargs``; a cost-aware one (CaDDTree, the cost-aware DominoTree) named here prices its
-  trees with this machine's measured cost profile (`treespec.profile`, cached).  Ignored for
-  autoregressive decoding.
+  trees as ``cost_model`` says: ``"live"`` (default) this machine's measured cost profile
+  (`treespec.profile`, cached) corrected by the round times of this generation, which are then
+  saved with the profile; ``"profile"`` the profile as measured; a `CostModel`, a JSON file or
+  ``preset:NAME`` that model (`treespec.apps.pricing`).  Ignored for autoregressive decoding.
 * ``dtype``: ``"auto"`` (default) is the faster of bf16 and fp32 for this model on this CPU
   (measured once and cached, `treespec.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
   stored dtype.
@@ -32,7 +34,7 @@ config's EOS ids stop generation; pass ``stop_token_ids=[]`` to run the full len
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,9 @@ import attrs
 import torch
 
 from treespec import registry
+from treespec.apps.pricing import CostSource, persist_live
 from treespec.batch_decoding import BatchDecoder
+from treespec.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, TreePolicy, Verifier
 from treespec.stats import GenerationStats
@@ -89,20 +93,25 @@ def load_drafter(drafter: Drafter | PathLike | None, **kwargs: Any) -> Drafter |
 
 
 def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any], target: TargetModel,
-            drafter: Drafter) -> TreePolicy:
-    """The policy; a cost-aware one by name gets this machine's measured cost model (`treespec.profile`)."""
+            drafter: Drafter, costs: CostSource) -> tuple[TreePolicy, Callable[[], None]]:
+    """The policy, and what to call once it has decoded: a cost-aware one by name is priced as ``costs``
+    says (by default its own live model over this machine's profile, `treespec.apps.pricing`), and what
+    the live model learned is then saved with the profile."""
     if isinstance(policy, TreePolicy):
-        return policy
+        return policy, lambda: None
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
         kwargs = {**kwargs, "budget": budget}
-    if getattr(registry.resolve("policy", policy), "uses_cost_model", False) and "cost_model" not in kwargs:
-        from treespec.profile import machine_profile
+    if not getattr(registry.resolve("policy", policy), "uses_cost_model", False) or "cost_model" in kwargs:
+        return registry.create("policy", policy, **kwargs), lambda: None
+    from treespec.profile import machine_profile
 
-        cost, kappa = machine_profile(target, [drafter]).pricing(drafter)
-        kwargs = {**({"calibration": kappa} if kappa != 1.0 else {}), **kwargs, "cost_model": cost}
-    return registry.create("policy", policy, **kwargs)
+    profile = machine_profile(target, [drafter]) if costs.uses_profile else None
+    cost, kappa = costs.price(lambda: profile.pricing(drafter))
+    kwargs = {**({"calibration": kappa} if kappa != 1.0 else {}), **kwargs, "cost_model": cost}
+    done = (lambda: persist_live(target, profile, [(cost, drafter)])) if profile is not None else (lambda: None)
+    return registry.create("policy", policy, **kwargs), done
 
 
 def load_tokenizer(path: PathLike) -> Any:
@@ -170,15 +179,19 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
              stop_token_ids: Iterable[int] | int | None = None, eos_token_id: Iterable[int] | int | None = None,
              seed: int | None = None, tokenizer: Any = None, dtype: torch.dtype | str = "auto",
              device: str | torch.device = "cpu", backend: str = "torch", position_keyed: bool = True,
-             drafter_kwargs: dict[str, Any] | None = None,
-             policy_kwargs: dict[str, Any] | None = None) -> GenerateOutput | list[GenerateOutput]:
+             drafter_kwargs: dict[str, Any] | None = None, policy_kwargs: dict[str, Any] | None = None,
+             cost_model: str | CostModel | CostSource = "live") -> GenerateOutput | list[GenerateOutput]:
     """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring)."""
     batch = _is_batch(prompt)
     prompts = list(prompt) if batch else [prompt]
     target = load_target(model, dtype=dtype, device=device)
     tokenizer = _tokenizer(model, tokenizer, needed=any(isinstance(p, str) for p in prompts))
     draft_model = load_drafter(drafter, **(drafter_kwargs or {}))
-    tree_policy = _policy(policy, budget, policy_kwargs or {}, target, draft_model) if draft_model is not None else None
+    costs = cost_model if isinstance(cost_model, CostSource) else (
+        CostSource(live=False, fixed=cost_model, spec="given") if isinstance(cost_model, CostModel)
+        else CostSource.parse(cost_model))
+    tree_policy, decoded = (_policy(policy, budget, policy_kwargs or {}, target, draft_model, costs)
+                            if draft_model is not None else (None, lambda: None))
     checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
     stops = _stop_ids(stop_token_ids if stop_token_ids is not None else eos_token_id, tokenizer, target)
     options = {"max_new_tokens": max_new_tokens, "temperature": _temperature(do_sample, temperature), "top_k": top_k,
@@ -191,6 +204,7 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         results = [SpeculativeDecoder(target, draft_model, tree_policy, checker).generate(ids[0], generator=generator,
                                                                                         **options)]
+    decoded()
     outputs = [GenerateOutput(r.tokens, tokenizer.decode(r.tokens.tolist(), skip_special_tokens=True)
                               if tokenizer is not None else None, r.stats) for r in results]
     return outputs if batch else outputs[0]

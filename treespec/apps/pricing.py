@@ -1,0 +1,81 @@
+"""How the apps price cost-aware policies: one rule for bench, demo, generate, draw and example.
+
+Contract
+--------
+`CostSource.parse(text)` reads ``--cost-model``: ``live`` (the default): this machine's profile
+(`treespec.profile`), corrected while decoding by a `treespec.live_cost.LiveCost` of the policy's
+own; ``profile``: the profile as measured, fixed; a JSON file or ``preset:NAME``: that model, fixed.
+``source.price(profile_pricing)`` turns the (cost model, calibration) of the profile into what one
+policy gets: each call gives a new `LiveCost`, so policies never share one.  `persist_live` writes
+what the live models learned back into this machine's profile cache (`CostProfile.with_live`,
+under the profile's own key), so the next run starts from the corrected curve.  Fixed-size
+policies are never priced (they do not declare ``uses_cost_model``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from treespec.cost import CostModel, resolve_cost_model
+from treespec.interfaces import Drafter
+from treespec.live_cost import LiveCost, LiveSettings
+
+__all__ = ["COST_SOURCES", "CostSource", "persist_live"]
+
+COST_SOURCES = ("live", "profile")  # the --cost-model words; anything else is a file or preset:NAME
+
+
+@attrs.frozen
+class CostSource:
+    """Where a cost-aware policy's cost model comes from (module docstring)."""
+
+    live: bool = True  # correct the model with the round times measured while decoding
+    fixed: CostModel | None = None  # a given model (file or preset) instead of this machine's profile
+    spec: str = "live"  # the --cost-model text it was parsed from (records name it)
+    settings: LiveSettings = LiveSettings()  # the live estimator's windows, re-fits and exploration
+
+    @classmethod
+    def parse(cls, text: str | None) -> CostSource:
+        """``live`` (None too), ``profile``, or a cost model file / ``preset:NAME`` (fixed)."""
+        if text is None or text == "live":
+            return cls()
+        if text == "profile":
+            return cls(live=False, spec=text)
+        return cls(live=False, fixed=resolve_cost_model(text), spec=text)
+
+    @property
+    def uses_profile(self) -> bool:
+        """Whether pricing needs this machine's measured profile."""
+        return self.fixed is None
+
+    def price(self, profile_pricing: Callable[[], tuple[CostModel, float]]) -> tuple[CostModel, float]:
+        """(cost model, calibration κ) for one policy; ``profile_pricing`` gives the profile's."""
+        cost, kappa = (self.fixed, 1.0) if self.fixed is not None else profile_pricing()
+        return (LiveCost(cost, self.settings) if self.live else cost), kappa
+
+    def describe(self) -> str:
+        return {"live": "this machine's profile, corrected live", "profile": "this machine's profile"}.get(
+            self.spec, self.spec)
+
+
+def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | None]], *, sizes=None,
+                 contexts=None) -> object | None:
+    """Write what the live models among ``priced`` ((cost model, drafter) per priced policy) learned into
+    the machine's profile cache; returns the updated profile (None when no live model observed a round).
+    The verify curve is the one of the live model that observed the most tree rounds; each drafter's
+    draft + build cost is its own policy's."""
+    from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, save_profile
+
+    lives = [(c, d) for c, d in priced if isinstance(c, LiveCost) and c.observations]
+    if not lives:
+        return None
+    trees = lambda live: sum(n for k, n in live.support().items() if k > 1)  # noqa: E731
+    best = max(lives, key=lambda item: (trees(item[0]), len(item[0].observations)))[0]
+    updated = profile.with_live(best)
+    for live, drafter in lives:
+        if drafter is not None:
+            updated = updated.with_live_draft(live, drafter)
+    save_profile(target, updated, sizes=sizes or PROFILE_SIZES, contexts=contexts or PROFILE_CONTEXTS)
+    return updated
