@@ -36,7 +36,7 @@ from treespec.apps.replay import (
     record_trace,
     replay_prompt,
 )
-from treespec.cost import COST_PRESETS
+from treespec.cost import COST_PRESETS, cost_model_from_dict
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.target import TargetModel
@@ -62,6 +62,11 @@ class Capturing(TreePolicy):
         tree = self.inner.build(draft, backend=backend)
         self.trees.append((draft.position, tree))
         return tree
+
+    @property
+    def cost_model(self):
+        """The inner policy's, so that the loop feeds a live one (`treespec.live_cost.live_cost_of`)."""
+        return getattr(self.inner, "cost_model", None)
 
 
 class World:
@@ -327,3 +332,51 @@ def test_parts_of_other_settings_are_refused(compressed, tmp_path):
     with pytest.raises(TraceError, match="recorded with other prompt, prompt_sha256"):
         record_trace(world.target, world.drafters, world.prompts[1:2], config=config, parts_dir=tmp_path,
                      prompt_ids=["other"])
+
+
+# ---------------------------------------------------------------------------- live-corrected costs
+@pytest.mark.parametrize("method", ["caddtree@16", "cost-aware-dominotree@16"])
+def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
+    """Round by round with the curve its record names, a run whose costs were corrected live (on a clock
+    that makes trees dear, then cheap, so the policy switches and explores) builds the same trees."""
+    from treespec.apps.bench.records import BenchRecord, cost_schedule
+    from treespec.apps.replay import replay_priced
+    from treespec.live_cost import LiveCost, LiveSettings
+
+    parsed = parse_method(method)
+    live = LiveCost(COST, LiveSettings(explore_every=3))
+    policy = Capturing(build_policy(parsed, live))
+    now = {"t": 0.0, "rounds": 0}
+    decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], policy, clock=lambda: now["t"])
+    forward = small.target.forward_tree
+
+    def timed(tree, *args, **kwargs):  # trees dear in the first 10 forwards, cheap after
+        now["rounds"] += 1
+        now["t"] += 0.02 if len(tree) == 1 else (0.3 if now["rounds"] <= 10 else 0.021)
+        return forward(tree, *args, **kwargs)
+
+    small.target.forward_tree = timed
+    try:
+        drafts = ReplayDrafts.of(small.trace, parsed.drafter)
+        sizes, curves = [], set()
+        for i, prompt in enumerate(small.prompts):
+            policy.trees = []
+            decoder.gate.reset()
+            out = decoder.generate(prompt, max_new_tokens=small.trace.max_new_tokens)
+            models, rounds = cost_schedule(out.stats.rounds)
+            record = BenchRecord(method, parsed.policy, 16, 0.0, "d", str(i), 0, 0, out.tokens.tolist(),
+                                 out.stats.taus, 1.0, 0.0, {}, cost_models=models, cost_rounds=rounds)
+            taus = replay_priced(small.trace, drafts, parsed, i, record.priced_rounds())
+            assert taus == out.stats.taus, f"prompt {i}"
+            sizes += [len(t) for _, t in policy.trees]
+            curves |= {json.dumps(m, sort_keys=True) for m in models}
+            start = prompt.numel() - 1
+            for (position, tree), priced in zip(policy.trees, [p for p in record.priced_rounds() if p]):
+                rebuilt = build_policy(parsed, cost_model_from_dict(priced))
+                draft = drafts.draft(small.trace.anchor_index(i, position - start), int(small.trace.sequences[i][position]),
+                                     position)
+                assert rebuilt.build(draft).equal(tree)
+        assert 1 in sizes and max(sizes) > 1  # the policy switched between root-only and larger trees
+        assert len(curves) >= 3  # priced with several curves: re-fits and exploring rounds
+    finally:
+        small.target.forward_tree = forward

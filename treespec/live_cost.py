@@ -16,9 +16,10 @@ The estimator (all of it deterministic in the observations, so a recorded run ca
   one-token forward through another kernel than a tree's, so its correction never spreads to trees.
 * **Per bucket**, the ratios rho = seconds / prior(n, ctx) of the last ``window`` observations; the
   bucket's correction r_b is their median, so one descheduled round does not move it.  A bucket never
-  observed takes the correction of the nearest observed bucket of its kind (trees: n >= 2), else of
-  the nearest observed one (a machine slower at AR steps is taken to be slower at trees until a
-  tree says otherwise), else 1.
+  observed takes the correction of the nearest observed bucket of its kind (trees: n >= 2); trees
+  with none of their kind observed take the one-token step's (a machine slower at AR steps is taken
+  to be slower at trees until a tree says otherwise), while an unobserved one-token step keeps the
+  profile's value (it runs another kernel, whose cost trees say nothing about); else 1.
 * **The curve**, per profiled context c: at each knot k the mean of the prior's value prior(k, c),
   weighted by a pseudo-count w_0 (1 - m / window), and the corrected value prior(k, c) * r_k,
   weighted by the m observations in the bucket's window: the prior counts while a bucket has few
@@ -239,7 +240,7 @@ class LiveCost(CostModel):
                 out.append(own[i])
                 continue
             seen = [j for j in range(len(self.knots)) if own[j] is not None]
-            kin = [j for j in seen if (self.knots[j] >= 2) == (k >= 2)] or seen
+            kin = [j for j in seen if (self.knots[j] >= 2) == (k >= 2)] or (seen if k >= 2 else [])
             out.append(own[min(kin, key=lambda j: abs(math.log(self.knots[j]) - math.log(k)))] if kin else 1.0)
         return out
 

@@ -2,7 +2,9 @@
 then measure any tree policy's T = 0 acceptance lengths from the recording, without the target.
 
 Four modules, one job each: `trace` (the file format and joining traces), `record` (recording),
-`rebuild` (a recorded anchor's `DraftOutput`), `evaluate` (replaying policies).  Replay knows a
+`rebuild` (a recorded anchor's `DraftOutput`), `evaluate` (replaying policies; `replay_priced`
+replays a cost-aware run whose costs were corrected live, round by round with the curves its bench
+record names).  Replay knows a
 path-dependent scorer only through `treespec.interfaces.RecordableScorer` and the registry.
 
 Exactness.  A rebuilt draft gives the live draft's tree bit for bit for best-first policies over
@@ -16,12 +18,12 @@ a tree forward against a one-token step, so float64 runs agree exactly and low-p
 nearly always (benchmarks/bench_replay.py reports the agreement).
 """
 
-from treespec.apps.replay.evaluate import ReplayResult, check_replayable, evaluate, replay_prompt
+from treespec.apps.replay.evaluate import ReplayResult, check_replayable, evaluate, replay_priced, replay_prompt
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.record import RECORD_PRESETS, RecordConfig, record_trace
 from treespec.apps.replay.trace import DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces
 
 __all__ = [
     "RECORD_PRESETS", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ScorerRecord", "Trace",
-    "TraceError", "check_replayable", "evaluate", "merge_traces", "record_trace", "replay_prompt",
+    "TraceError", "check_replayable", "evaluate", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
 ]

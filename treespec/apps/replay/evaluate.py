@@ -13,6 +13,7 @@ what the trace recorded; a tree holding an unrecorded token (a -inf score) fails
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Sequence
 
@@ -28,7 +29,7 @@ from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
 from treespec.interfaces import TreePolicy
 from treespec.tree import DraftTree
 
-__all__ = ["ReplayResult", "check_replayable", "evaluate", "replay_prompt"]
+__all__ = ["ReplayResult", "check_replayable", "evaluate", "replay_priced", "replay_prompt"]
 
 
 def check_replayable(policy: TreePolicy | None, meta: dict) -> None:
@@ -75,6 +76,36 @@ def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
         taus.append(tau)
         if stops.intersection(seq[anchor + 1:anchor + 1 + tau]):
             break
+        done += tau
+    return taus
+
+
+def replay_priced(trace: Trace, drafts: ReplayDrafts, method: Method, prompt: int,
+                  schedule: Sequence[dict | None], *, calibration: float = 1.0, backend: str = "torch") -> list[int]:
+    """Per-round tau of a cost-aware ``method`` on one recorded prompt, each round priced with the cost
+    model a live run priced it with: ``schedule`` has one entry per live round, the model's
+    `CostModel.to_dict` form, or None for a round that drafted nothing (`BenchRecord.priced_rounds`).
+    So a run whose costs were corrected live builds the same trees again (the drafting decisions
+    are the recorded ones: an exploring round drafts past the back-off, `treespec.live_cost`)."""
+    seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
+    room = int(trace.meta["target"]["max_positions"])
+    policies: dict[str, TreePolicy] = {}
+    taus, done = [], 0
+    for r, priced in enumerate(schedule):
+        if done >= total:
+            raise TraceError(f"the schedule has {len(schedule)} rounds; the replay ended after round {r}")
+        anchor = start + done
+        tau = 1
+        if priced is not None:
+            key = json.dumps(priced, sort_keys=True)
+            if key not in policies:
+                policies[key] = build_policy(method, cost_model_from_dict(priced, f"round {r}'s cost model"),
+                                             calibration)
+            draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
+            tree = limit_depth(policies[key].build(draft, backend=backend), min(total - done - 1, room - 1 - anchor))
+            _check_recorded(tree)
+            tau = accepted_length(tree, seq[anchor + 1:])
+        taus.append(tau)
         done += tau
     return taus
 
