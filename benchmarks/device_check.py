@@ -11,6 +11,12 @@
    per second), ``treespec teacher-cache --device cuda`` over it, then ``treespec train-drafter
    --device cuda`` from that cache for a few minutes, printing the time of each stage and per step.
 
+4. **End-to-end decoding.**  A random Qwen3-4B-shaped target (bf16) with random DFlash and Domino
+   drafters (block 16, one layer, the Domino head at G 1,024 / E 256) on the GPU: AR and every
+   registered policy (budget 16; cost-aware ones priced by their own live cost model over a fresh
+   profile) on a few prompts at T = 0, each output checked against AR's token for token, the
+   stage times per round printed; then the live cost curve after 50 rounds beside the profile.
+
     python benchmarks/device_check.py                  # on the CUDA machine, about 10 minutes
     python benchmarks/device_check.py --cpu-dry-run    # every code path at tiny sizes, no capture
 """
@@ -42,7 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds per cell (median)")
     parser.add_argument("--train-steps", type=int, default=300, help="train-drafter steps (part 3)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU, graphs skipped")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["graphs", "stacked", "train"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["graphs", "stacked", "train", "decode"])
+    parser.add_argument("--decode-tokens", type=int, default=48, help="new tokens per prompt (part 4)")
     return parser.parse_args()
 
 
@@ -165,6 +172,92 @@ def check_training(device: str, steps: int, dry: bool) -> None:
         print(f"{state['step']} steps: {wall / max(1, state['step']):.2f} s per step, start-up included")
 
 
+def _random_target(device: str, dry: bool):
+    """A random target of Qwen3-4B's shape (tiny in a dry run), made on ``device``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from treespec.target import TargetModel
+
+    sizes = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128) if dry else \
+        dict(vocab_size=151936, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+             head_dim=128, intermediate_size=9728)
+    config = Qwen3Config(**sizes, max_position_embeddings=4096, initializer_range=0.02, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    return TargetModel(model.to(torch.float32 if dry else torch.bfloat16).eval())
+
+
+def _random_drafters(target, device: str, dry: bool) -> dict:
+    from drafters.dflash import DFlashDrafter
+    from drafters.domino import DominoDrafter
+    from drafters.training import TrainConfig, draft_config_for
+
+    drafters = {}
+    for kind, cls in (("dflash", DFlashDrafter), ("domino", DominoDrafter)):
+        cfg = TrainConfig(kind=kind, block_size=16, num_layers=1, gru_hidden_dim=32 if dry else 1024,
+                          emb_dim=16 if dry else 256)
+        dtype = torch.float32 if dry else torch.bfloat16
+        drafters[kind] = cls.random(draft_config_for(target.config, cfg, 0), seed=1, dtype=dtype, device=device)
+    return drafters
+
+
+def check_decoding(device: str, dry: bool, new_tokens: int) -> None:
+    """AR and every registered policy end to end on the GPU; outputs against AR; live costs after 50 rounds."""
+    from treespec import registry
+    from treespec.apps.methods import build_policy, parse_method
+    from treespec.decoding import SpeculativeDecoder
+    from treespec.live_cost import LiveCost
+    from treespec.profile import machine_profile
+
+    print(f"\n## 4. end-to-end decoding on {device}")
+    target = _random_target(device, dry)
+    drafters = _random_drafters(target, device, dry)
+    start = time.perf_counter()
+    profile = machine_profile(target, list(drafters.values()), repeats=3, cache=False)
+    print(f"cost profile: {time.perf_counter() - start:.1f} s; verify of 1 / 2 / 5 / 17 tokens = "
+          + " / ".join(f"{profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17)) + " AR steps", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (64,), generator=gen) for _ in range(3)]
+    names = ["ar", "dflash", "domino"] + [f"{n}@16" for n in registry.available("policy") if n != "chain"]
+    reference = None
+    lives = {}
+    print("| method | tau | ms per round: draft / build / verify / commit | = AR |")
+    print("|---|---|---|---|")
+    for name in names:
+        method = parse_method(name)
+        drafter = drafters.get(method.drafter) if method.drafter else None
+        pricing = ()
+        if drafter is not None and getattr(registry.resolve("policy", method.policy), "uses_cost_model", False):
+            pricing = (LiveCost(profile.cost_model(drafter)), 1.0)
+            lives[name] = pricing[0]
+        decoder = SpeculativeDecoder(target, drafter, build_policy(method, *pricing))
+        outs = [decoder.generate(p, max_new_tokens=new_tokens) for p in prompts]
+        tokens = [o.tokens.tolist() for o in outs]
+        reference = tokens if reference is None else reference
+        rounds = [r for o in outs for r in o.stats.rounds]
+        stages = " / ".join(f"{1e3 * statistics.fmean(r.times.get(k, 0.0) for r in rounds):.2f}"
+                            for k in ("draft", "build", "verify", "commit"))
+        tau = statistics.fmean(r.tau for r in rounds)
+        same = sum(a == b for a, b in zip(tokens, reference))
+        print(f"| {name} | {tau:.2f} | {stages} | {same}/{len(prompts)} |", flush=True)
+        if same != len(prompts):
+            raise SystemExit(f"{name}: output differs from AR's")
+    for name, live in lives.items():
+        method = parse_method(name)
+        decoder = SpeculativeDecoder(target, drafters[method.drafter], build_policy(method, live))
+        while len(live.observations) < 50:
+            decoder.generate(prompts[len(live.observations) % len(prompts)], max_new_tokens=new_tokens)
+        curve, prior = live.snapshot(), live.prior
+        ctx = curve.contexts[0]
+        row = lambda m: " / ".join(f"{1e3 * float(m.verify_cost(torch.tensor([float(n)]), ctx)[0]):.2f}"  # noqa: E731
+                                   for n in (1, 2, 5, 17, 33))
+        print(f"{name} after {len(live.observations)} rounds ({live.refits} re-fits), verify ms at n = 1 / 2 / 5 / 17 "
+              f"/ 33, ctx {ctx}: profile {row(prior)}; live {row(curve)}; support {live.support()}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     device = "cpu" if args.cpu_dry_run else "cuda"
@@ -179,6 +272,8 @@ def main() -> None:
         check_stacked(cases, args)
     if "train" not in args.skip:
         check_training(device, args.train_steps if device == "cuda" else 4, args.cpu_dry_run)
+    if "decode" not in args.skip:
+        check_decoding(device, args.cpu_dry_run, args.decode_tokens if device == "cuda" else 12)
 
 
 if __name__ == "__main__":

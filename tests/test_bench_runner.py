@@ -24,6 +24,7 @@ import treespec.apps.bench as ab
 from treespec.apps.bench.records import read_records
 from treespec.apps.cli import main
 from treespec.apps.methods import parse_method
+from treespec.apps.pricing import CostSource
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import SamplingParams
 from treespec.sampling import gumbel_noise, sampling_key
@@ -57,7 +58,9 @@ def make_harness() -> ab.Harness:
     config = {"vocab": VOCAB, "hidden": 32, "num_target_layers": 4, "layer_ids": (0, 2), "block_size": 4}
     drafters = {"dflash": DFlashDrafter.random(tiny_config(**config), dtype=torch.float64, seed=1),
                 "domino": DominoDrafter.random(tiny_config(domino=True, **config), dtype=torch.float64, seed=2)}
-    return ab.Harness(target, ab.Chat(CharTokenizer()), drafters)
+    # the profile as measured: live-corrected costs make a cost-aware method's trees depend on the
+    # moment's timings, and these tests check that records do not depend on sharding or order
+    return ab.Harness(target, ab.Chat(CharTokenizer()), drafters, costs=CostSource.parse("profile"))
 
 
 def prompt_files(folder: Path) -> tuple[str, str]:
