@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from treespec.apps.commands.profile_cost import time_verify
+from treespec.live_cost import LiveCost
 from treespec.target import TargetModel
 
 
@@ -45,3 +47,33 @@ def test_verify_sizes_are_timed_in_turn_and_leave_the_cache():
     assert sorted(seconds) == [1, 2, 5] and all(s > 0 for s in seconds.values())
     assert calls == [1, 2, 5] + [1, 2, 5] + [2, 5, 1] + [5, 1, 2] + [1, 2, 5]  # warm-up, then the repeats
     assert target.length == 20 and target.cache_length() == 20
+
+
+def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(tmp_path, monkeypatch):
+    """persist_live writes the live curve into this machine's profile cache; the next profile read
+    prices with it, and profile-cost prints both curves with the rounds each point rests on."""
+    from treespec.apps.commands.profile_cost import describe_profile
+    from treespec.apps.pricing import persist_live
+    from treespec.profile import machine_profile
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    target = TargetModel(Qwen3ForCausalLM(cfg))
+    profile = machine_profile(target, repeats=1)
+    measured = profile.cost_model()
+    live = LiveCost(measured)
+    for _ in range(24):
+        live.observe(17, 100, 3 * float(measured.verify_cost(torch.tensor([17.0]), 100)[0]))
+    assert persist_live(target, profile, [(measured, None)]) is None  # nothing live: nothing written
+    saved = persist_live(target, profile, [(live, None)])
+    again = machine_profile(target, repeats=1)  # read from the cache, not measured
+    assert again == saved and again.live_rounds == 24
+    for n in (2, 17, 33):
+        assert float(again.cost_model().verify_cost(torch.tensor([float(n)]), 128)[0]) == pytest.approx(
+            3 * float(measured.verify_cost(torch.tensor([float(n)]), 128)[0]), rel=1e-6)
+    assert again.cost_model(live=False) == measured
+    text = describe_profile(again, [], [])
+    assert "live correction: 24 decoding rounds" in text and "(24 rounds)" in text and "live-corrected" in text
+    assert "none yet" in describe_profile(profile, [], [])
