@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import attrs
 import pytest
 
 from treespec.apps.bench.records import BenchRecord, read_records, write_records
@@ -110,3 +111,17 @@ def test_a_dataset_named_like_the_pooled_cell_or_like_another_is_refused(tmp_pat
         bench_prompts(BenchConfig(datasets=(str(tmp_path / "a" / "qa.jsonl"), str(tmp_path / "b" / "qa.jsonl")),
                                   prompts=1))
     assert len(bench_prompts(BenchConfig(datasets=(str(tmp_path / "a" / "qa.jsonl"),), prompts=1))) == 1
+
+
+def test_the_report_says_when_a_cell_pools_several_runs():
+    from treespec.apps.bench.records import BenchRecord
+    from treespec.apps.bench.report import pooled_runs_note
+
+    def record(method, prompt, run):
+        return BenchRecord(method, method, 0, 0.0, "gsm8k", prompt, 0, 1, [1, 2], [1, 1], 1.0, 0.1, {}, run=run)
+
+    one = [record(m, p, "r1") for m in ("ar", "ddtree@16") for p in ("a", "b")]
+    assert pooled_runs_note(one) == ""
+    two = one[:2] + [record(m, "b", "r2") for m in ("ar", "ddtree@16")]
+    assert "gsm8k T=0 (2 runs)" in pooled_runs_note(two)
+    assert pooled_runs_note([attrs.evolve(r, run="") for r in two]) == ""  # records of older versions name none

@@ -29,6 +29,21 @@ class Report:
     unacceptable: int  # divergences from AR beyond tolerance (or with no measured gap)
 
 
+def pooled_runs_note(records) -> str:
+    """A note when a (dataset, temperature) cell pools records measured by several runs (a resumed
+    folder): its speedup then mixes timings of other conditions, though every pair is of one run."""
+    runs: dict[tuple[str, float], set[str]] = {}
+    for r in records:
+        if r.run:
+            runs.setdefault((r.dataset, r.temperature), set()).add(r.run)
+    mixed = {cell: len(found) for cell, found in runs.items() if len(found) > 1}
+    if not mixed:
+        return ""
+    cells = ", ".join(f"{d} T={t:g} ({n} runs)" for (d, t), n in sorted(mixed.items()))
+    return (f"\nNote: {len(mixed)} cell(s) pool conversations measured by different runs of a resumed folder, so "
+            f"their speedups mix timings taken under other conditions (each pair is of one run): {cells}.\n")
+
+
 def write_report(out_dir: str | Path, *, resamples: int = 1000) -> Report:
     """Derive the tables and plots from ``records.jsonl`` (+ ``divergences.jsonl``), byte for byte."""
     out_dir = Path(out_dir)
@@ -39,7 +54,7 @@ def write_report(out_dir: str | Path, *, resamples: int = 1000) -> Report:
     if not records:
         raise ValueError(f"{out_dir / RECORDS} holds no records")
     summaries = summarize(records, resamples=resamples)
-    table = markdown_table(summaries)
+    table = markdown_table(summaries) + pooled_runs_note(records)
     lossless, bad = lossless_text(records, read_divergences(out_dir / DIVERGENCES))
     write_csv(summaries, out_dir / "summary.csv")
     write_csv(compare_pairs(records, resamples=resamples), out_dir / "pairs.csv")
