@@ -404,7 +404,8 @@ class DrafterTrainer:
         """Run to step ``until`` (default ``cfg.steps``), one sequence per step in a seeded order.
 
         ``sequences``: a `TeacherCache`, or (tokens, response_start) pairs taught live.
-        ``heldout``: a teacher cache of held-out greedy answers, scored every ``eval_every`` steps.
+        ``heldout``: a teacher cache of held-out greedy answers, scored every ``eval_every`` steps (and,
+        for a warm start, once before the first step, so ``best/`` is the start until a step beats it).
 
         Checkpoints every ``save_every`` steps and at the end; stopping early keeps the schedule of
         the full run, so a later call (after `resume`) continues it exactly.
@@ -418,6 +419,8 @@ class DrafterTrainer:
         history: list[dict[str, float]] = []
         bar = tqdm(total=stop, initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
         start, tokens_seen = time.perf_counter(), 0
+        if self.step == 0 and self.init is not None:  # a warm start's own score: the bar to beat, and best/ until beaten
+            self._maybe_evaluate(heldout, history)
         while self.step < stop:
             record = self.record(sequences, order[self.step % len(order)])
             batch = self.make_batch(record, torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step))

@@ -324,6 +324,10 @@ def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_
     assert best["tau/ddtree@4"] == trainer.best_tau
     again = make(target, tmp_path, steps=6, eval_every=3, eval_methods=("ddtree@4", "dflash"))
     assert again.resume() and again.best_tau == trainer.best_tau
+    warm = DrafterTrainer(target, trainer.drafter, trainer.cfg, out_dir=tmp_path / "warm", init="the run above")
+    warm.train(sequences(2, target=target), progress=False, heldout=heldout)  # a warm start scores its start too
+    steps = [json.loads(x)["step"] for x in (tmp_path / "warm" / "eval.jsonl").read_text().splitlines()]
+    assert steps == [0, 3, 6]
 
 
 def test_the_base_share_decays_to_its_floor(target, tmp_path):
