@@ -28,6 +28,8 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "dominotree": "policies.dominotree:DominoTree",
         "cost-aware-dominotree": "policies.cost_aware_dominotree:CostAwareDominoTree",
         "static-corrected": "policies.static_corrected:StaticCorrected",
+        "eagle2": "policies.eagle2:Eagle2",
+        "static": "policies.static:Static",
     },
     "drafter": {
         "dflash": "drafters.dflash:DFlashDrafter",
