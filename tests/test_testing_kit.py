@@ -1,0 +1,130 @@
+"""treespec.apps.testing.check_policy: every registered policy passes it, an outside package's policy
+can use it in one line, and each kind of broken policy is caught naming the check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import attrs
+import pytest
+import torch
+
+from policies.ddtree import DDTree
+from treespec import registry
+from treespec.apps.testing import PolicyCheckError, check_policy
+from treespec.interfaces import DraftOutput, TreePolicy
+from treespec.tree import DraftTree
+
+
+@pytest.mark.parametrize("name", registry.available("policy"))
+def test_every_registered_policy_passes_the_kit(name):
+    report = check_policy(name, budgets=(1, 16), seeds=range(3), prompts=1, tokens=24)
+    assert report.mean_tau > 1.0 and report.budgets == (1, 16)
+
+
+OUTSIDE = '''
+"""An outside package's policy: DDTree with at most `width` candidates per depth."""
+import attrs
+
+from policies.best_first import BestFirstPolicy, budget_field, check_logprobs
+from policies.frontier import TopTokens
+
+
+@attrs.frozen
+class WidthCapped(BestFirstPolicy):
+    name = "width-capped"
+
+    budget: int = budget_field(16)  # non-root nodes per round
+    width: int = budget_field(3)  # candidates per depth
+    stop = None
+
+    def validate(self, draft):
+        check_logprobs(draft)
+
+    def candidates(self, draft):
+        return TopTokens(draft.logprobs, min(self.budget, self.width, draft.vocab_size))
+'''
+
+TEST = '''
+from treespec.apps.testing import check_policy
+from widthcapped import WidthCapped
+
+
+def test_width_capped():
+    report = check_policy(WidthCapped)
+    assert report.name == "width-capped"
+'''
+
+
+def test_an_outside_package_checks_its_policy_in_one_line(tmp_path):
+    """A policy in a package outside the repository (about 20 lines on the public helpers) runs the kit
+    from its own pytest."""
+    (tmp_path / "widthcapped.py").write_text(textwrap.dedent(OUTSIDE))
+    (tmp_path / "test_outside.py").write_text(textwrap.dedent(TEST))
+    assert len(OUTSIDE.strip().splitlines()) <= 40
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout
+
+
+@attrs.frozen
+class Shuffled(TreePolicy):
+    """DDTree's tree with its last two nodes swapped: a valid tree, but not in canonical order."""
+
+    budget: int = 16
+    name = "shuffled"
+
+    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+        tree = DDTree(budget=self.budget).build(draft, backend=backend)
+        a, b = len(tree) - 2, len(tree) - 1  # the last two nodes, swapped when both hang above them
+        if a < 1 or max(int(tree.parents[a]), int(tree.parents[b])) >= a or tree.scores[a] == tree.scores[b]:
+            return tree
+        order = torch.tensor(list(range(a)) + [b, a])
+        return DraftTree(tree.tokens[order], tree.parents[order], tree.depths[order], tree.scores[order])
+
+
+@attrs.frozen
+class BackendsDiffer(TreePolicy):
+    """The networkx backend builds a smaller tree than the torch one."""
+
+    budget: int = 16
+    name = "backends-differ"
+
+    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+        return DDTree(budget=self.budget if backend == "torch" else max(1, self.budget - 1)).build(draft)
+
+
+@attrs.frozen
+class OverBudget(TreePolicy):
+    budget: int = 16
+    name = "over-budget"
+
+    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+        return DDTree(budget=self.budget + 1).build(draft, backend=backend)
+
+
+@attrs.frozen
+class RisingScores(TreePolicy):
+    """Scores that rise from parent to child: not path log-probs."""
+
+    budget: int = 16
+    name = "rising"
+
+    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+        tree = DDTree(budget=self.budget).build(draft, backend=backend)
+        return DraftTree(tree.tokens, tree.parents, tree.depths, -tree.scores)
+
+
+@pytest.mark.parametrize("broken, check", [(OverBudget, "a valid tree"), (RisingScores, "a valid tree"),
+                                           (BackendsDiffer, "both backends")])
+def test_a_broken_policy_is_caught_naming_the_check(broken, check):
+    with pytest.raises(PolicyCheckError, match=check):
+        check_policy(broken, budgets=(4, 16), seeds=range(3), prompts=1, tokens=16)
+
+
+def test_a_tree_out_of_canonical_order_is_caught():
+    with pytest.raises(PolicyCheckError, match="canonical order.*comes after"):
+        check_policy(Shuffled, budgets=(16,), seeds=range(6), prompts=1, tokens=16)
