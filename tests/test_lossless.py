@@ -73,9 +73,16 @@ def make_policy(name: str, budget: int):
 
 
 def deepest(policy) -> int:
-    """The deepest node a policy's trees can hold here: a static tree's deepest kept choice, else the draft's."""
+    """The deepest node a policy's trees can hold here: a fixed shape's deepest node (a static tree's
+    kept choices, Sequoia's DP tree at the budget), else the draft's depth."""
     choices = getattr(policy, "choices", None)
-    return ORACLE.depth if choices is None else max(len(c) for c in choices[:policy.budget])
+    if choices is not None:
+        return max(len(c) for c in choices[:policy.budget])
+    if hasattr(policy, "acceptance"):
+        from policies.sequoia import optimal_trees
+
+        return max(len(c) for c in optimal_trees(policy.acceptance, policy.budget + 1, ORACLE.depth)[1][-1])
+    return ORACLE.depth
 
 
 def make_drafter(conditional: bool, continuations: GreedyContinuations | None = None) -> OracleDrafter:
@@ -131,7 +138,7 @@ def test_greedy_output_equals_autoregressive(greedy, arm, budget):
     limit = 2 if budget == 1 else ORACLE.depth + 1
     assert max(taus) <= limit
     if budget >= 16:  # long acceptances were exercised, as deep as the policy's trees reach
-        assert statistics.fmean(taus) > 2.0 and max(taus) >= min(6, deepest(make_policy(arm[0], budget)) + 1)
+        assert statistics.fmean(taus) > 2.0 and max(taus) >= min(6, deepest(make_policy(arm[0], budget)))
     print(f"{arm_id(arm)}@{budget} {family}: mean tau {statistics.fmean(taus):.2f} over {len(taus)} rounds")
 
 

@@ -30,6 +30,8 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "static-corrected": "policies.static_corrected:StaticCorrected",
         "eagle2": "policies.eagle2:Eagle2",
         "static": "policies.static:Static",
+        "sequoia": "policies.sequoia:Sequoia",
+        "hardware-aware-sequoia": "policies.sequoia:HardwareAwareSequoia",
     },
     "drafter": {
         "dflash": "drafters.dflash:DFlashDrafter",

@@ -16,7 +16,8 @@ trees() {
   # bf16 and a named cost model for the cost-aware methods: the figures do not depend on the machine
   for spec in "chain dflash" "chain-domino domino" "ddtree ddtree@16" "caddtree caddtree@64" \
               "dominotree dominotree@16" "static-corrected static-corrected@16" \
-              "cost-aware-dominotree cost-aware-dominotree@64" "eagle2 eagle2@16" "static static"; do
+              "cost-aware-dominotree cost-aware-dominotree@64" "eagle2 eagle2@16" "static static" \
+              "sequoia sequoia@16" "hardware-aware-sequoia hardware-aware-sequoia@64"; do
     set -- $spec
     treespec draw --method "$2" --prompt "$prompt" --round $round --title "$2, round $round" \
       --dtype bfloat16 --cost-model preset:smollm2-cpu-bf16 --out "$out/tree-$1.svg"

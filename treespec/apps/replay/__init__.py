@@ -18,12 +18,13 @@ a tree forward against a one-token step, so float64 runs agree exactly and low-p
 nearly always (benchmarks/bench_replay.py reports the agreement).
 """
 
+from treespec.apps.replay.acceptance import Acceptance, fit_acceptance, load_acceptance
 from treespec.apps.replay.evaluate import ReplayResult, check_replayable, evaluate, replay_priced, replay_prompt
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.record import RECORD_PRESETS, RecordConfig, record_trace
 from treespec.apps.replay.trace import DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces
 
 __all__ = [
-    "RECORD_PRESETS", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ScorerRecord", "Trace",
-    "TraceError", "check_replayable", "evaluate", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
+    "RECORD_PRESETS", "Acceptance", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ScorerRecord", "Trace",
+    "TraceError", "check_replayable", "evaluate", "fit_acceptance", "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
 ]
