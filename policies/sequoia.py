@@ -4,8 +4,8 @@ acceptance vector, found by dynamic programming, filled each round with the draf
 
 Contract
 --------
-``Sequoia(budget=16, acceptance=PRESET, depth=None)``, and ``HardwareAwareSequoia(..., cost_model=)``.  ``acceptance`` p_1, p_2, ...
-is the chance that the target's token is the rank-k candidate of a node's marginal (greedy
+``Sequoia(budget=16, acceptance=PRESET, depth=None)``, and ``HardwareAwareSequoia(..., cost_model=)``.
+``acceptance`` p_1, p_2, ... is the chance that the target's token is the rank-k candidate of a node's marginal (greedy
 verification accepts at most one child; ranks by log-prob, ties by token id), the same at every
 node: Sequoia's positional acceptance model.  The expected tokens a tree T yields in a round
 (accepted draft tokens plus the bonus) is
@@ -27,7 +27,8 @@ canonical order).  Ties between equally good allocations go to the earlier rank 
 Hardware-aware size (the paper's choice of tree size for the machine; registered as
 ``hardware-aware-sequoia``): each round takes the size n <= budget + 1 maximising c(n, L) / (C_d +
 C_v(n; ctx)) with ctx the draft's position (ties to the smaller tree), and the root-only tree when
-that does not beat AR's 1 / C_v(1; ctx).  ``sequoia`` always builds the full budget.  `fit_acceptance` (treespec/apps/replay) estimates p from a replay trace.
+that does not beat AR's 1 / C_v(1; ctx).  ``sequoia`` always builds the full budget.
+`fit_acceptance` (treespec/apps/replay) estimates p from a replay trace.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ import torch
 
 from treespec.cost import ConvexCost, CostModel, fit_verify_curve
 
-__all__ = ["LIVE_PRESETS", "LiveCost", "LiveSettings", "Observation", "live_cost_of"]
+__all__ = ["LiveCost", "LiveSettings", "Observation", "live_cost_of"]
 
 
 @attrs.frozen
@@ -70,17 +70,11 @@ class LiveSettings:
     """How the live estimator weighs, re-fits and explores (module docstring)."""
 
     window: int = attrs.field(default=16, validator=attrs.validators.ge(1))  # observations kept per bucket
-    prior_weight: int = attrs.field(default=2, validator=attrs.validators.ge(0))  # the prior's weight, in observations
+    prior_weight: int = attrs.field(default=2, validator=attrs.validators.ge(0))  # the prior's pseudo-count
     refit_every: int = attrs.field(default=8, validator=attrs.validators.ge(1))  # observations between re-fits
-    drift: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))  # |log(measured/predicted)| that re-fits at once
+    drift: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))  # |log(measured / predicted)|: a new regime
     drift_rounds: int = attrs.field(default=3, validator=attrs.validators.ge(1))  # observations the drift median covers
-    explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))  # rounds without a large tree before one explores (0: never)
-
-
-LIVE_PRESETS: dict[str, LiveSettings] = {
-    "default": LiveSettings(),
-    "no-exploration": LiveSettings(explore_every=0),  # for reproducing runs that never explore
-}
+    explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))  # rounds before exploring (0: never)
 
 
 @attrs.frozen

@@ -174,8 +174,9 @@ def _check_lossless(make, budgets, conditional: bool, prompts: int, tokens: int)
             if not torch.equal(out.tokens, expected):
                 at = next(j for j in range(min(out.tokens.numel(), expected.numel()))
                           if out.tokens[j] != expected[j]) if out.tokens.numel() else 0
-                raise _fail("greedy losslessness", f"{'conditional' if conditional else 'marginal'} oracle, "
-                            f"budget {budget}, prompt {i}", f"the output leaves the target's greedy output at token {at}")
+                kind = "conditional" if conditional else "marginal"
+                raise _fail("greedy losslessness", f"{kind} oracle, budget {budget}, prompt {i}",
+                            f"the output leaves the target's greedy output at token {at}")
             taus += out.stats.taus
     return taus
 
