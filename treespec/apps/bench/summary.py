@@ -25,8 +25,8 @@ import numpy as np
 
 from treespec.apps.bench.records import BenchRecord
 
-__all__ = ["POOLED", "CellSummary", "PairComparison", "compare_pairs", "markdown_table", "summarize", "time_per_token",
-           "write_csv"]
+__all__ = ["POOLED", "CellSummary", "PairComparison", "bootstrap_interval", "compare_pairs", "markdown_table",
+           "summarize", "time_per_token", "write_csv"]
 
 AR = "ar"
 POOLED = "all"  # the cell of every dataset together
@@ -89,7 +89,7 @@ def _paired(methods: dict[str, dict[tuple, BenchRecord]], names: Sequence[str]) 
     return [[methods[m][k] for m in names] for k in keys]
 
 
-def _bootstrap(stat, n: int, resamples: int, seed: int) -> tuple[float, float]:
+def bootstrap_interval(stat, n: int, resamples: int, seed: int) -> tuple[float, float]:
     """95% percentile interval of ``stat(indices)`` over prompt resamples."""
     rng = np.random.default_rng(seed)
     values = [stat(rng.integers(0, n, n)) for _ in range(resamples)]
@@ -122,8 +122,8 @@ def summarize(records: Iterable[BenchRecord], *, resamples: int = 1000, seed: in
             full = np.arange(n)
             out.append(CellSummary(
                 dataset, temp, method, me[0].budget, n, float(taus.mean()),
-                *_bootstrap(lambda idx: float(taus[idx].mean()), n, resamples, seed),
-                speed(full), *_bootstrap(speed, n, resamples, seed),
+                *bootstrap_interval(lambda idx: float(taus[idx].mean()), n, resamples, seed),
+                speed(full), *bootstrap_interval(speed, n, resamples, seed),
                 1.0 / _time_per_token(me, full) if _time_per_token(me, full) else 0.0,
                 sum(a.hash == m.hash for a, m in rows) / n))
     return out
@@ -143,8 +143,8 @@ def compare_pairs(records: Iterable[BenchRecord], *, resamples: int = 1000, seed
                 n = len(rows)
                 out.append(PairComparison(
                     dataset, temp, a, b, float(diff.mean()),
-                    *_bootstrap(lambda idx: float(diff[idx].mean()), n, resamples, seed),
-                    ratio(np.arange(n)), *_bootstrap(ratio, n, resamples, seed)))
+                    *bootstrap_interval(lambda idx: float(diff[idx].mean()), n, resamples, seed),
+                    ratio(np.arange(n)), *bootstrap_interval(ratio, n, resamples, seed)))
     return out
 
 
