@@ -179,4 +179,24 @@ def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_root_only_an
     phase["verify"] = "cheap"
     back = rounds(80)
     first = next(i for i, (_, explored) in enumerate(back) if explored)
-    assert first <= 8 and all(n >= 9 for n, _ in back[first:])  # one exploring round saw cheap trees again
+    assert first <= 8  # one exploring round saw cheap trees again; the next round measures the AR step
+    assert back[first + 1][0] == 1 and all(n >= 9 for n, _ in back[first + 2:])  # then full trees
+
+
+def test_a_change_of_regime_seen_on_trees_rescales_the_ar_step_until_it_is_observed():
+    """A busy machine slows AR steps and trees alike: trees that get 2.5x dearer take the AR step with them."""
+    live = LiveCost(profile())
+    for _ in range(12):
+        live.observe(1, 300, 0.05)
+        live.observe(17, 300, 0.1, 0.02)
+    assert at(live, 1) == pytest.approx(0.05, rel=0.05)
+    for _ in range(3):
+        live.observe(17, 300, 0.25, 0.02)  # a hog on the other core: trees only are observed
+    assert at(live, 17) == pytest.approx(0.25, rel=0.05)
+    assert at(live, 1) == pytest.approx(0.125, rel=0.1)  # the AR step scaled by about the same 2.5 ...
+    assert live.wants_ar_step and not live.begin_round()  # ... until the next round, an AR step, measures it
+    live.observe(1, 300, 0.05)  # the AR step was not slower after all (only trees were)
+    assert not live.wants_ar_step
+    for _ in range(8):
+        live.observe(17, 300, 0.25, 0.02)
+    assert at(live, 1) == pytest.approx(0.05, rel=0.05)  # its own measurement, not the scaled estimate

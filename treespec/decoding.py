@@ -29,7 +29,7 @@ next draft.
 A policy that prices its trees with a `treespec.live_cost.LiveCost` (its ``cost_model``) has it fed
 by this loop: before each round ``begin_round`` says whether the round explores (it then drafts
 whatever the back-off says, and its tree is not taken as the policy's verdict on whether trees
-pay), and after it ``observe`` receives the round's tree size, cached context, verify seconds and,
+pay) and ``wants_ar_step`` whether it should be an AR step instead (no draft), and after it ``observe`` receives the round's tree size, cached context, verify seconds and,
 for a drafted round, draft + build seconds; an exploring round that finds a new speed of the
 machine ends the back-off.  So the cost model learns the machine while it decodes;
 the tokens committed are the same whatever it prices (every tree is verified losslessly).
@@ -261,7 +261,8 @@ class SpeculativeDecoder:
                backend: str) -> RoundStats:
         clock = _Stopwatch(self.target.device, self.clock)  # "verify" = the target's tree forward + the verifier's walk
         explore = self.live is not None and self.live.begin_round()
-        drafted = not self.autoregressive and (explore or self.gate.drafts_now())
+        ar_step = self.live is not None and self.live.wants_ar_step  # the live model measures an AR step
+        drafted = not self.autoregressive and not ar_step and (explore or self.gate.drafts_now())
         priced = self._priced_with() if drafted else None
         draft = clock.run("draft", self._draft, seq) if drafted else None
         tree = clock.run("build", self._build, draft, seq, backend, explore)

@@ -31,12 +31,19 @@ The estimator (all of it deterministic in the observations, so a recorded run ca
 * **Re-fit** every ``refit_every`` observations, and at once on a change of regime: when the median
   |log(measured / predicted)| of the last ``drift_rounds`` observations exceeds ``drift`` (the
   machine got slower, or faster, for several rounds: one descheduled round is not enough), or when
-  one round is cheaper than predicted by more than 2 ``drift`` in log (noise only ever slows a forward
-  down, so a round that fast is the machine's speed, e.g. an exploring tree after a busy spell).
+  an exploring round is cheaper than predicted by more than 2 ``drift`` in log (noise mostly slows
+  a forward down, and exploring rounds are rare: one that fast is the machine's speed after a busy
+  spell; an ordinary round that fast waits for the drift rule, so one lucky round cannot reset the
+  curve).
   Drift is judged per kind (one-token steps, trees), and a change of regime empties that kind's
   windows (trees: with the draft window) of what came before it and drops its prior's
   pseudo-count, so its medians follow the new speed at once instead of after half a window: a
-  step change is followed within ``drift_rounds`` rounds of its kind.
+  step change is followed within ``drift_rounds`` rounds of its kind.  The other kind's
+  corrections are scaled by the same factor (new median ratio over old), as an estimate -- a
+  machine that got slower for trees got slower for AR steps too -- and the next round measures
+  that kind: an AR step without drafting (`wants_ar_step`) after the trees' change, an exploring
+  round after the AR step's; that first measurement replaces the scaled values.  Otherwise a busy
+  machine would price trees against the AR step of the quiet one (or the reverse).
 * **Exploration.**  A policy that prices trees as too dear builds root-only trees, and the loop
   then never observes a tree again.  So when ``explore_every`` rounds have passed without a verified
   tree of at least the last explored size, `begin_round` answers True once: that round drafts (past
@@ -121,6 +128,7 @@ class LiveCost(CostModel):
         # the kind has changed regime (its prior then no longer counts)
         self._errors = [deque(maxlen=self.settings.drift_rounds) for _ in range(2)]
         self._changed = [False, False]
+        self._stale: int | None = None  # a kind whose corrections were scaled from the other's regime change
         self._since_fit = 0
         self._since_large = 0  # rounds since a verified tree of at least `_explore_size` tokens
         self._explore_size = 2
@@ -178,6 +186,12 @@ class LiveCost(CostModel):
         index = len(self.observations)
         self.observations.append(obs)
         kind = int(obs.n > 1)
+        measured = self._stale == kind  # the first round of a kind whose corrections were only scaled
+        if measured:
+            for window, k in zip(self._ratios, self.knots, strict=True):
+                if int(k > 1) == kind:
+                    _keep_from(window, index)
+            self._stale = None
         predicted = float(self._current.verify_cost(torch.tensor([float(obs.n)]), obs.ctx)[0])
         error = math.log(obs.verify / predicted) if predicted > 0 else math.inf  # > 0: dearer than priced
         self._errors[kind].append(abs(error))
@@ -196,10 +210,10 @@ class LiveCost(CostModel):
         self._since_fit += 1
         s, errors = self.settings, self._errors[kind]
         drifted = len(errors) == errors.maxlen and statistics.median(errors) > s.drift
-        cheaper = error < -2 * s.drift  # nothing makes a forward faster than the machine is: a new regime
+        cheaper = obs.explored and error < -2 * s.drift  # an exploring round found the machine faster
         if drifted or cheaper:
             self._new_regime(kind, index - s.drift_rounds + 1 if drifted else index)
-        if self._since_fit >= s.refit_every or drifted or cheaper:
+        if self._since_fit >= s.refit_every or drifted or cheaper or measured:
             self._current = self._fit()
             self._since_fit = 0
             for e in self._errors:
@@ -209,13 +223,31 @@ class LiveCost(CostModel):
 
     def _new_regime(self, kind: int, index: int) -> None:
         """A change of regime of one kind: its windows (and the drafts', for trees) keep only what was
-        observed from observation ``index`` on, and its prior no longer counts."""
+        observed from observation ``index`` on, and its prior no longer counts.  The other kind's
+        corrections are scaled by the same factor (the machine changed speed, not one kernel) and
+        marked stale, so the next round measures that kind (`wants_ar_step`, or exploring)."""
         self._changed[kind] = True
-        windows = [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) == kind]
-        for window in windows + ([self._drafts] if kind else []):
-            kept = [(i, x) for i, x in window if i >= index]
+        mine = [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) == kind]
+        other = [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) != kind]
+        before = [x for w in mine for i, x in w if i < index]
+        after = [x for w in mine for i, x in w if i >= index]
+        factor = statistics.median(after) / statistics.median(before) if before and after else 1.0
+        for window in mine + ([self._drafts] if kind else []):
+            _keep_from(window, index)
+        for window in other:
+            scaled = [(i, x * factor) for i, x in window]
             window.clear()
-            window.extend(kept)
+            window.extend(scaled)
+        if any(other):
+            self._stale = 1 - kind
+            if self._stale == 1:
+                self._since_large = max(self._since_large, self.settings.explore_every)  # explore next round
+
+    @property
+    def wants_ar_step(self) -> bool:
+        """Whether the loop should run this round as an AR step (no draft): the one-token step's
+        correction is only an estimate since the trees' change of regime, and one AR step measures it."""
+        return self._stale == 0 and not self._exploring
 
     # ------------------------------------------------------------------ the estimator
     def _bucket(self, n: int) -> int:
@@ -291,6 +323,13 @@ class LiveCost(CostModel):
                                  "exploring round here: the observations were made with other settings")
             live._update(obs)
         return live
+
+
+def _keep_from(window: deque, index: int) -> None:
+    """Drop a window's entries observed before observation ``index``."""
+    kept = [(i, x) for i, x in window if i >= index]
+    window.clear()
+    window.extend(kept)
 
 
 def live_cost_of(policy: object) -> LiveCost | None:
