@@ -217,7 +217,8 @@ def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: 
         parts = [_part(target, drafters, item, config, target_meta, Path(parts_dir), i, identity)
                  for i, item in enumerate(_progress(items, progress, "record"))]
         trace = merge_traces(parts)
-    profile = machine_profile(target, list(drafters.values()))  # what cost-aware policies replay with
+    # what cost-aware policies replay with: read from the cache, or measured now (about 20 s, with a bar)
+    profile = machine_profile(target, list(drafters.values()), progress=progress)
     meta = trace.meta | {"cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()},
                          "calibrations": {kind: profile.calibration(d) for kind, d in drafters.items()}}
     return attrs.evolve(trace, meta=meta)
