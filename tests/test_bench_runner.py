@@ -9,6 +9,7 @@ an injected wrong token is caught by the losslessness check with the AR logits' 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -358,3 +359,21 @@ def test_a_failing_bench_leaves_an_existing_folder_untouched(tmp_path, capsys):
     assert main(["bench", "--datasets", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     assert (tmp_path / ab.SETTINGS).read_text() == '{"kept": true}\n'
+
+
+def test_options_in_method_names_set_the_policys_own_fields_and_bad_ones_are_named():
+    from treespec.apps.methods import build_policy, with_budget
+
+    method = parse_method("eagle2@16+topk=4+depth=3")
+    assert method.options == {"topk": 4, "depth": 3} and method.budget == 16
+    policy = build_policy(method)
+    assert (policy.budget, policy.topk, policy.depth) == (16, 4, 3)
+    assert with_budget(parse_method("eagle2+topk=4:domino"), 32).name == "eagle2@32+topk=4:domino"
+    assert [m.name for m in ab.expand_methods(["eagle2+topk=2"], [8, 16])][1:] == ["eagle2@8+topk=2", "eagle2@16+topk=2"]
+    for text, message in [("eagle2@16+tpk=4", "eagle2 has no option 'tpk'; its options: depth, topk"),
+                          ("eagle2@16+topk=x", "option topk='x': not a valid int"),
+                          ("eagle2@16+topk", "an option is KEY=VALUE"),
+                          ("eagle2@16+topk=2+topk=3", "given twice"),
+                          ("ddtree@16+stop=1", "ddtree has no option 'stop'; its options: none")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_method(text)

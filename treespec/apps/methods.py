@@ -2,7 +2,7 @@
 
 Contract
 --------
-A method string is ``POLICY[@BUDGET]`` or one of the aliases below; `parse_method` turns it into a
+A method string is ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER]`` or one of the aliases below; `parse_method` turns it into a
 `Method`.  Each method names the kind of drafter it needs ("dflash" for factorized policies,
 "domino" for conditional ones, None for autoregressive decoding), so one harness can run every
 method of a comparison over the same target with the same two drafters:
@@ -12,7 +12,9 @@ method of a comparison over the same target with the same two drafters:
 * ``domino``: the chain over the Domino drafter (greedy GRU rollout: the Domino decoder).
 * ``POLICY[@B]``: any registered policy; over Domino when the policy declares that it needs a
   scorer (``uses_scorer = "required"``: DominoTree, static-corrected, the cost-aware DominoTree),
-  otherwise over DFlash; ``POLICY@B:domino`` / ``:dflash`` picks the drafter explicitly.
+  otherwise over DFlash; ``POLICY@B:domino`` / ``:dflash`` picks the drafter explicitly, and
+  ``+KEY=VALUE`` sets one of the policy's own fields (``eagle2@16+topk=4``), typed by the field's
+  default and refused, naming the policy's options, when it has no such field.
 
 A policy that declares ``uses_cost_model`` gets the machine's cost model from `build_policy`'s
 caller (the harness measures it, `treespec.profile`), never a built-in preset.
@@ -52,19 +54,71 @@ class Method:
 
 
 def with_budget(method: Method, budget: int) -> Method:
-    """``method`` at tree budget ``budget``, named as `parse_method` would name ``POLICY@B[:DRAFTER]``."""
+    """``method`` at tree budget ``budget``, named as `parse_method` would name ``POLICY@B[+K=V...][:DRAFTER]``."""
     spec, sep, drafter = method.name.partition(":")
-    return attrs.evolve(method, name=f"{spec.partition('@')[0]}@{budget}{sep}{drafter}", budget=budget)
+    head, plus, options = spec.partition("+")
+    return attrs.evolve(method, name=f"{head.partition('@')[0]}@{budget}{plus}{options}{sep}{drafter}", budget=budget)
+
+
+def _option_value(policy: str, key: str, text: str) -> Any:
+    """``text`` as the type of the policy's field ``key`` (its default's type; bool, int, float, str)."""
+    cls = policy_class(policy)
+    fields = attrs.fields_dict(cls) if attrs.has(cls) else {}
+    settable = {n for n, f in fields.items() if f.init and n not in ("budget", "cost_model", "stop")}
+    if key not in settable:
+        raise ValueError(f"{policy} has no option {key!r}; its options: {', '.join(sorted(settable)) or 'none'}")
+    default = fields[key].default
+    default = None if isinstance(default, attrs.Factory) else default
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError("expected true or false")
+            return text.lower() in ("true", "1")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if default is None:  # an optional field: a number if it reads as one
+            return int(text) if text.lstrip("-").isdigit() else float(text) if _is_float(text) else text
+        return text
+    except ValueError as exc:
+        raise ValueError(f"{policy} option {key}={text!r}: not a valid {type(default).__name__} ({exc})") from None
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _options(policy: str, parts: list[str], text: str) -> dict[str, Any]:
+    """``K=V`` parts of a method string -> the policy's typed keyword arguments (checked against its fields)."""
+    options = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key or not value:
+            raise ValueError(f"method {text!r}: an option is KEY=VALUE, got {part!r}")
+        if key in options:
+            raise ValueError(f"method {text!r}: option {key!r} given twice")
+        options[key] = _option_value(policy, key, value)
+    return options
 
 
 def parse_method(text: str) -> Method:
-    """``ar`` | ``dflash`` | ``domino`` | ``POLICY[@BUDGET][:DRAFTER]`` -> `Method`."""
+    """``ar`` | ``dflash`` | ``domino`` | ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER]`` -> `Method`.
+
+    Options set the policy's own fields, typed by their defaults and checked against them
+    (``eagle2@16+topk=4``, ``sequoia@32+depth=4``); ``+`` and ``=`` need no quoting in a shell and keep
+    the comma free for method lists."""
     text = text.strip()
     if text == "ar":
         return Method(text, None, None)
     if text in ("dflash", "domino"):
         return Method(text, "chain", text)
     spec, _, drafter = text.partition(":")
+    spec, *option_parts = spec.split("+")
     policy, _, budget = spec.partition("@")
     if budget and not budget.isdigit():
         raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
@@ -76,7 +130,7 @@ def parse_method(text: str) -> Method:
         raise ValueError(f"method {text!r}: unknown policy {policy!r}; available: "
                          f"{', '.join(registry.available('policy'))}")
     kind = drafter or ("domino" if policy_class(policy).uses_scorer == "required" else "dflash")
-    return Method(text, policy, kind, int(budget) if budget else None)
+    return Method(text, policy, kind, int(budget) if budget else None, _options(policy, option_parts, text))
 
 
 def policy_class(name: str) -> type[TreePolicy]:

@@ -93,5 +93,6 @@ class BatchRunner(Runner):
                 dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed,
                 tokens=result.tokens.tolist(), taus=result.stats.taus, decode_time=decode * share,
                 prefill_time=result.stats.prefill_time * share,
-                stage_times={k: v * share for k, v in longest.items()}, batch_size=len(turns), run=self.run_id))
+                stage_times={k: v * share for k, v in longest.items()}, batch_size=len(turns), run=self.run_id,
+                options=dict(method.options)))
         return records

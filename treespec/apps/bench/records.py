@@ -46,6 +46,7 @@ class BenchRecord:
     hash: str = ""  # output_hash(tokens); filled in when empty
     batch_size: int = 1  # sequences decoded together (> 1: the times are this response's share of its batch's)
     run: str = ""  # the bench invocation that measured it (a resumed output folder holds several)
+    options: dict = attrs.field(factory=dict)  # the policy options of the method (``eagle2@16+topk=4``: topk 4)
     cost_models: list[dict] = attrs.field(factory=list)  # the distinct curves its cost-aware rounds were priced with
     cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
 
