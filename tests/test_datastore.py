@@ -11,7 +11,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from treespec.apps.datastore import StoreError, read_manifest, restore_store, save_store, stored_shard
+from treespec.apps.datastore import (
+    StoreError,
+    read_manifest,
+    restore_store,
+    save_store,
+    shard_metadata,
+    stored_shard,
+)
 
 STORE = Path(__file__).resolve().parents[1] / "drafters" / "embedded" / "data"
 
@@ -123,7 +130,7 @@ def test_the_committed_data_is_the_embedded_targets_answers_to_alpaca_training_p
     assert listed == sorted(manifest["shards"])
     for name, entry in manifest["shards"].items():
         raw = stored_shard(pass_dir, name, entry)
-        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+        header = shard_metadata(raw)
         assert header["model"] == manifest["target"]
         assert json.loads(header["rows"]) == entry["prompts"]
         assert set(entry["prompts"]) <= train and not set(entry["prompts"]) & bench, name

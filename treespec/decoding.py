@@ -259,7 +259,7 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ one round
     def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,
                backend: str) -> RoundStats:
-        clock = _Stopwatch(self.target.device, self.clock)  # "verify" = the target's tree forward + the verifier's walk
+        clock = _Stopwatch(self.target.device, self.clock)  # "verify": the tree forward + the verifier's walk
         explore = self.live is not None and self.live.begin_round()
         ar_step = self.live is not None and self.live.wants_ar_step  # the live model measures an AR step
         drafted = not self.autoregressive and not ar_step and (explore or self.gate.drafts_now())

@@ -169,10 +169,6 @@ class LiveCost(CostModel):
             self._flat = self._flat_curve()
         return self._exploring
 
-    @property
-    def exploring(self) -> bool:
-        return self._exploring
-
     def observe(self, n: int, ctx: int, verify: float, draft: float | None = None) -> bool:
         """One round's measured seconds: ``verify`` for ``n`` tree tokens on ``ctx`` cached tokens, and
         the draft and build seconds of a drafted round.  True when it changed the regime (the model
@@ -188,9 +184,8 @@ class LiveCost(CostModel):
         kind = int(obs.n > 1)
         measured = self._stale == kind  # the first round of a kind whose corrections were only scaled
         if measured:
-            for window, k in zip(self._ratios, self.knots, strict=True):
-                if int(k > 1) == kind:
-                    _keep_from(window, index)
+            for window in self._windows(kind):
+                _keep_from(window, index)
             self._stale = None
         predicted = float(self._current.verify_cost(torch.tensor([float(obs.n)]), obs.ctx)[0])
         error = math.log(obs.verify / predicted) if predicted > 0 else math.inf  # > 0: dearer than priced
@@ -227,8 +222,7 @@ class LiveCost(CostModel):
         corrections are scaled by the same factor (the machine changed speed, not one kernel) and
         marked stale, so the next round measures that kind (`wants_ar_step`, or exploring)."""
         self._changed[kind] = True
-        mine = [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) == kind]
-        other = [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) != kind]
+        mine, other = self._windows(kind), self._windows(1 - kind)
         before = [x for w in mine for i, x in w if i < index]
         after = [x for w in mine for i, x in w if i >= index]
         factor = statistics.median(after) / statistics.median(before) if before and after else 1.0
@@ -242,6 +236,10 @@ class LiveCost(CostModel):
             self._stale = 1 - kind
             if self._stale == 1:
                 self._since_large = max(self._since_large, self.settings.explore_every)  # explore next round
+
+    def _windows(self, kind: int) -> list[deque]:
+        """The ratio windows of one kind's buckets (0: the one-token step, 1: trees)."""
+        return [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) == kind]
 
     @property
     def wants_ar_step(self) -> bool:

@@ -30,9 +30,10 @@ import lzma
 import os
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors.torch import load
 
-__all__ = ["FORMAT", "StoreError", "read_manifest", "restore_store", "save_store", "stored_shard", "tokenizer_identity"]
+__all__ = ["FORMAT", "StoreError", "read_manifest", "restore_store", "save_store", "shard_metadata", "stored_shard",
+           "tokenizer_identity"]
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -63,12 +64,16 @@ def read_manifest(store_dir: Path) -> dict:
     return manifest
 
 
-def _shard_facts(path: Path) -> tuple[dict[str, str], dict]:
-    """(safetensors metadata, manifest entry) of one data shard."""
-    data = path.read_bytes()
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata()
-        offsets, starts = handle.get_tensor("offsets"), handle.get_tensor("response_start")
+def shard_metadata(data: bytes) -> dict[str, str]:
+    """The string metadata in a safetensors file's header, read from its bytes."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + size]).get("__metadata__", {})
+
+
+def _shard_facts(data: bytes) -> tuple[dict[str, str], dict]:
+    """(safetensors metadata, manifest entry) of one data shard's bytes."""
+    meta, tensors = shard_metadata(data), load(data)
+    offsets, starts = tensors["offsets"], tensors["response_start"]
     rows = json.loads(meta.get("rows", meta["ids"]))
     response = int((offsets[1:] - offsets[:-1] - starts).sum())
     entry = {"sha256": hashlib.sha256(data).hexdigest(), "rows": len(rows), "prompts": rows,
@@ -95,7 +100,8 @@ def save_store(data_dir: Path, store_dir: Path, *, tokenizer: str) -> list[str]:
     manifest = read_manifest(store_dir) if (store_dir / MANIFEST).exists() else None
     written = []
     for path in paths:
-        meta, entry = _shard_facts(path)
+        data = path.read_bytes()
+        meta, entry = _shard_facts(data)
         head = {"target": meta.get("model"), "tokenizer": tokenizer, "config": json.loads(meta["config"]),
                 "dtype": meta.get("dtype")}
         if manifest is None:
@@ -108,7 +114,7 @@ def save_store(data_dir: Path, store_dir: Path, *, tokenizer: str) -> list[str]:
         if manifest["shards"].get(name, {}).get("sha256") == entry["sha256"]:
             continue
         store_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(store_dir / (name + _SUFFIX), lzma.compress(path.read_bytes(), preset=9 | lzma.PRESET_EXTREME))
+        _write_atomic(store_dir / (name + _SUFFIX), lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
         manifest["shards"][name] = entry
         written.append(name)
     if written:

@@ -22,9 +22,7 @@ from treespec.cost import CostModel, resolve_cost_model
 from treespec.interfaces import Drafter
 from treespec.live_cost import LiveCost, LiveSettings
 
-__all__ = ["COST_SOURCES", "CostSource", "persist_live"]
-
-COST_SOURCES = ("live", "profile")  # the --cost-model words; anything else is a file or preset:NAME
+__all__ = ["CostSource", "persist_live"]
 
 
 @attrs.frozen

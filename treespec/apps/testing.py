@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from treespec import registry
+from treespec.apps.tiny import tiny_causal_lm
 from treespec.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import BACKENDS, DraftContext, DraftOutput, TreePolicy
@@ -63,13 +64,7 @@ class PolicyReport:
 
 def tiny_target(seed: int = 0, vocab: int = 128) -> TargetModel:
     """A random float64 Qwen3 target small enough for tests (no download)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         initializer_range=0.5, tie_word_embeddings=False)
-    return TargetModel(Qwen3ForCausalLM(config).to(torch.float64).eval())
+    return TargetModel(tiny_causal_lm(vocab=vocab, hidden=32, layers=2, heads=4, kv_heads=2, seed=seed))
 
 
 def _factory(policy) -> tuple[Callable[[int], TreePolicy], type]:

@@ -75,19 +75,15 @@ class BenchRecord:
 def cost_schedule(rounds) -> tuple[list[dict], list[int]]:
     """(distinct cost models, per-round index or -1) of a generation's `RoundStats` list."""
     models: list[dict] = []
-    seen: dict[int, int] = {}
     index = []
     for r in rounds:
         if r.priced_with is None:
             index.append(-1)
             continue
-        key = id(r.priced_with)
-        if key not in seen:
-            as_dict = r.priced_with.to_dict()
-            seen[key] = models.index(as_dict) if as_dict in models else len(models)
-            if seen[key] == len(models):
-                models.append(as_dict)
-        index.append(seen[key])
+        model = r.priced_with.to_dict()
+        if model not in models:
+            models.append(model)
+        index.append(models.index(model))
     return models, index
 
 
