@@ -29,7 +29,7 @@ from policies.chain import Chain
 from treespec import registry
 from treespec.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
-from treespec.interfaces import DraftOutput, SamplingParams, Verifier, VerifyResult
+from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
 from treespec.sampling import filter_logits, sample_from_probs
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
@@ -281,7 +281,7 @@ class NaiveTreeRejection(Verifier):
     """
 
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
-               generator: torch.Generator | None, position: int, draft: DraftOutput | None = None) -> VerifyResult:
+               generator: torch.Generator | None, position: int, draft: DraftOutput | None = None, proposals: Proposals | None = None) -> VerifyResult:
         check_logits(tree, target_logits)
         p_rows = filter_logits(target_logits.double() / sampling.temperature).softmax(-1)  # [N, V]
         q_rows = draft.logprobs.double().softmax(-1)  # [L, V]

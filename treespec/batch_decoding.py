@@ -95,7 +95,11 @@ class BatchDecoder:
         token is the target's after its prompt, from one batched forward timed with the prefill)."""
         start = time.perf_counter()
         check_first_token(first_token)
-        rows = self._start(prompts, max_new_tokens, SamplingParams(temperature, top_k, top_p, position_keyed),
+        sampling = SamplingParams(temperature, top_k, top_p, position_keyed)
+        if self.policy is not None and self.policy.samples_from_draft and not sampling.greedy:
+            raise ValueError(f"the {self.policy.name} policy samples its trees at temperature > 0, which batched "
+                             "decoding does not do yet; decode its sequences one at a time (treespec.generate)")
+        rows = self._start(prompts, max_new_tokens, sampling,
                            frozenset(stop_token_ids or ()), generators, backend)
         batch = BatchTarget(self.target)
         clock = _Stopwatch(self.target.device)

@@ -34,6 +34,11 @@ for a drafted round, draft + build seconds; an exploring round that finds a new 
 machine ends the back-off.  So the cost model learns the machine while it decodes;
 the tokens committed are the same whatever it prices (every tree is verified losslessly).
 
+A policy declaring ``samples_from_draft`` samples its tree at T > 0 (`TreePolicy.sample`): each
+round draws a fresh seed from the caller's generator, the tree's `Proposals` go to the verifier
+(cut with the tree), and the seed is kept in the round's stats, so the same draft and seed
+rebuild the same tree.  At T = 0 it builds as every policy does.
+
 Trees are pruned to the depth that can still be used (remaining tokens, context window) before the
 target sees them; pruning a tree to a depth keeps it a tree and changes no accepted token.
 Stage times are wall-clock seconds around each stage, synchronised on CUDA; the prefill is timed
@@ -55,6 +60,7 @@ from treespec.interfaces import (
     DraftContext,
     Drafter,
     DraftOutput,
+    Proposals,
     SamplingParams,
     TreePolicy,
     Verifier,
@@ -68,8 +74,8 @@ from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
 __all__ = ["DRAFT_BACKOFF", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder", "check_backend", "check_first_token",
-           "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round", "fitted_tree",
-           "limit_depth"]
+           "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round", "cut_proposals",
+           "fitted_tree", "limit_depth", "policy_tree"]
 
 FIRST_TOKENS = ("round", "prefill")  # where the first new token comes from (see SpeculativeDecoder.generate)
 DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
@@ -265,9 +271,9 @@ class SpeculativeDecoder:
         drafted = not self.autoregressive and not ar_step and (explore or self.gate.drafts_now())
         priced = self._priced_with() if drafted else None
         draft = clock.run("draft", self._draft, seq) if drafted else None
-        tree = clock.run("build", self._build, draft, seq, backend, explore)
+        tree, proposals = clock.run("build", self._build, draft, seq, backend, explore, sampling, generator)
         ctx = seq.anchor_position  # cached tokens under the tree
-        result, verified = clock.run("verify", self._verify, tree, draft, seq, sampling, generator)
+        result, verified = clock.run("verify", self._verify, tree, draft, proposals, seq, sampling, generator)
         if self.on_round is not None:
             self.on_round(tree, result)
         clock.run("commit", self._commit, tree, result, verified, seq, drafted)
@@ -276,7 +282,7 @@ class SpeculativeDecoder:
             if self.live.observe(len(tree), ctx, clock.times["verify"], drafting) and explore:
                 self.gate.reset()  # exploring found a new speed: let the policy judge the next round
         return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=explore, drafted=drafted,
-                          priced_with=priced)
+                          priced_with=priced, tree_seed=None if proposals is None else proposals.seed)
 
     def _priced_with(self):
         """The curve the policy's cost model prices this round with (None without a cost model)."""
@@ -287,19 +293,21 @@ class SpeculativeDecoder:
             return None
         return checked_draft(self.drafter.draft(seq.context()), self.target)
 
-    def _build(self, draft: DraftOutput | None, seq: _Sequence, backend: str, explore: bool = False) -> DraftTree:
+    def _build(self, draft: DraftOutput | None, seq: _Sequence, backend: str, explore: bool,
+               sampling: SamplingParams, generator: torch.Generator | None) -> tuple[DraftTree, Proposals | None]:
         if draft is None:
-            return DraftTree.root_only(seq.anchor, device=self.target.device)
-        tree = self.policy.build(draft, backend=backend)
+            return DraftTree.root_only(seq.anchor, device=self.target.device), None
+        tree, proposals = policy_tree(self.policy, draft, backend, sampling, generator)
         if not explore:  # an exploring round's tree says nothing about whether trees pay
             self.gate.record(len(tree))  # the policy's answer, before the window and the length cut it
-        return fitted_tree(tree, seq, self.target)
+        fitted = fitted_tree(tree, seq, self.target)
+        return fitted, cut_proposals(proposals, tree, fitted)
 
-    def _verify(self, tree: DraftTree, draft: DraftOutput | None, seq: _Sequence, sampling: SamplingParams,
-                generator: torch.Generator | None) -> tuple[VerifyResult, TargetOutput]:
+    def _verify(self, tree: DraftTree, draft: DraftOutput | None, proposals: Proposals | None, seq: _Sequence,
+                sampling: SamplingParams, generator: torch.Generator | None) -> tuple[VerifyResult, TargetOutput]:
         out = self.target.forward_tree(tree, self.taps)
         result = self.verifier.verify(tree, out.logits, sampling=sampling, generator=generator,
-                                      position=seq.anchor_position + 1, draft=draft)
+                                      position=seq.anchor_position + 1, draft=draft, proposals=proposals)
         return result, out
 
     def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: _Sequence,
@@ -326,6 +334,22 @@ def checked_parts(drafter: Drafter | None, policy: TreePolicy | None, verifier: 
     if draft_backoff < 0:
         raise ValueError(f"draft_backoff must be >= 0, got {draft_backoff}")
     return verifier
+
+
+def policy_tree(policy: TreePolicy, draft: DraftOutput, backend: str, sampling: SamplingParams,
+                generator: torch.Generator | None) -> tuple[DraftTree, Proposals | None]:
+    """The round's tree: sampled with a seed fresh from ``generator`` where the policy samples from
+    the draft and T > 0, built otherwise (no proposals)."""
+    if policy.samples_from_draft and not sampling.greedy:
+        return policy.sample(draft, sampling=sampling, seed=sampling_key(generator), backend=backend)
+    return policy.build(draft, backend=backend), None
+
+
+def cut_proposals(proposals: Proposals | None, tree: DraftTree, fitted: DraftTree) -> Proposals | None:
+    """``proposals`` of ``tree`` for ``fitted``, the tree `limit_depth` cut from it."""
+    if proposals is None or len(fitted) == len(tree):
+        return proposals
+    return proposals.select(tree.depths <= fitted.max_depth)
 
 
 def check_backend(backend: str) -> None:

@@ -11,6 +11,11 @@ One decoding round is ``draft -> build -> verify -> commit``:
    the scorer carried by the draft, no timing, no globals.
 3. ``Verifier.verify(tree, target_logits, ...) -> VerifyResult``: accepted node indices (starting
    with the root) and the new bonus token, which becomes the next round's root.
+
+A policy declaring ``samples_from_draft`` also implements ``TreePolicy.sample``: at T > 0 the
+decoder asks it for a tree whose children are *drawn* from the draft, given a seed it draws from
+the caller's generator each round, and passes the `Proposals` (what every node's children were
+drawn from) to the verifier; at T = 0 it builds with ``build`` as every policy does.
 4. The decoder commits the accepted path and calls ``Drafter.observe``.
 
 A scorer that trace replay can store implements `RecordableScorer` on top of `ConditionalScorer`;
@@ -38,7 +43,8 @@ if TYPE_CHECKING:
     from treespec.target import TargetModel
 
 __all__ = [
-    "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "RecordableScorer", "SamplingParams",
+    "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "Proposals", "RecordableScorer",
+    "SamplingParams",
     "TreePolicy", "Verifier", "VerifyResult", "check_single_batch", "BACKENDS",
 ]
 
@@ -233,6 +239,13 @@ class TreePolicy(ABC):
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
         """Build the round's tree with the given backend ("torch" or "networkx")."""
 
+    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
+               backend: str = "torch") -> tuple[DraftTree, Proposals]:
+        """A policy declaring ``samples_from_draft``: the tree with every node's children drawn
+        from the draft at ``sampling``'s temperature, and what they were drawn from; a pure
+        function of (draft, sampling, seed), so a recorded seed rebuilds the same tree."""
+        raise NotImplementedError(f"{type(self).__name__} declares samples_from_draft but has no sample()")
+
     def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
         """One tree per draft, each the tree `build` returns for it, bit for bit.  Default: one
         build each; a policy may share work across the drafts (policies/best_first.py does)."""
@@ -264,6 +277,35 @@ class SamplingParams:
 
 
 @attrs.frozen(eq=False)
+class Proposals:
+    """What each node's children in a sampled tree were drawn from (without replacement, in child order).
+
+    Row i is node i's proposal q_i: ``logq[i, j]`` is log q_i(``tokens[i, j]``), normalised over the
+    row; a node that was never expanded has an all-padding row (tokens -1, logq -inf).
+    """
+
+    tokens: torch.Tensor  # [N, M] int64 candidate tokens of each node's children (-1: padding)
+    logq: torch.Tensor  # [N, M] float64 log q over those candidates (-inf: padding)
+    seed: int  # the round's noise seed: the same draft, sampling and seed rebuild the same tree
+
+    def __attrs_post_init__(self) -> None:
+        if self.tokens.dim() != 2 or self.logq.shape != self.tokens.shape:
+            raise ValueError(f"Proposals needs tokens and logq of one shape [N, M], got "
+                             f"{tuple(self.tokens.shape)} and {tuple(self.logq.shape)}")
+
+    def probs(self, node: int, vocab: int) -> torch.Tensor:
+        """[V] float64 q of node ``node``'s children over the whole vocabulary."""
+        keep = self.tokens[node] >= 0
+        out = torch.zeros(vocab, dtype=torch.float64, device=self.tokens.device)
+        out[self.tokens[node][keep]] = self.logq[node][keep].exp()
+        return out
+
+    def select(self, keep: torch.Tensor) -> Proposals:
+        """The rows of the kept nodes (a [N] bool mask, the tree cut the same way)."""
+        return Proposals(self.tokens[keep], self.logq[keep], self.seed)
+
+
+@attrs.frozen(eq=False)
 class VerifyResult:
     """Outcome of verifying one tree."""
 
@@ -286,10 +328,11 @@ class Verifier(ABC):
     @abstractmethod
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
                generator: torch.Generator | None, position: int,
-               draft: DraftOutput | None = None) -> VerifyResult:
+               draft: DraftOutput | None = None, proposals: Proposals | None = None) -> VerifyResult:
         """``target_logits`` is ``[N, V]`` (row i: the target's next-token logits after node i).
 
         ``position`` is the absolute position of the token that follows the root, so node i's
         target token sits at ``position + depths[i]``.  ``draft`` is passed for verifiers that
-        need the draft probabilities (rejection sampling on chains).
+        need the draft probabilities (rejection sampling on chains); ``proposals`` is what a
+        sampled tree's children were drawn from (None for a tree built deterministically).
         """

@@ -32,6 +32,8 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "static": "policies.static:Static",
         "sequoia": "policies.sequoia:Sequoia",
         "hardware-aware-sequoia": "policies.sequoia:HardwareAwareSequoia",
+        "ddtree-sampled": "policies.sampled:DDTreeSampled",
+        "dominotree-sampled": "policies.sampled:DominoTreeSampled",
     },
     "drafter": {
         "dflash": "drafters.dflash:DFlashDrafter",
@@ -44,6 +46,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
     "verifier": {
         "match": "verifiers.match:MatchVerifier",
         "rejection": "verifiers.rejection:RejectionVerifier",
+        "recursive-rejection": "verifiers.recursive:RecursiveRejectionVerifier",
     },
     "scorer": {  # RecordableScorer classes: trace replay rebuilds their recorded rounds by this name
         "domino": "drafters.domino:DominoScorer",

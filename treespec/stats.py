@@ -28,6 +28,7 @@ class RoundStats:
     explored: bool = False  # a live cost model priced this round for exploration (treespec.live_cost)
     drafted: bool = True  # the drafter was asked (False: an AR round of the back-off, or AR decoding)
     priced_with: CostModel | None = None  # the curve the policy's cost model priced this round's tree with
+    tree_seed: int | None = None  # a sampled tree's noise seed (`Proposals.seed`); None: built deterministically
 
 
 @attrs.define

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from treespec.interfaces import DraftOutput, SamplingParams, Verifier, VerifyResult
+from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
 from treespec.sampling import target_tokens
 from treespec.tree import DraftTree
 
@@ -59,7 +59,7 @@ class MatchVerifier(Verifier):
 
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
                generator: torch.Generator | None, position: int,
-               draft: DraftOutput | None = None) -> VerifyResult:
+               draft: DraftOutput | None = None, proposals: Proposals | None = None) -> VerifyResult:
         check_logits(tree, target_logits)
         positions = tree.depths.to(target_logits.device) + position  # [N] where each node's choice lands
         chosen = target_tokens(target_logits, positions, sampling, generator)  # [N]

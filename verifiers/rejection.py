@@ -9,7 +9,9 @@ proposal that produced the drafted token:
 * ``proposal="point"`` (the default): q is the point mass on the drafted token, the exact proposal
   of a deterministic chain -- the chain every built-in policy builds: accept with probability
   p(x), else resample from p with x removed.
-* ``proposal="draft"`` (Leviathan et al.): q is the draft's own row ``softmax(draft.logprobs[d-1])``.
+* ``proposal="draft"`` (Leviathan et al.): q is what the chain's token was drawn from: the tree's
+  `Proposals` row of its parent when a sampled policy gives them, else the draft's own row
+  ``softmax(draft.logprobs[d-1])``.
   Lossless only when the chain's tokens were *drawn* from those rows; applied to a deterministic
   chain it is biased (total-variation distance 0.38 from the target's first token in one
   measurement; the tests detect it).  So it declares ``requires_sampled_tree``, and
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from treespec.interfaces import DraftOutput, SamplingParams, Verifier, VerifyResult
+from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
 from treespec.sampling import filter_logits, sample_from_probs, target_tokens
 from treespec.tree import DraftTree
 from verifiers.match import check_logits, walk_matches
@@ -61,7 +63,7 @@ class RejectionVerifier(Verifier):
 
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
                generator: torch.Generator | None, position: int,
-               draft: DraftOutput | None = None) -> VerifyResult:
+               draft: DraftOutput | None = None, proposals: Proposals | None = None) -> VerifyResult:
         check_logits(tree, target_logits)
         _check_chain(tree)
         if sampling.greedy:
@@ -69,7 +71,7 @@ class RejectionVerifier(Verifier):
         if generator is None:
             raise ValueError("rejection sampling at temperature > 0 needs an explicit torch.Generator")
         p = self._target_probs(target_logits, sampling)  # [N, V] float64
-        q = self._proposal_probs(tree, draft, p.shape[1])  # [N - 1, V] float64, row d-1: depth d
+        q = self._proposal_probs(tree, draft, proposals, p.shape[1])  # [N - 1, V] float64, row d-1: depth d
         return self._walk(tree, p, q, generator)
 
     @staticmethod
@@ -77,10 +79,13 @@ class RejectionVerifier(Verifier):
         scaled = logits.to(torch.float64) / sampling.temperature
         return filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
 
-    def _proposal_probs(self, tree: DraftTree, draft: DraftOutput | None, vocab: int) -> torch.Tensor:
+    def _proposal_probs(self, tree: DraftTree, draft: DraftOutput | None, proposals: Proposals | None,
+                        vocab: int) -> torch.Tensor:
         tokens = tree.tokens[1:]
         if self.proposal == "point" or tokens.numel() == 0:  # a root-only tree proposes nothing
             return torch.nn.functional.one_hot(tokens, vocab).to(torch.float64)
+        if proposals is not None:  # a sampled chain: node d-1's proposal drew the token at depth d
+            return torch.stack([proposals.probs(d, vocab) for d in range(len(tokens))])
         if draft is None:
             raise ValueError("proposal='draft' needs the DraftOutput (pass draft=...)")
         if draft.vocab_size != vocab:

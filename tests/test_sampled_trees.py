@@ -1,0 +1,175 @@
+"""Sampled trees and the verifiers that use the draft's q: exact at T > 0, biased variants caught.
+
+Each pair of a policy that samples from the draft and a verifier the decoder lets it run with is
+tested with `treespec.apps.exactness.check_exactness` (the law of the first two committed tokens
+against the target's, chi-square at alpha = 1e-3): 2,000 rounds per pair and setting by default,
+20,000 (TV 0.02 detectable) in the slow run.  Deliberately biased verifiers fail the same test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treespec import registry
+from treespec.apps.exactness import ToyWorld, check_exactness, chi_square_pvalue
+from treespec.apps.testing import tiny_target
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import SamplingParams
+from verifiers.recursive import RecursiveRejectionVerifier
+
+SAMPLED = [name for name in registry.builtin("policy") if registry.resolve("policy", name).samples_from_draft]
+VERIFIERS = ["match", "recursive-rejection"]
+SETTINGS = {"T=1.0": SamplingParams(1.0), "T=0.6": SamplingParams(0.6), "T=1.0,top-p=0.8": SamplingParams(1.0, top_p=0.8)}
+
+
+@pytest.fixture(scope="module")
+def world():
+    torch.set_num_threads(1)  # many tiny tensors: one thread is the fastest
+    return ToyWorld()
+
+
+@pytest.fixture(scope="module")
+def flat():
+    """A flat target under a sharp draft: most first children are rejected, so the siblings' rule matters."""
+    return ToyWorld(scale=0.5)
+
+
+def _policy(name: str, budget: int = 4):
+    return registry.create("policy", name, budget=budget)
+
+
+def test_the_registry_offers_sampled_trees_of_both_kinds():
+    assert {"ddtree-sampled", "dominotree-sampled"} <= set(SAMPLED)
+
+
+@pytest.mark.parametrize("verifier", VERIFIERS)
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_every_sampled_pair_commits_the_target_law(world, policy, verifier):
+    report = check_exactness(_policy(policy), registry.create("verifier", verifier), SETTINGS["T=1.0"],
+                             samples=2000, world=world)
+    assert report.exact(), report
+
+
+@pytest.mark.parametrize("setting", ["T=0.6", "T=1.0,top-p=0.8"])
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_recursive_rejection_is_exact_at_lower_temperature_and_with_top_p(world, policy, setting):
+    report = check_exactness(_policy(policy), RecursiveRejectionVerifier(), SETTINGS[setting], samples=2000,
+                             world=world)
+    assert report.exact(), report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("verifier", VERIFIERS)
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_every_sampled_pair_is_exact_to_a_tv_of_two_percent(world, policy, verifier, setting):
+    report = check_exactness(_policy(policy), registry.create("verifier", verifier), SETTINGS[setting],
+                             samples=20000, world=world)
+    assert report.detectable_tv <= 0.03 and report.exact(), report
+
+
+class KeepsRejectedInQ(RecursiveRejectionVerifier):
+    """Biased on purpose: q keeps the rejected child, the rule for children drawn *with* replacement."""
+
+    @staticmethod
+    def first_accepted(tree, node, p, q, generator):
+        tokens = tree.tokens.tolist()
+        for child in tree.children[node]:
+            x = tokens[child]
+            if float(torch.rand((), dtype=torch.float64, generator=generator)) < min(1.0, float(p[x] / q[x])):
+                return child
+            residual = (p - q).clamp_min(0.0)
+            p.copy_(residual / residual.sum())
+        return None
+
+
+class UnnormalisedResidual(RecursiveRejectionVerifier):
+    """Biased on purpose: the residual max(p - q, 0) is not renormalised before the next child's test."""
+
+    @staticmethod
+    def first_accepted(tree, node, p, q, generator):
+        tokens = tree.tokens.tolist()
+        for child in tree.children[node]:
+            x = tokens[child]
+            if float(torch.rand((), dtype=torch.float64, generator=generator)) < min(1.0, float(p[x] / q[x])):
+                return child
+            p.copy_((p - q).clamp_min(0.0))
+            q[x] = 0.0
+            q /= q.sum()
+        return None
+
+
+@pytest.mark.parametrize("biased", [KeepsRejectedInQ, UnnormalisedResidual])
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_biased_variants_fail_the_same_test(flat, policy, biased):
+    exact = check_exactness(_policy(policy, 8), RecursiveRejectionVerifier(), SETTINGS["T=1.0"], samples=3000,
+                            world=flat)
+    report = check_exactness(_policy(policy, 8), biased(), SETTINGS["T=1.0"], samples=3000, world=flat)
+    assert exact.exact() and not report.exact(), (exact, report)
+
+
+def test_recursive_rejection_accepts_more_than_match_on_the_same_trees(world):
+    """What the draft's q buys: the same sampled trees, more tokens accepted per round."""
+    match = check_exactness(_policy("ddtree-sampled"), registry.create("verifier", "match"), SETTINGS["T=1.0"],
+                            samples=2000, world=world)
+    rrs = check_exactness(_policy("ddtree-sampled"), RecursiveRejectionVerifier(), SETTINGS["T=1.0"],
+                          samples=2000, world=world)
+    assert rrs.mean_tau > match.mean_tau + 0.1
+
+
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_a_seed_rebuilds_the_same_tree_on_both_backends(world, policy):
+    pol, t1 = _policy(policy, 8), SamplingParams(1.0)
+    tree, proposals = pol.sample(world.draft, sampling=t1, seed=123)
+    again, _ = pol.sample(world.draft, sampling=t1, seed=123, backend="networkx")
+    assert tree.equal(again) and proposals.seed == 123 and len(tree) == 9
+    assert not all(pol.sample(world.draft, sampling=t1, seed=s)[0].equal(tree) for s in range(124, 130))
+
+
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_children_are_drawn_from_their_proposal(world, policy):
+    """The root's first child follows q at the root (its proposal row), at T = 1."""
+    pol, t1 = _policy(policy, 1), SamplingParams(1.0)
+    counts = torch.zeros(world.vocab)
+    for seed in range(3000):
+        tree, proposals = pol.sample(world.draft, sampling=t1, seed=seed)
+        counts[int(tree.tokens[1])] += 1
+    q = proposals.probs(0, world.vocab)
+    assert chi_square_pvalue(counts, q) > 1e-3
+
+
+@pytest.mark.parametrize("verifier", VERIFIERS)
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_at_temperature_zero_each_pair_is_greedy_decoding(policy, verifier):
+    from drafters.oracle import OracleDrafter
+
+    target = tiny_target(seed=3)
+    prompt = torch.tensor([5, 9, 2, 7])
+    want = SpeculativeDecoder(target).generate(prompt, max_new_tokens=24).tokens
+    drafter = OracleDrafter(conditional=registry.resolve("policy", policy).uses_scorer == "required")
+    got = SpeculativeDecoder(target, drafter, _policy(policy, 8), registry.create("verifier", verifier)).generate(
+        prompt, max_new_tokens=24)
+    assert got.tokens.tolist() == want.tolist()
+
+
+def test_the_decoder_refuses_recursive_rejection_over_a_deterministic_policy():
+    from drafters.oracle import OracleDrafter
+
+    with pytest.raises(ValueError, match="lossless only for trees sampled from the draft"):
+        SpeculativeDecoder(tiny_target(), OracleDrafter(), _policy("ddtree"), RecursiveRejectionVerifier())
+
+
+def test_sampled_decoding_at_t1_records_each_rounds_seed_and_refuses_batches():
+    from drafters.oracle import OracleDrafter
+    from treespec.batch_decoding import BatchDecoder
+
+    target = tiny_target(seed=3)
+    decoder = SpeculativeDecoder(target, OracleDrafter(), _policy("ddtree-sampled", 8), RecursiveRejectionVerifier())
+    out = decoder.generate(torch.tensor([5, 9, 2, 7]), max_new_tokens=16, temperature=1.0,
+                           generator=torch.Generator().manual_seed(0))
+    seeds = [r.tree_seed for r in out.stats.rounds if r.drafted]
+    assert seeds and all(s is not None for s in seeds) and len(set(seeds)) == len(seeds)
+    with pytest.raises(ValueError, match="batched decoding does not do yet"):
+        BatchDecoder(target, OracleDrafter(), _policy("ddtree-sampled", 8)).generate(
+            [torch.tensor([5, 9, 2])], max_new_tokens=4, temperature=1.0)
