@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from treespec.apps.exactness import chi_square_pvalue
 from treespec.interfaces import DraftOutput, SamplingParams
 from treespec.sampling import filter_logits, mix_seed, target_tokens
 from treespec.tree import DraftTree
@@ -16,25 +17,6 @@ from verifiers.match import MatchVerifier
 from verifiers.rejection import RejectionVerifier
 
 ALPHA = 1e-3  # significance level of every distribution test
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Goodness of fit of ``counts`` to ``probs`` (flattened); cells expected < 5 are pooled.
-
-    A count in a zero-probability cell is an impossible outcome: p-value 0.
-    """
-    counts, probs = counts.flatten().to(torch.float64), probs.flatten().to(torch.float64)
-    if bool((counts[probs == 0] > 0).any()):
-        return 0.0
-    expected = probs * counts.sum()
-    small = expected < min_expected
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = torch.tensor((obs.numel() - 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(dof, stat / 2))
 
 
 def test_chi_square_helper_accepts_a_fair_die_and_rejects_a_loaded_one():

@@ -112,8 +112,8 @@ class ToyWorld:
     def __init__(self, seed: int = 0, vocab: int = 5, depth: int = 3, scale: float = 1.5) -> None:
         self.seed, self.vocab, self.scale = seed, vocab, scale
         self._logits: dict[tuple[int, ...], torch.Tensor] = {}
-        make = registry.resolve("drafter", "toy-conditional")
-        drafter = make(_toy_config(vocab, depth), seed=seed + 11)
+        drafter = registry.create("drafter", "toy-conditional", seed=seed + 11, vocab_size=vocab, depth=depth,
+                                  logit_scale=1.0, correction_gain=3.0)
         self.draft: DraftOutput = drafter.draft(DraftContext(torch.tensor([1, 2, 0]), None))
 
     def logits(self, path: tuple[int, ...]) -> torch.Tensor:
@@ -150,12 +150,6 @@ class ToyWorld:
         if len(committed) < 2:
             committed.append(sample_from_probs(self.probs((committed[0],), sampling), gen))
         return committed[0], committed[1], result.tau
-
-
-def _toy_config(vocab: int, depth: int):
-    from drafters.toy import ToyConfig  # the registry's toy-conditional drafter's config
-
-    return ToyConfig(vocab_size=vocab, depth=depth, logit_scale=1.0, correction_gain=3.0)
 
 
 def check_exactness(policy: TreePolicy, verifier: Verifier, sampling: SamplingParams, *, samples: int = 20000,
