@@ -73,31 +73,19 @@ class KeepsRejectedInQ(RecursiveRejectionVerifier):
     """Biased on purpose: q keeps the rejected child, the rule for children drawn *with* replacement."""
 
     @staticmethod
-    def first_accepted(tree, node, p, q, generator):
-        tokens = tree.tokens.tolist()
-        for child in tree.children[node]:
-            x = tokens[child]
-            if float(torch.rand((), dtype=torch.float64, generator=generator)) < min(1.0, float(p[x] / q[x])):
-                return child
-            residual = (p - q).clamp_min(0.0)
-            p.copy_(residual / residual.sum())
-        return None
+    def after_rejection(p, q, x):
+        residual = (p - q).clamp_min(0.0)
+        p.copy_(residual / residual.sum())
 
 
 class UnnormalisedResidual(RecursiveRejectionVerifier):
     """Biased on purpose: the residual max(p - q, 0) is not renormalised before the next child's test."""
 
     @staticmethod
-    def first_accepted(tree, node, p, q, generator):
-        tokens = tree.tokens.tolist()
-        for child in tree.children[node]:
-            x = tokens[child]
-            if float(torch.rand((), dtype=torch.float64, generator=generator)) < min(1.0, float(p[x] / q[x])):
-                return child
-            p.copy_((p - q).clamp_min(0.0))
-            q[x] = 0.0
-            q /= q.sum()
-        return None
+    def after_rejection(p, q, x):
+        p.copy_((p - q).clamp_min(0.0))
+        q[x] = 0.0
+        q /= q.sum()
 
 
 @pytest.mark.parametrize("biased", [KeepsRejectedInQ, UnnormalisedResidual])

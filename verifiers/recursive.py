@@ -78,8 +78,7 @@ class RecursiveRejectionVerifier(Verifier):
                                     sample_from_probs(p, generator))
             path.append(child)
 
-    @staticmethod
-    def first_accepted(tree: DraftTree, node: int, p: torch.Tensor, q: torch.Tensor,
+    def first_accepted(self, tree: DraftTree, node: int, p: torch.Tensor, q: torch.Tensor,
                        generator: torch.Generator) -> int | None:
         """The first child of ``node`` accepted, or None; ``p`` [V] is left as the residual to draw from."""
         tokens = tree.tokens.tolist()
@@ -91,10 +90,15 @@ class RecursiveRejectionVerifier(Verifier):
             u = float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
             if u < min(1.0, float(p[x] / q[x])):
                 return child
-            residual = (p - q).clamp_min(0.0)  # [V]
-            total = float(residual.sum())
-            if total > 0.0:  # zero only when p == q, where the test above always accepts
-                p.copy_(residual / total)
-            q[x] = 0.0
-            q /= q.sum().clamp_min(torch.finfo(q.dtype).tiny)
+            self.after_rejection(p, q, x)
         return None
+
+    @staticmethod
+    def after_rejection(p: torch.Tensor, q: torch.Tensor, x: int) -> None:
+        """In place, after child token x is rejected: p <- norm(max(p - q, 0)), q <- q without x, renormalised."""
+        residual = (p - q).clamp_min(0.0)  # [V]
+        total = float(residual.sum())
+        if total > 0.0:  # zero only when p == q, where the acceptance test always accepts
+            p.copy_(residual / total)
+        q[x] = 0.0
+        q /= q.sum().clamp_min(torch.finfo(q.dtype).tiny)
