@@ -15,20 +15,23 @@ At T = 0 they build exactly the deterministic trees of their parents (``build``)
   per candidate, g_x = phi + log q(x) + G_x with phi the node's path log-probability; sorting the
   candidates by g descending is a draw of them without replacement from q (Kool et al. 2019), and
   the node's children are a prefix of that order (at most B, or ``node_topk`` for DominoTree).
-* **Shape: best-first on perturbed scores.**  A child's score is its g truncated below its
-  parent's score, the Stochastic Beam Search value (Kool et al. 2019):
-  ``s = -log(exp(-s_parent) - exp(-max g) + exp(-g))``, so children never beat their parent and
-  siblings come in draw order.  The heap pops B nodes (after each pop it offers the node's next
-  sibling and its first child), as DDTree's does on unperturbed scores.
+* **Shape** (field ``shape``), chosen so that whether a draw enters the tree never depends on
+  *which* token it is -- what recursive rejection sampling needs, since it treats a node's i-th
+  child as a draw from q with the first i - 1 removed:
 
-Why this is exact for recursive rejection sampling: that verifier treats a node's i-th child as a
-draw from q with the first i - 1 removed, which holds if whether the i-th draw enters the tree
-never depends on *which* token it is.  The perturbed score of the i-th draw is a function of the
-i-th largest Gumbel value alone, which (given the draws before it) is independent of the token
-that attains it -- the Gumbel-max property, kept under truncation.  Every pop decision reads
-scores only, so the tree's shape tells the verifier nothing about a child's token beyond what it
-already conditions on.  Unperturbed scores (log q of the drawn token) would: a child would enter
-the tree because its token is likely, and the verifier would over-accept (the tests catch it).
+  - ``"fixed"`` (default; Sequoia's way): the shape of the deterministic parent's tree for this
+    draft (``build``), fixed before any noise is drawn; each node's draws fill its child slots in
+    draw order (the first draw takes the slot of the rank-1 child and its subtree).
+  - ``"perturbed"``: best-first on Stochastic Beam Search scores (Kool et al. 2019): a child's
+    score is its g truncated below its parent's, ``s = -log(exp(-s_parent) - exp(-max g) +
+    exp(-g))``, so children never beat their parent and siblings come in draw order; the heap pops
+    B nodes as DDTree's does.  The i-th draw's score is a function of the i-th largest Gumbel value
+    alone, which (given the draws before it) is independent of the token attaining it -- the
+    Gumbel-max property, kept under truncation -- so every pop decision is token-blind.  (It grows
+    deep: a first child's score equals its parent's.)
+
+  Unperturbed scores (log q of the drawn token) would not do: a child would enter the tree because
+  its token is likely, and the verifier would over-accept.
 
 The noise comes from a ``torch.Generator`` seeded with ``seed`` (the decoder draws one per round
 from the caller's generator and records it), drawn node by node in pop order: the same draft,
@@ -53,7 +56,7 @@ from policies.sources import CandidateSource, FactorizedSource, ScorerSource
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams
 from treespec.tree import DraftTree
 
-__all__ = ["DDTreeSampled", "DominoTreeSampled", "grow_sampled", "truncated_gumbel"]
+__all__ = ["SHAPES", "DDTreeSampled", "DominoTreeSampled", "fill_sampled", "grow_sampled", "truncated_gumbel"]
 
 
 def truncated_gumbel(g: torch.Tensor, bound: float) -> torch.Tensor:
@@ -125,6 +128,27 @@ def grow_sampled(draft: DraftOutput, source: CandidateSource, budget: int, keep:
     return _as_tree(nodes, draft), _proposals(rows, len(nodes), top_m, seed)
 
 
+def fill_sampled(draft: DraftOutput, source: CandidateSource, shape: DraftTree, top_m: int,
+                  sampling: SamplingParams, seed: int) -> tuple[DraftTree, Proposals]:
+    """``shape``'s parents and depths, every node's children drawn without replacement from its q
+    and given to the shape's child slots in draw order (a subtree without a draw is dropped)."""
+    gen = torch.Generator().manual_seed(seed)
+    nodes = [_Node(draft.root_token, -1, 0, 0.0, 0.0, source.root_state())]
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    where = {0: 0}  # shape node -> index in nodes
+    for slot, kids in enumerate(shape.children):
+        if not kids or slot not in where:
+            continue
+        index = where[slot]
+        drawn, tokens, logq = _draw_children(nodes[index], source, sampling.temperature, len(kids), gen)
+        rows[index] = (tokens, logq)
+        for kid, (score, token, lq, state) in zip(kids, drawn):
+            where[kid] = len(nodes)
+            parent = nodes[index]
+            nodes.append(_Node(token, index, parent.depth + 1, parent.phi + lq, score, state))
+    return _as_tree(nodes, draft), _proposals(rows, len(nodes), top_m, seed)
+
+
 def _as_tree(nodes: list[_Node], draft: DraftOutput) -> DraftTree:
     return DraftTree.build([n.token for n in nodes], [n.parent for n in nodes], [n.depth for n in nodes],
                            torch.tensor([n.phi for n in nodes], dtype=torch.float32),
@@ -139,6 +163,21 @@ def _proposals(rows: dict[int, tuple[torch.Tensor, torch.Tensor]], n: int, top_m
             tokens[index, :row_tokens.numel()] = row_tokens.cpu()
             logq[index, :row_logq.numel()] = row_logq.cpu()
     return Proposals(tokens, logq, seed)
+
+
+SHAPES = ("fixed", "perturbed")
+
+
+def shape_field():
+    """The ``shape`` field of a sampled policy (module docstring)."""
+    return attrs.field(default="fixed", validator=attrs.validators.in_(SHAPES))
+
+
+def _grow(policy, draft: DraftOutput, source: CandidateSource, keep: int, m: int, sampling: SamplingParams,
+          seed: int) -> tuple[DraftTree, Proposals]:
+    if policy.shape == "fixed":  # the deterministic tree's shape: chosen before any noise is drawn
+        return fill_sampled(draft, source, policy.build(draft), m, sampling, seed)
+    return grow_sampled(draft, source, policy.budget, keep, m, sampling, seed)
 
 
 def _check_sampling(policy, sampling: SamplingParams, backend: str) -> None:
@@ -157,6 +196,7 @@ class DDTreeSampled(DDTree):
     samples_from_draft: ClassVar[bool] = True
 
     top_m: int = budget_field(64)  # candidates per depth q is normalised over
+    shape: str = shape_field()  # "fixed": DDTree's shape; "perturbed": best-first on perturbed scores
 
     def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
                backend: str = "torch") -> tuple[DraftTree, Proposals]:
@@ -165,7 +205,7 @@ class DDTreeSampled(DDTree):
         m = min(self.top_m, draft.vocab_size)
         values, tokens = draft.logprobs.topk(m, dim=-1)  # [L, M]
         source = FactorizedSource.from_rows(tokens, values)
-        return grow_sampled(draft, source, self.budget, min(self.budget, m), m, sampling, seed)
+        return _grow(self, draft, source, min(self.budget, m), m, sampling, seed)
 
 
 @attrs.frozen
@@ -175,10 +215,12 @@ class DominoTreeSampled(DominoTree):
     name: ClassVar[str] = "dominotree-sampled"
     samples_from_draft: ClassVar[bool] = True
 
+    shape: str = shape_field()  # "fixed": DominoTree's shape; "perturbed": best-first on perturbed scores
+
     def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
                backend: str = "torch") -> tuple[DraftTree, Proposals]:
         _check_sampling(self, sampling, backend)
         self.validate(draft)
         m = min(self.top_m, draft.vocab_size)
         source = ScorerSource(draft.scorer, m, m)  # all M candidates: q is normalised over them
-        return grow_sampled(draft, source, self.budget, min(self.node_topk, m), m, sampling, seed)
+        return _grow(self, draft, source, min(self.node_topk, m), m, sampling, seed)

@@ -35,18 +35,19 @@ def flat():
     return ToyWorld(scale=0.5)
 
 
-def _policy(name: str, budget: int = 4):
-    return registry.create("policy", name, budget=budget)
+def _policy(name: str, budget: int = 4, **fields):
+    return registry.create("policy", name, budget=budget, **fields)
 
 
 def test_the_registry_offers_sampled_trees_of_both_kinds():
     assert {"ddtree-sampled", "dominotree-sampled"} <= set(SAMPLED)
 
 
+@pytest.mark.parametrize("shape", ["fixed", "perturbed"])
 @pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("policy", SAMPLED)
-def test_every_sampled_pair_commits_the_target_law(world, policy, verifier):
-    report = check_exactness(_policy(policy), registry.create("verifier", verifier), SETTINGS["T=1.0"],
+def test_every_sampled_pair_commits_the_target_law(world, policy, verifier, shape):
+    report = check_exactness(_policy(policy, shape=shape), registry.create("verifier", verifier), SETTINGS["T=1.0"],
                              samples=2000, world=world)
     assert report.exact(), report
 
@@ -107,8 +108,19 @@ def test_recursive_rejection_accepts_more_than_match_on_the_same_trees(world):
 
 
 @pytest.mark.parametrize("policy", SAMPLED)
-def test_a_seed_rebuilds_the_same_tree_on_both_backends(world, policy):
-    pol, t1 = _policy(policy, 8), SamplingParams(1.0)
+def test_the_fixed_shape_is_the_deterministic_trees(world, policy):
+    pol = _policy(policy, 8)
+    tree, proposals = pol.sample(world.draft, sampling=SamplingParams(1.0), seed=7)
+    shape = pol.build(world.draft)
+    assert sorted(tree.num_children.tolist()) == sorted(shape.num_children.tolist())
+    assert sorted(tree.depths.tolist()) == sorted(shape.depths.tolist())
+    assert bool((proposals.tokens[tree.num_children > 0] >= 0).any(-1).all())
+
+
+@pytest.mark.parametrize("shape", ["fixed", "perturbed"])
+@pytest.mark.parametrize("policy", SAMPLED)
+def test_a_seed_rebuilds_the_same_tree_on_both_backends(world, policy, shape):
+    pol, t1 = _policy(policy, 8, shape=shape), SamplingParams(1.0)
     tree, proposals = pol.sample(world.draft, sampling=t1, seed=123)
     again, _ = pol.sample(world.draft, sampling=t1, seed=123, backend="networkx")
     assert tree.equal(again) and proposals.seed == 123 and len(tree) == 9
