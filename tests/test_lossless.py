@@ -268,6 +268,11 @@ def test_leviathan_acceptance_on_a_deterministic_chain_is_refused_and_is_biased(
     class ClaimsSampled(Chain):  # a false claim: the chain is the draft's argmax, not a sample
         samples_from_draft: ClassVar[bool] = True
 
+        def sample(self, draft, *, sampling, seed, backend="torch"):
+            tree = self.build(draft, backend=backend)
+            rows = torch.log_softmax(draft.logprobs.double(), -1)[tree.depths.clamp_max(draft.depth - 1)]  # [N, V]
+            return tree, Proposals(torch.arange(draft.vocab_size).expand(len(tree), -1), rows, seed)
+
     decoder = SpeculativeDecoder(small.target, _small_drafter(False), ClaimsSampled(budget=16),
                                  RejectionVerifier("draft"))
     assert small.pvalue(decoder, N_SEEDS) < ALPHA  # the same test the lossless pairs pass
