@@ -188,39 +188,46 @@ def _check_sampling(policy, sampling: SamplingParams, backend: str) -> None:
         raise ValueError(f"{policy.name} takes no stop rule (a cost-aware stop reads unperturbed scores)")
 
 
+class _Sampled:
+    """`TreePolicy.sample` for both sampled policies; each says where its candidates come from."""
+
+    samples_from_draft: ClassVar[bool] = True
+
+    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
+               backend: str = "torch") -> tuple[DraftTree, Proposals]:
+        _check_sampling(self, sampling, backend)
+        self.validate(draft)
+        m = min(self.top_m, draft.vocab_size)
+        return _grow(self, draft, self.sampled_source(draft, m), self.children_kept(m), m, sampling, seed)
+
+
 @attrs.frozen
-class DDTreeSampled(DDTree):
+class DDTreeSampled(_Sampled, DDTree):
     """DDTree with children drawn from the factorized marginals (see the module docstring)."""
 
     name: ClassVar[str] = "ddtree-sampled"
-    samples_from_draft: ClassVar[bool] = True
 
     top_m: int = budget_field(64)  # candidates per depth q is normalised over
     shape: str = shape_field()  # "fixed": DDTree's shape; "perturbed": best-first on perturbed scores
 
-    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
-               backend: str = "torch") -> tuple[DraftTree, Proposals]:
-        _check_sampling(self, sampling, backend)
-        self.validate(draft)
-        m = min(self.top_m, draft.vocab_size)
+    def sampled_source(self, draft: DraftOutput, m: int) -> CandidateSource:
         values, tokens = draft.logprobs.topk(m, dim=-1)  # [L, M]
-        source = FactorizedSource.from_rows(tokens, values)
-        return _grow(self, draft, source, min(self.budget, m), m, sampling, seed)
+        return FactorizedSource.from_rows(tokens, values)
+
+    def children_kept(self, m: int) -> int:
+        return min(self.budget, m)
 
 
 @attrs.frozen
-class DominoTreeSampled(DominoTree):
+class DominoTreeSampled(_Sampled, DominoTree):
     """DominoTree with children drawn from each node's own corrected conditional (module docstring)."""
 
     name: ClassVar[str] = "dominotree-sampled"
-    samples_from_draft: ClassVar[bool] = True
 
     shape: str = shape_field()  # "fixed": DominoTree's shape; "perturbed": best-first on perturbed scores
 
-    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
-               backend: str = "torch") -> tuple[DraftTree, Proposals]:
-        _check_sampling(self, sampling, backend)
-        self.validate(draft)
-        m = min(self.top_m, draft.vocab_size)
-        source = ScorerSource(draft.scorer, m, m)  # all M candidates: q is normalised over them
-        return _grow(self, draft, source, min(self.node_topk, m), m, sampling, seed)
+    def sampled_source(self, draft: DraftOutput, m: int) -> CandidateSource:
+        return ScorerSource(draft.scorer, m, m)  # all M candidates: q is normalised over them
+
+    def children_kept(self, m: int) -> int:
+        return min(self.node_topk, m)
