@@ -69,7 +69,7 @@ def truncated_gumbel(g: torch.Tensor, bound: float) -> torch.Tensor:
 
 @attrs.define
 class _Node:
-    """One node of the growing tree and its drawn children, best first."""
+    """One node of the growing tree and its drawn children, in draw order."""
 
     token: int
     parent: int
@@ -77,7 +77,7 @@ class _Node:
     phi: float  # path log q at temperature T
     score: float  # perturbed (truncated) score
     state: torch.Tensor | None  # the scorer's path state (None: factorized)
-    kids: list[tuple[float, int, float, torch.Tensor | None]] | None = None  # (score, token, log q, state)
+    kids: list[tuple[float, int, float, torch.Tensor | None]] | None = None  # drawn (score, token, log q, state)
 
 
 def _draw_children(node: _Node, source: CandidateSource, temperature: float, keep: int,
@@ -123,7 +123,7 @@ def grow_sampled(draft: DraftOutput, source: CandidateSource, budget: int, keep:
         depth = nodes[parent].depth + 1
         nodes.append(_Node(token, parent, depth, nodes[parent].phi + logq, score, state))
         offer(parent, rank + 1)
-        if depth < draft.depth:
+        if depth < draft.depth and len(nodes) <= budget:  # the last node's children could not be popped
             expand(len(nodes) - 1)
     return _as_tree(nodes, draft), _proposals(rows, len(nodes), top_m, seed)
 
@@ -159,9 +159,8 @@ def _proposals(rows: dict[int, tuple[torch.Tensor, torch.Tensor]], n: int, top_m
     tokens = torch.full((n, top_m), -1, dtype=torch.int64)
     logq = torch.full((n, top_m), -math.inf, dtype=torch.float64)
     for index, (row_tokens, row_logq) in rows.items():
-        if index < n:
-            tokens[index, :row_tokens.numel()] = row_tokens.cpu()
-            logq[index, :row_logq.numel()] = row_logq.cpu()
+        tokens[index, :row_tokens.numel()] = row_tokens.cpu()
+        logq[index, :row_logq.numel()] = row_logq.cpu()
     return Proposals(tokens, logq, seed)
 
 

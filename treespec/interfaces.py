@@ -11,12 +11,12 @@ One decoding round is ``draft -> build -> verify -> commit``:
    the scorer carried by the draft, no timing, no globals.
 3. ``Verifier.verify(tree, target_logits, ...) -> VerifyResult``: accepted node indices (starting
    with the root) and the new bonus token, which becomes the next round's root.
+4. The decoder commits the accepted path and calls ``Drafter.observe``.
 
 A policy declaring ``samples_from_draft`` also implements ``TreePolicy.sample``: at T > 0 the
 decoder asks it for a tree whose children are *drawn* from the draft, given a seed it draws from
 the caller's generator each round, and passes the `Proposals` (what every node's children were
 drawn from) to the verifier; at T = 0 it builds with ``build`` as every policy does.
-4. The decoder commits the accepted path and calls ``Drafter.observe``.
 
 A scorer that trace replay can store implements `RecordableScorer` on top of `ConditionalScorer`;
 replay (treespec/apps/replay/) knows it through that interface and the registry (kind ``"scorer"``)

@@ -33,8 +33,8 @@ import torch
 
 from treespec.interfaces import SamplingParams
 
-__all__ = ["filter_logits", "gumbel_noise", "mix_seed", "sample_from_probs", "sampling_key", "target_tokens",
-           "work_dtype"]
+__all__ = ["filter_logits", "gumbel_noise", "mix_seed", "sample_from_probs", "sampling_key", "target_probs",
+           "target_tokens", "work_dtype"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -66,6 +66,12 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     if top_p < 1.0:
         out = _nucleus(out, top_p)
     return out
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """[n, V] float64 distributions the target samples from at T > 0: softmax of the filtered logits / T."""
+    scaled = logits.to(torch.float64) / sampling.temperature
+    return filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
 
 
 def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:

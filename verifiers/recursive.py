@@ -29,17 +29,11 @@ from __future__ import annotations
 import torch
 
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
-from treespec.sampling import filter_logits, sample_from_probs, target_tokens
+from treespec.sampling import sample_from_probs, target_probs, target_tokens
 from treespec.tree import DraftTree
 from verifiers.match import check_logits, walk_matches
 
-__all__ = ["RecursiveRejectionVerifier", "check_proposals", "target_probs"]
-
-
-def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """[N, V] float64 target distributions: softmax of the filtered logits / T."""
-    scaled = logits.to(torch.float64) / sampling.temperature
-    return filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
+__all__ = ["RecursiveRejectionVerifier", "check_proposals"]
 
 
 def check_proposals(tree: DraftTree, proposals: Proposals | None, verifier: str) -> Proposals:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
-from treespec.sampling import filter_logits, sample_from_probs, target_tokens
+from treespec.sampling import sample_from_probs, target_probs, target_tokens
 from treespec.tree import DraftTree
 from verifiers.match import check_logits, walk_matches
 
@@ -70,14 +70,9 @@ class RejectionVerifier(Verifier):
             return walk_matches(tree, target_tokens(target_logits, tree.depths + position, sampling, None))
         if generator is None:
             raise ValueError("rejection sampling at temperature > 0 needs an explicit torch.Generator")
-        p = self._target_probs(target_logits, sampling)  # [N, V] float64
+        p = target_probs(target_logits, sampling)  # [N, V] float64
         q = self._proposal_probs(tree, draft, proposals, p.shape[1])  # [N - 1, V] float64, row d-1: depth d
         return self._walk(tree, p, q, generator)
-
-    @staticmethod
-    def _target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        scaled = logits.to(torch.float64) / sampling.temperature
-        return filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
 
     def _proposal_probs(self, tree: DraftTree, draft: DraftOutput | None, proposals: Proposals | None,
                         vocab: int) -> torch.Tensor:

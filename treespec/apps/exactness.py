@@ -31,7 +31,7 @@ import torch
 from treespec import registry
 from treespec.decoding import policy_tree
 from treespec.interfaces import DraftContext, DraftOutput, SamplingParams, TreePolicy, Verifier
-from treespec.sampling import filter_logits, mix_seed, sample_from_probs, sampling_key
+from treespec.sampling import mix_seed, sample_from_probs, sampling_key, target_probs
 
 __all__ = ["ExactnessReport", "ToyWorld", "check_exactness", "chi_square_pvalue", "detectable_tv"]
 
@@ -127,8 +127,7 @@ class ToyWorld:
         return self._logits[path]
 
     def probs(self, path: tuple[int, ...], sampling: SamplingParams) -> torch.Tensor:
-        scaled = self.logits(path)[None] / sampling.temperature
-        return filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)[0]
+        return target_probs(self.logits(path)[None], sampling)[0]
 
     def joint(self, sampling: SamplingParams) -> torch.Tensor:
         """[V, V] the exact law of the first two tokens."""
