@@ -32,7 +32,7 @@ from treespec import registry
 from treespec.cost import CostModel
 from treespec.interfaces import TreePolicy
 
-__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "parse_method", "policy_class", "with_budget"]
+__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "method_family", "parse_method", "policy_class", "with_budget"]
 
 # The comparison of the README's demo: the published systems on the embedded default.
 DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
@@ -58,6 +58,15 @@ def with_budget(method: Method, budget: int) -> Method:
     spec, sep, drafter = method.name.partition(":")
     head, plus, options = spec.partition("+")
     return attrs.evolve(method, name=f"{head.partition('@')[0]}@{budget}{plus}{options}{sep}{drafter}", budget=budget)
+
+
+def method_family(name: str) -> str:
+    """A method name with its budget taken out (``ddtree@16:domino`` -> ``ddtree:domino``,
+    ``eagle2@8+topk=4`` -> ``eagle2+topk=4``): the line of a budget curve, which keeps options and
+    drafters apart."""
+    spec, sep, drafter = name.partition(":")
+    head, plus, options = spec.partition("+")
+    return f"{head.partition('@')[0]}{plus}{options}{sep}{drafter}"
 
 
 def _option_value(policy: str, key: str, text: str) -> Any:

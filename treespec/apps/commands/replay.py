@@ -4,6 +4,9 @@
 runs the target once per prompt (the embedded SmolLM2 and its shipped drafters by default) and
 writes one safetensors trace.  ``treespec replay eval FILE --methods ddtree@16 dominotree@16 ...``
 replays each method's T = 0 acceptance lengths from the trace alone, in seconds.
+``--budgets 4,8,16 --set topk=2,4`` sweeps budgets and policy options,
+``--baseline ddtree`` adds paired bootstrap intervals against DDTree at each budget, and ``--out DIR``
+writes the table (Markdown, CSV), per-prompt tau and a budget-curve plot with intervals.
 ``treespec replay info FILE`` prints the trace's metadata.  See treespec/apps/replay/.
 """
 
@@ -61,12 +64,24 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", type=Path, help="trace file written by `treespec replay record`")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="methods such as dflash domino ddtree@16 dominotree@16 (default: the demo methods "
-                             "the trace's drafters support); commas also separate")
+                        help="methods such as dflash domino ddtree@16 dominotree@16 eagle2+topk=4 (default: the demo "
+                             "methods the trace's drafters support); commas also separate")
+    parser.add_argument("--budgets", default=None,
+                        help="sweep: every method without its own @B at each of these budgets, e.g. 4,8,16,32,64")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=V1,V2",
+                        help="sweep: each value of a policy option, crossed with the budgets, for every method whose "
+                             "policy has the option (repeatable: several keys make a grid)")
+    parser.add_argument("--baseline", default=None,
+                        help="paired 95%% bootstrap intervals of tau - tau(baseline) over prompts; a baseline without "
+                             "@B (ddtree) is taken at each method's own budget (and replayed if not listed)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write table.md, table.csv, per_prompt.csv and budget_curves.svg/png to this new folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing --out folder")
+    parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the intervals")
     parser.add_argument("--backend", default="torch", choices=("torch", "networkx"))
     parser.add_argument("--stop-token-id", type=int, action="append", default=None,
                         help="end a response at this token, as the live loop would (repeatable; default: none)")
-    parser.add_argument("--json", type=Path, default=None, help="write per-prompt taus as JSON lines to this file")
+    parser.add_argument("--json", type=Path, default=None, help="write per-round taus as JSON lines to this file")
     parser.add_argument("--cost-model", type=Path, default=None,
                         help="cost model JSON for cost-aware methods (default: the one measured when the trace was "
                              "recorded)")
@@ -177,24 +192,94 @@ def _methods(args: argparse.Namespace, trace) -> list[str]:
     return [m for m in DEMO_METHODS if parse_method(m).drafter in (None, *trace.drafters)]
 
 
+def _settings(items: list[str]) -> dict[str, list[str]]:
+    """``--set KEY=V1,V2`` flags -> {KEY: [V1, V2]} (values stay text: each policy types its own)."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        key, eq, values = item.partition("=")
+        if not eq or not key or not all(values.split(",")):
+            raise ValueError(f"--set takes KEY=V1[,V2...], got {item!r}")
+        if key in out:
+            raise ValueError(f"--set {key} given twice; list its values in one flag")
+        out[key] = values.split(",")
+    return out
+
+
+def _budgets(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    try:
+        budgets = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--budgets takes positive integers separated by commas, got {text!r}") from None
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"--budgets takes positive integers, got {text!r}")
+    return budgets
+
+
+def _sweep(args: argparse.Namespace, trace) -> list:
+    """The methods to replay: the sweep of --methods x --budgets x --set, plus the baseline(s) it needs."""
+    from treespec.apps.methods import parse_method, with_budget
+    from treespec.apps.replay import expand_sweep
+
+    methods = expand_sweep(_methods(args, trace), _budgets(args.budgets), _settings(args.settings))
+    if args.baseline is not None:
+        base = parse_method(args.baseline)
+        named = {m.name for m in methods}
+        if base.budget is None and base.policy != "chain" and not base.autoregressive:
+            wanted = [with_budget(base, b) for b in sorted({m.budget for m in methods if m.budget is not None})]
+        else:
+            wanted = [base]
+        methods = [m for m in wanted if m.name not in named] + methods
+    return methods
+
+
 def _eval(args: argparse.Namespace) -> int:
-    from treespec.apps.replay import Trace, evaluate
+    from treespec.apps.replay import Trace, compare, evaluate
+    from treespec.apps.replay.compare import markdown_table
     from treespec.cost import load_cost_model
 
     cost = load_cost_model(args.cost_model) if args.cost_model is not None else None
     trace = Trace.load(args.trace)
-    results = evaluate(trace, _methods(args, trace), backend=args.backend, stop_token_ids=args.stop_token_id or (),
+    methods = _sweep(args, trace)
+    if args.out is not None:
+        _check_out(args.out, args.overwrite)  # before the replay: a refusal costs nothing
+    results = evaluate(trace, methods, backend=args.backend, stop_token_ids=args.stop_token_id or (),
                        cost_model=cost)
-    width = max(len(r.method) for r in results)
-    print(f"{'method':<{width}}  {'rounds':>7}  {'mean tau':>8}  {'replay s':>8}")
-    for r in results:
-        print(f"{r.method:<{width}}  {r.rounds:>7}  {r.mean_tau:>8.3f}  {r.seconds:>8.2f}")
+    rows = compare(results, methods, baseline=args.baseline, resamples=args.resamples)
+    print(markdown_table(rows), end="")
+    ids = [p["id"] for p in trace.meta["prompts"]]
     if args.json is not None:
-        ids = [p["id"] for p in trace.meta["prompts"]]
         lines = [json.dumps({"method": r.method, "prompt_id": ids[i], "taus": list(t)})
                  for r in results for i, t in enumerate(r.taus)]
         args.json.write_text("".join(line + "\n" for line in lines))
+    if args.out is not None:
+        _write_out(args.out, rows, results, ids)
+        print(f"wrote {args.out}/table.md, table.csv, per_prompt.csv, budget_curves.svg and .png")
     return 0
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ValueError(f"{out} exists and is not an empty folder; pass --overwrite to replace its files")
+
+
+def _write_out(out: Path, rows, results, ids) -> None:
+    import csv
+
+    from treespec.apps.bench.summary import write_csv
+    from treespec.apps.replay.compare import markdown_table, per_prompt_rows, plot_sweep
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(markdown_table(rows))
+    write_csv(rows, out / "table.csv")
+    per_prompt = per_prompt_rows(results, ids)
+    with open(out / "per_prompt.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(per_prompt[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(per_prompt)
+    for ext in ("svg", "png"):
+        plot_sweep(rows, out / f"budget_curves.{ext}")
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -1,10 +1,11 @@
 """Offline trace replay: record what the drafters produce along the target's greedy trajectory once,
 then measure any tree policy's T = 0 acceptance lengths from the recording, without the target.
 
-Four modules, one job each: `trace` (the file format and joining traces), `record` (recording),
+Five modules, one job each: `trace` (the file format and joining traces), `record` (recording),
 `rebuild` (a recorded anchor's `DraftOutput`), `evaluate` (replaying policies; `replay_priced`
 replays a cost-aware run whose costs were corrected live, round by round with the curves its bench
-record names).  Replay knows a
+record names), `compare` (sweeps, per-prompt tau and paired intervals against a baseline).  Replay
+knows a
 path-dependent scorer only through `treespec.interfaces.RecordableScorer` and the registry.
 
 Exactness.  A rebuilt draft gives the live draft's tree bit for bit for best-first policies over
@@ -19,12 +20,13 @@ nearly always (benchmarks/bench_replay.py reports the agreement).
 """
 
 from treespec.apps.replay.acceptance import Acceptance, fit_acceptance, load_acceptance
+from treespec.apps.replay.compare import ComparisonRow, compare, expand_sweep
 from treespec.apps.replay.evaluate import ReplayResult, check_replayable, evaluate, replay_priced, replay_prompt
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.record import RECORD_PRESETS, RecordConfig, record_trace
 from treespec.apps.replay.trace import DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces
 
 __all__ = [
-    "RECORD_PRESETS", "Acceptance", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ScorerRecord", "Trace",
-    "TraceError", "check_replayable", "evaluate", "fit_acceptance", "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
+    "RECORD_PRESETS", "Acceptance", "ComparisonRow", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ScorerRecord", "Trace",
+    "TraceError", "check_replayable", "compare", "evaluate", "expand_sweep", "fit_acceptance", "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
 ]
