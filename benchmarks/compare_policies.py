@@ -60,14 +60,10 @@ def record(trace_path: Path, budgets) -> dict:
     return {"trace": trace.meta.get("config", {}), "prompts": trace.num_prompts, "methods": rows}
 
 
-def _pooled(taus: list[list[int]], idx) -> float:
-    rounds = sum(len(taus[i]) for i in idx)
-    return sum(sum(taus[i]) for i in idx) / rounds
-
-
 def comparison_table(records: dict, resamples: int = 2000, seed: int = 0) -> str:
     """The Markdown table of the doc, derived from ``records`` alone (module docstring)."""
     from treespec.apps.bench.summary import bootstrap_interval
+    from treespec.apps.replay.compare import pooled_tau
 
     rows = records["methods"]
     n = records["prompts"]
@@ -75,17 +71,17 @@ def comparison_table(records: dict, resamples: int = 2000, seed: int = 0) -> str
     lines = ["| policy | " + " | ".join(f"B = {b}" for b in budgets) + " | ms per round (B = 16) |",
              "|---|" + "---|" * len(budgets) + "---|"]
     for spec in (s for s, r in rows.items() if r["budget"] is None):
-        tau = _pooled(rows[spec]["taus"], range(n))
+        tau = pooled_tau(rows[spec]["taus"], range(n))
         lines.append(f"| {spec} (chain) | {tau:.3f} " + "| " * (len(budgets) - 1) + f"| {rows[spec]['ms_per_round']:.2f} |")
     for policy in sorted({r["policy"] for r in rows.values() if r["budget"] is not None}):
         cells = []
         for b in budgets:
             mine, base = rows[f"{policy}@{b}"]["taus"], rows[f"{BASELINE}@{b}"]["taus"]
-            tau = _pooled(mine, range(n))
+            tau = pooled_tau(mine, range(n))
             if policy == BASELINE:
                 cells.append(f"{tau:.3f}")
                 continue
-            diff = lambda idx: _pooled(mine, idx) - _pooled(base, idx)  # noqa: E731, B023
+            diff = lambda idx: pooled_tau(mine, idx) - pooled_tau(base, idx)  # noqa: E731, B023
             lo, hi = bootstrap_interval(diff, n, resamples, seed)
             cells.append(f"{tau:.3f} ({diff(np.arange(n)):+.3f} [{lo:+.3f}, {hi:+.3f}])")
         ms = rows[f"{policy}@16"]["ms_per_round"] if f"{policy}@16" in rows else float("nan")
@@ -99,10 +95,12 @@ def plot(records: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from treespec.apps.replay.compare import pooled_tau
+
     rows, n = records["methods"], records["prompts"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in sorted({r["policy"] for r in rows.values() if r["budget"] is not None}):
-        points = sorted((r["budget"], _pooled(r["taus"], range(n))) for r in rows.values() if r["policy"] == policy)
+        points = sorted((r["budget"], pooled_tau(r["taus"], range(n))) for r in rows.values() if r["policy"] == policy)
         ax.plot([b for b, _ in points], [t for _, t in points], marker="o", label=policy)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget B (non-root nodes)")
