@@ -92,7 +92,7 @@ def test_live_round_returns_the_verified_tree_of_that_round():
 def test_draw_command_refuses_ambiguous_or_unmatched_sources(tree, tmp_path):
     record = tmp_path / "tree.json"
     record.write_text(json.dumps(tree.to_dict()))
-    with pytest.raises(SystemExit, match="not both"):
+    with pytest.raises(SystemExit, match="one source of trees, not --tree and --drafter"):
         main(["draw", "--tree", str(record), "--drafter", str(tmp_path), "--out", str(tmp_path / "t.dot")])
     with pytest.raises(SystemExit, match="--model needs --drafter"):  # refused before any model loads
         main(["draw", "--model", str(tmp_path), "--out", str(tmp_path / "t.dot")])

@@ -27,7 +27,7 @@ import torch
 from treespec.interfaces import DraftOutput
 from treespec.tree import DraftTree
 
-__all__ = ["accepted_length", "expected_acceptance", "path_logprobs"]
+__all__ = ["accepted_length", "accepted_path", "expected_acceptance", "path_logprobs"]
 
 
 def path_logprobs(tree: DraftTree, draft: DraftOutput) -> torch.Tensor:
@@ -57,12 +57,19 @@ def expected_acceptance(tree: DraftTree, draft: DraftOutput) -> float:
     return 1.0 + float(logp.exp().sum())
 
 
-def accepted_length(tree: DraftTree, future: Sequence[int]) -> int:
-    """tau of the match verifier's walk when the target's tokens are ``future`` (the trajectory
-    after the root): from the root, step to the lowest-index child holding the next token."""
+def accepted_path(tree: DraftTree, future: Sequence[int]) -> list[int]:
+    """Node indices of the match verifier's walk, root first, when the target's tokens are ``future``
+    (the trajectory after the root): from the root, step to the lowest-index child holding the next
+    token."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    node, depth = 0, 0
+    path = [0]
     for i in range(1, len(tokens)):  # a child's index exceeds its parent's: one pass finds the walk
-        if parents[i] == node and depth < len(future) and tokens[i] == future[depth]:
-            node, depth = i, depth + 1
-    return depth + 1
+        depth = len(path) - 1
+        if parents[i] == path[-1] and depth < len(future) and tokens[i] == future[depth]:
+            path.append(i)
+    return path
+
+
+def accepted_length(tree: DraftTree, future: Sequence[int]) -> int:
+    """tau of the match verifier's walk (`accepted_path`): the accepted nodes, the root's bonus included."""
+    return len(accepted_path(tree, future))

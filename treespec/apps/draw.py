@@ -2,7 +2,8 @@
 
 Contract: every renderer takes a `DraftTree`, optional node labels (a callable ``token -> str``,
 e.g. a tokenizer's decode, or a sequence of strings per node) and an optional accepted path (node
-indices from the root).  Every non-root node shows its label and, below it, its path log-prob
+indices from the root); `write_side_by_side` draws several trees in one figure and outlines
+the nodes it is told to mark.  Every non-root node shows its label and, below it, its path log-prob
 score.  Accepted nodes and the edges between them are highlighted.  Output is deterministic for a
 given tree, so generated docs are reproducible.
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
+
 from treespec.tree import DraftTree
 
-__all__ = ["node_labels", "to_dot", "to_mermaid", "tree_layout", "write_figure"]
+__all__ = ["Panel", "node_labels", "to_dot", "to_mermaid", "tree_layout", "write_figure", "write_side_by_side"]
 
 Labels = Callable[[int], str] | Sequence[str] | None
 
@@ -105,33 +108,92 @@ def to_mermaid(tree: DraftTree, labels: Labels = None, accepted: Sequence[int] |
     return "\n".join(lines) + "\n"
 
 
-def write_figure(tree: DraftTree, path: str | Path, labels: Labels = None,
-                 accepted: Sequence[int] | None = None, *, title: str | None = None) -> Path:
-    """Render to ``path`` (.svg or .png) with networkx and matplotlib (Agg backend, no display)."""
-    import matplotlib
+_ONLY = "#ef6c00"  # orange outline: a node no other tree of a side-by-side figure holds
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _draw_tree(ax, tree: DraftTree, labels: Labels, accepted: Sequence[int] | None,
+               marked: frozenset[int] = frozenset()) -> None:
+    """Draw ``tree`` into the matplotlib axes ``ax``: accepted path filled green, ``marked`` nodes
+    outlined orange."""
     import networkx as nx
 
-    path = Path(path)
-    if path.suffix not in (".svg", ".png"):
-        raise ValueError(f"figure format must be .svg or .png, got {path.suffix!r}")
     graph, pos = tree.to_networkx(), tree_layout(tree)
     on_path, path_edges = _accepted_sets(tree, accepted)
-    width = max(4.0, 1.1 * (1 + max(x for x, _ in pos.values())))
-    fig, ax = plt.subplots(figsize=(width, 1.2 * (tree.max_depth + 1) + 0.6))
     nx.draw_networkx_edges(graph, pos, ax=ax, arrows=False,
                            edge_color=[_ACCEPTED if e in path_edges else _PLAIN for e in graph.edges],
                            width=[2.5 if e in path_edges else 1.0 for e in graph.edges])
-    nx.draw_networkx_nodes(graph, pos, ax=ax, node_size=900, node_shape="s",
-                           node_color=[_ACCEPTED if n in on_path else "#eceff1" for n in graph.nodes])
+    nodes = list(graph.nodes)
+    nx.draw_networkx_nodes(graph, pos, ax=ax, nodelist=nodes, node_size=900, node_shape="s",
+                           node_color=[_ACCEPTED if n in on_path else "#eceff1" for n in nodes],
+                           edgecolors=[_ONLY if n in marked else "none" for n in nodes],
+                           linewidths=[2.5 if n in marked else 0.0 for n in nodes])
     nx.draw_networkx_labels(graph, pos, dict(enumerate(node_labels(tree, labels))), ax=ax, font_size=7)
     ax.set_axis_off()
-    if title:
-        ax.set_title(title, fontsize=9)
+
+
+def _width(tree: DraftTree) -> float:
+    return max(4.0, 1.1 * (1 + max(x for x, _ in tree_layout(tree).values())))
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     with matplotlib.rc_context({"svg.hashsalt": "treespec"}):  # stable element ids: reproducible SVG
         fig.savefig(path, metadata={"Date": None} if path.suffix == ".svg" else None)
     plt.close(fig)
     return path
+
+
+def _figure_path(path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    path = Path(path)
+    if path.suffix not in (".svg", ".png"):
+        raise ValueError(f"figure format must be .svg or .png, got {path.suffix!r}")
+    return path
+
+
+def write_figure(tree: DraftTree, path: str | Path, labels: Labels = None,
+                 accepted: Sequence[int] | None = None, *, title: str | None = None) -> Path:
+    """Render to ``path`` (.svg or .png) with networkx and matplotlib (Agg backend, no display)."""
+    path = _figure_path(path)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(_width(tree), 1.2 * (tree.max_depth + 1) + 0.6))
+    _draw_tree(ax, tree, labels, accepted)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+@attrs.frozen
+class Panel:
+    """One tree of a side-by-side figure."""
+
+    title: str
+    tree: DraftTree
+    labels: Labels = None
+    accepted: Sequence[int] | None = None  # node indices of the accepted path, root first
+    marked: frozenset[int] = frozenset()  # nodes to outline (e.g. held by no other panel's tree)
+
+
+def write_side_by_side(panels: Sequence[Panel], path: str | Path, *, title: str | None = None) -> Path:
+    """Several trees in one figure, left to right, each with its own title; widths follow the trees."""
+    path = _figure_path(path)
+    import matplotlib.pyplot as plt
+
+    if not panels:
+        raise ValueError("a side-by-side figure needs at least one tree")
+    widths = [_width(p.tree) for p in panels]
+    height = 1.2 * (max(p.tree.max_depth for p in panels) + 1) + 1.0
+    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths), height), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    for ax, panel in zip(axes[0], panels):
+        _draw_tree(ax, panel.tree, panel.labels, panel.accepted, panel.marked)
+        ax.set_title(panel.title, fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _save(fig, path)

@@ -1,7 +1,10 @@
 """``treespec draw``: render a draft tree as SVG/PNG, DOT or Mermaid.
 
 The tree comes from a JSON record (``--tree``: ``DraftTree.to_dict()`` fields, optionally
-``"accepted"`` node indices and ``"labels"``) or, without ``--tree``, from a real decoding round:
+``"accepted"`` node indices and ``"labels"``); from a replay trace (``--trace T --prompt I
+--position P --methods a,b``: each method's tree built from the same recorded draft, side by side,
+nodes no other tree holds outlined, accepted paths filled; ``--html PAGE`` writes a page that
+steps through every position of the prompt); or, without either, from a real decoding round:
 the target (default: the embedded SmolLM2) decodes the prompt greedily with the method's policy
 and drafter (default: the embedded drafter the method needs), and round ``--round`` is drawn, its
 nodes labelled with their decoded tokens and the accepted path highlighted.  The figures in
@@ -21,16 +24,28 @@ from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
 
 
+_DEFAULT_PROMPT = "What is speculative decoding?"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, required=True, help="output file: .svg, .png, .dot or .mmd")
+    parser.add_argument("--out", type=Path, default=None, help="output file: .svg, .png, .dot or .mmd")
     parser.add_argument("--title", default=None, help="figure title (SVG/PNG only)")
     parser.add_argument("--tree", type=Path, default=None, help="JSON file with tokens, parents[, scores, accepted, labels]")
+    traced = parser.add_argument_group("policies side by side on one recorded draft (instead of --tree)")
+    traced.add_argument("--trace", type=Path, default=None, help="replay trace (`treespec replay record`)")
+    traced.add_argument("--position", type=int, default=0,
+                        help="response tokens committed before the round (0: the first round)")
+    traced.add_argument("--methods", default=None, help="methods to draw side by side, e.g. ddtree@16,eagle2@16")
+    traced.add_argument("--html", type=Path, default=None,
+                        help="also write a self-contained HTML page stepping through every position of --prompt")
     live = parser.add_argument_group("a real round (instead of --tree)")
     live.add_argument("--drafter", type=Path, default=None,
                       help="drafter checkpoint directory (default: the embedded one the method needs)")
     live.add_argument("--model", type=Path, default=None, help="target directory (default: the embedded SmolLM2)")
     live.add_argument("--method", default="ddtree@16", help="policy method, e.g. ddtree@16, dominotree@16")
-    live.add_argument("--prompt", default="What is speculative decoding?", help="user message (chat template applied)")
+    live.add_argument("--prompt", default=None,
+                      help="user message (chat template applied; default: 'What is speculative decoding?'); "
+                           "with --trace, the prompt's index in the trace (default 0)")
     live.add_argument("--round", type=int, default=1, help="which decoding round to draw (1 = the first)")
     live.add_argument("--dtype", choices=CPU_DTYPES, default="auto", help="target dtype (auto: the faster here)")
     live.add_argument("--cost-model", default="profile",
@@ -130,7 +145,7 @@ def _from_model(args: argparse.Namespace):
     model_dir = args.model or embedded_model_dir()
     tokenizer = load_tokenizer(model_dir)  # the labels need one: refuse before the target loads
     target = load_target(model_dir, dtype=DTYPES[args.dtype])
-    ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt]), dtype=torch.int64)
+    ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt or _DEFAULT_PROMPT]), dtype=torch.int64)
     drafter = load_drafter(drafter_dir)
     tree, result = live_round(target, drafter, build_policy(method, *_pricing(args, target, drafter)), ids,
                               args.round)
@@ -161,10 +176,72 @@ def _embedded_drafter(kind: str, model: Path | None) -> Path:
     return path
 
 
+def _trace_label(trace, model: Path | None):
+    """token -> text with the tokenizer of --model, or of the embedded target when the trace names
+    it; token ids when neither is at hand."""
+    from treespec.apps.api import load_tokenizer
+    from treespec.apps.embedded import embedded_model_dir
+
+    source = model
+    if source is None and trace.meta["target"].get("name") == "smollm2-135m-instruct":
+        source = embedded_model_dir()
+    if source is None or not Path(source).is_dir():
+        return str
+    tokenizer = load_tokenizer(source)
+    return lambda t: repr(tokenizer.decode([t]))[1:-1]
+
+
+def _prompt_index(text: str | None) -> int:
+    if text is None:
+        return 0
+    if not text.strip().isdigit():
+        raise ValueError(f"with --trace, --prompt is the prompt's index in the trace (0, 1, ...), got {text!r}")
+    return int(text)
+
+
+def _from_trace(args: argparse.Namespace) -> str:
+    """Draw (and page) the methods' trees at one position of a trace; returns what was written."""
+    from treespec.apps.replay import Trace
+    from treespec.apps.replay.views import views_at
+    from treespec.apps.trace_page import trace_page
+
+    if not args.methods:
+        raise ValueError("--trace needs --methods, e.g. --methods ddtree@16,eagle2@16")
+    methods = [m for m in args.methods.split(",") if m]
+    trace, prompt = Trace.load(args.trace), _prompt_index(args.prompt)
+    label = _trace_label(trace, args.model)
+    views = views_at(trace, methods, prompt, args.position)
+    prompt_id = trace.meta["prompts"][prompt]["id"]
+    where = f"prompt {prompt} ({prompt_id}), position {args.position}"
+    written = []
+    if args.out is not None:
+        if args.out.suffix not in (".svg", ".png"):
+            raise ValueError(f"side-by-side trees are drawn as .svg or .png, got {args.out.suffix!r}")
+        panels = [draw.Panel(f"{v.method}: tau {v.tau}, {len(v.tree) - 1} nodes, {len(v.only)} in this tree only",
+                             v.tree, [label(t) for t in v.tree.tokens.tolist()], v.accepted, v.only) for v in views]
+        draw.write_side_by_side(panels, args.out, title=args.title or where)
+        written.append(str(args.out))
+    if args.html is not None:
+        args.html.write_text(trace_page(trace, methods, prompt, label, start=args.position, title=args.title))
+        written.append(str(args.html))
+    print(where + ": " + "; ".join(f"{v.method} tau {v.tau} ({len(v.tree) - 1} nodes, {len(v.only)} only here)"
+                                   for v in views))
+    return ", ".join(written)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.tree is not None and args.drafter is not None:
-        raise SystemExit("treespec draw: give either --tree FILE or a real round (--drafter ...), not both")
+    sources = [name for name, given in (("--tree", args.tree), ("--trace", args.trace),
+                                        ("--drafter", args.drafter)) if given is not None]
+    if len(sources) > 1:
+        raise SystemExit(f"treespec draw: give one source of trees, not {' and '.join(sources)}")
+    if args.html is not None and args.trace is None:
+        raise SystemExit("treespec draw: --html pages step through a trace; give --trace T")
+    if args.out is None and args.html is None:
+        raise SystemExit("treespec draw: give --out FILE (or, with --trace, --html PAGE)")
     try:
+        if args.trace is not None:
+            print(f"wrote {_from_trace(args)}")
+            return 0
         if args.tree is not None:
             tree, labels, accepted = read_tree_record(args.tree)
         else:

@@ -29,7 +29,7 @@ from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
 from treespec.interfaces import TreePolicy
 from treespec.tree import DraftTree
 
-__all__ = ["ReplayResult", "check_replayable", "evaluate", "replay_priced", "replay_prompt"]
+__all__ = ["ReplayResult", "check_replayable", "evaluate", "policy_for", "replay_priced", "replay_prompt"]
 
 
 def check_replayable(policy: TreePolicy | None, meta: dict) -> None:
@@ -147,6 +147,18 @@ def _pricing(trace: Trace, method: Method, given: CostModel | None) -> tuple[Cos
     return (None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")), kappa
 
 
+def policy_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts] | None = None,
+               cost_model: CostModel | None = None) -> tuple[ReplayDrafts | None, TreePolicy | None]:
+    """(the draft rebuilder, the policy) that replay uses for ``method`` (None, None for AR): the
+    policy priced with ``cost_model`` or the trace's recorded cost model, checked replayable;
+    ``cache`` shares rebuilders between methods of one drafter."""
+    drafts = _drafts_for(trace, method, {} if cache is None else cache)
+    policy = build_policy(method, *_pricing(trace, method, cost_model))
+    if drafts is not None:
+        check_replayable(policy, drafts.meta)
+    return drafts, policy
+
+
 def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "torch",
              stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
              cost_model: CostModel | None = None) -> list[ReplayResult]:
@@ -159,9 +171,7 @@ def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "t
     stops = tuple(stop_token_ids)
     results = []
     for method in parsed:
-        drafts, policy = _drafts_for(trace, method, cache), build_policy(method, *_pricing(trace, method, cost_model))
-        if drafts is not None:
-            check_replayable(policy, drafts.meta)
+        drafts, policy = policy_for(trace, method, cache, cost_model)
         start = time.perf_counter()  # each prompt with a fresh gate, as the bench measures conversations
         taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops))
                      for i in chosen)
