@@ -502,9 +502,41 @@ def new_drafter(target, cfg: TrainConfig, mask_token_id: int,
     return drafter
 
 
+def grow_layers(drafter: DFlashDrafter, target, num_layers: int) -> DFlashDrafter:
+    """``drafter`` with ``num_layers`` draft layers: its own layers first, unchanged, then each added
+    layer a copy of the target layer below those the drafter's layers started from (one layer: the
+    target's top; the added one: its next-to-top), with its two output projections (attention
+    ``o_proj``, MLP ``down_proj``) zeroed.  An added block then adds nothing to the residual stream,
+    so the grown drafter drafts exactly as ``drafter`` did; the first step's gradient reaches the
+    zeroed projections (their inputs are not zero), and through them the rest of the block."""
+    old = len(drafter.model.layers)
+    config = attrs.evolve(drafter.config, num_hidden_layers=num_layers)
+    device = next(drafter.model.parameters()).device
+    grown = type(drafter).random(config, dtype=torch.float32, device=device)
+    missing, unexpected = grown.model.load_state_dict(drafter.model.state_dict(), strict=False)
+    added = tuple(f"layers.{j}." for j in range(old, num_layers))
+    if unexpected or any(not k.startswith(added) for k in missing):
+        raise ValueError(f"cannot grow this drafter: unexpected {unexpected}, missing {missing}")
+    layers = target.model.layers
+    with torch.no_grad():
+        for j in range(old, num_layers):
+            source = layers[len(layers) - 1 - j].state_dict()
+            for name, param in grown.model.layers[j].named_parameters():
+                if name in source and source[name].shape == param.shape:
+                    param.copy_(source[name].to(param.dtype))
+            layer = grown.model.layers[j]
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                projection.weight.zero_()
+                if projection.bias is not None:
+                    projection.bias.zero_()
+    return grown
+
+
 def warm_start(target, cfg: TrainConfig, mask_token_id: int, init_dir: str | Path) -> DFlashDrafter:
     """The drafter saved at ``init_dir`` (weights and ``d2t``), in float32 where the target runs, as the
     start of a run of ``cfg`` (``train-drafter --init``): the optimiser starts afresh (its own warm-up).
+    A saved drafter with fewer draft layers than ``cfg`` asks for, and otherwise the same, is grown
+    (`grow_layers`): it drafts as saved, and the added layers start from the target's.
 
     Refused (ValueError naming the fields) when the saved drafter is not the drafter ``cfg`` would
     make for ``target``: another kind, shape, tap set or draft-vocabulary size."""
@@ -520,6 +552,8 @@ def warm_start(target, cfg: TrainConfig, mask_token_id: int, init_dir: str | Pat
     wanted = draft_config_for(target.config, cfg, mask_token_id)
     differ = [f.name for f in attrs.fields(DFlashConfig)
               if f.eq and f.name != "mask_token_id" and getattr(drafter.config, f.name) != getattr(wanted, f.name)]
+    if differ == ["num_hidden_layers"] and drafter.config.num_hidden_layers < wanted.num_hidden_layers:
+        return grow_layers(drafter, target, wanted.num_hidden_layers)
     if differ:
         raise ValueError(f"--init {init_dir}: the saved drafter differs from the run's config in "
                          + ", ".join(f"{n} ({getattr(drafter.config, n)!r} saved, {getattr(wanted, n)!r} asked)"

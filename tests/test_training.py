@@ -364,10 +364,54 @@ def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
     second.step = first.step
     with torch.no_grad():
         assert float(second.loss(probe)[0]) < before  # the added steps go on lowering the loss
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        warm_start(target, attrs_evolve(cfg, num_layers=2), 1, tmp_path / "a" / "drafter")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        warm_start(target, attrs_evolve(cfg, draft_vocab_size=32), 1, tmp_path / "a" / "drafter")
     with pytest.raises(ValueError, match="no drafter checkpoint"):
         warm_start(target, cfg, 1, tmp_path / "nothing")
     other = DrafterTrainer(target, start, cfg, out_dir=tmp_path / "b", init="elsewhere")
     with pytest.raises(ValueError, match="started from a"):
         other.resume()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(target, tmp_path, kind):
+    """``--init`` of a one-layer drafter into a two-layer run: the saved layer first, unchanged; the added
+    one the target's next-to-top layer with its output projections zeroed, so the start's loss is the
+    saved drafter's; training then opens it; fewer layers than saved are refused."""
+    from drafters.training import draft_vocabulary, response_token_counts, warm_start
+
+    data = sequences(3, target=target)
+    vocab = draft_vocabulary(response_token_counts(data, 64), 24)
+    cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=8, steps=10, warmup_steps=2,
+                      gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=10, lr=3e-3,
+                      soft_label_share=0.0)
+    first = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / "a")
+    first.train(data, progress=False)
+    two = attrs_evolve(cfg, num_layers=2)
+    grown = warm_start(target, two, 1, tmp_path / "a" / "drafter")
+    assert len(grown.model.layers) == 2 and torch.equal(grown.draft_token_ids, vocab)
+    saved = first.drafter.model.state_dict()
+    for name, value in grown.model.state_dict().items():
+        if not name.startswith("layers.1."):
+            assert torch.equal(value, saved[name]), name
+    added, source = grown.model.layers[1], target.model.layers[-2].state_dict()
+    for name, param in added.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert not param.any(), name
+        elif name in source:
+            assert torch.equal(param, source[name].float()), name
+    probe = first.make_batch(first.record(data, 0), torch.Generator().manual_seed(5))
+    second = DrafterTrainer(target, grown, two, out_dir=tmp_path / "b", init="a")
+    second.step = first.step
+    with torch.no_grad():
+        before = float(second.loss(probe)[0])
+        assert before == pytest.approx(float(first.loss(probe)[0]), rel=1e-5)  # drafts as saved
+    second.step = 0
+    second.train(data, progress=False)
+    assert added.self_attn.o_proj.weight.abs().sum() > 0 and added.mlp.down_proj.weight.abs().sum() > 0
+    second.step = first.step
+    with torch.no_grad():
+        assert float(second.loss(probe)[0]) < before
+    second.drafter.save_pretrained(tmp_path / "two")
+    with pytest.raises(ValueError, match="num_hidden_layers \\(2 saved, 1 asked\\)"):
+        warm_start(target, cfg, 1, tmp_path / "two")
