@@ -4,6 +4,7 @@
 #
 #   docs/figures/make.sh trees    # the drawn trees of docs/policies/ (about a minute)
 #   docs/figures/make.sh ab       # the A/B walkthrough's bench run (docs/ab-walkthrough.md; about 30 min on 2 CPU cores)
+#   docs/figures/make.sh sweep    # docs/replay.md's sweep, side-by-side trees and trace page (5 min; needs chromium)
 #
 # Trees: the same chat prompt and the same decoding round for every policy, so the pages compare.
 set -euo pipefail
@@ -32,6 +33,20 @@ ab() {
   OMP_NUM_THREADS=1 torchrun --nproc_per_node "${RANKS:-2}" -m treespec.apps.cli bench --methods ar,dflash,domino,ddtree,caddtree,dominotree,static-corrected --budgets 16,64 \
     --temperatures 0,1 --datasets gsm8k,mt-bench,humaneval,alpaca --prompts 2 --max-new-tokens 64 \
     --seed 0 --dtype float32 --out "$out/ab"
+}
+
+sweep() {
+  # a 20-prompt trace (5 each of GSM8K, HumanEval, MT-Bench, Alpaca; 64 tokens), replayed and drawn
+  trace=runs/trace-docs.safetensors
+  [ -f $trace ] || treespec replay record --out $trace --dataset gsm8k --dataset humaneval --dataset mt-bench \
+    --dataset alpaca --limit 5 --max-new-tokens 64 --threads 1
+  treespec replay eval $trace --methods ddtree,eagle2,dominotree --budgets 4,8,16,32,64 --set topk=2,4,10 \
+    --baseline ddtree --out $out/sweep --overwrite
+  rm -f $out/sweep/budget_curves.png  # the SVG is the doc's
+  treespec draw --trace $trace --prompt 9 --position 20 --methods ddtree@16,eagle2@16 --out $out/side-by-side.svg \
+    --html runs/trace-page.html
+  chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,820 \
+    --screenshot=$out/trace-page.png "file://$PWD/runs/trace-page.html#position=20"
 }
 
 for what in "${@:-trees}"; do "$what"; done
