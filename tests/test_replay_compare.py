@@ -142,3 +142,20 @@ def test_plot_axes_span_the_intervals_not_a_sliver():
     interval_axes(ax, "tau", [1.0, 3.0, float("nan")])
     assert ax.get_ylim() == pytest.approx((0.8, 3.2))
     plt.close(fig)
+
+
+def test_an_outside_policy_sweeps_its_own_option_in_one_command(world, trace_file, tmp_path, capsys):
+    """tests/sibling_capped.py is registered at run time as a user's package would (conftest): its
+    ``siblings`` field sweeps against a baseline with no edit in treespec/."""
+    from sibling_capped import NAME
+
+    out = tmp_path / "outside"
+    assert main(["replay", "eval", str(trace_file), "--methods", NAME, "--budgets", "4,16", "--set", "siblings=1,3",
+                 "--baseline", "dominotree", "--out", str(out), "--resamples", "200"]) == 0
+    with open(out / "table.csv") as fh:
+        rows = {r["method"]: r for r in csv.DictReader(fh)}
+    assert set(rows) == {"dominotree@4", "dominotree@16", f"{NAME}@4+siblings=1", f"{NAME}@16+siblings=1",
+                         f"{NAME}@4+siblings=3", f"{NAME}@16+siblings=3"}
+    expected = evaluate(world.trace, [f"{NAME}@16+siblings=1"])[0]
+    assert float(rows[f"{NAME}@16+siblings=1"]["tau"]) == pytest.approx(expected.mean_tau, abs=1e-4)
+    assert rows[f"{NAME}@16+siblings=3"]["baseline"] == "dominotree@16"
