@@ -73,12 +73,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples of the intervals")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--dist-timeout", type=float, default=24.0, help="hours ranks may wait for each other")
-    sub = parser.add_subparsers(dest="action", metavar="{report,merge}")
-    for name, text in (("report", "re-derive tables and plots from DIR/records.jsonl"),
+    sub = parser.add_subparsers(dest="action", metavar="{report,merge,import,reproduce}")
+    for name, text in (("report", "re-derive tables and plots from DIR/records.jsonl (or a paper's tables from "
+                                  "imported records)"),
                        ("merge", "merge DIR/records-rank*.jsonl shards, then derive the report")):
         action = sub.add_parser(name, help=text)
         action.add_argument("dir", type=Path, help="the bench output directory")
         action.add_argument("--resamples", type=int, default=argparse.SUPPRESS, help="bootstrap resamples")
+        if name == "report":
+            _published_report_arguments(action)
+    _import_arguments(sub.add_parser("import", help="read another harness's raw per-prompt records into DIR"))
+    _reproduce_arguments(sub.add_parser("reproduce", help="a paper's tables from its repository's raw records, "
+                                                          "diffed against its CSVs"))
+
+
+def _published_report_arguments(parser: argparse.ArgumentParser) -> None:
+    from treespec.apps.published.tables import CONVENTIONS
+
+    group = parser.add_argument_group("a paper's layout (docs/reproduce.md)")
+    group.add_argument("--layout", choices=("table1",), default=None,
+                       help="also write Table 1 (and the pairwise table) in the DominoTree paper's layout; "
+                            "implied for a folder of imported records")
+    group.add_argument("--convention", choices=sorted(CONVENTIONS), default=None,
+                       help="the table's conventions (default: treespec; dominotree-4b / -8b: the paper's)")
+    group.add_argument("--expect", type=Path, default=None,
+                       help="a published table1_cells.csv: diff every cell at its printed precision, exit 1 on "
+                            "any difference")
+    group.add_argument("--expect-pairwise", type=Path, default=None, help="a published pairwise_ci.csv, the same")
+    group.add_argument("--model-label", default="model", help="the Model column of the table")
+
+
+def _import_arguments(parser: argparse.ArgumentParser) -> None:
+    from treespec.apps.published.records import FORMATS
+
+    parser.add_argument("--from", dest="fmt", required=True, choices=FORMATS, help="what wrote the records")
+    parser.add_argument("raw", nargs="+", type=Path, help="raw record files or folders of them")
+    parser.add_argument("--out", type=Path, required=True, help="the folder to import into (several imports add up)")
+    parser.add_argument("--overwrite", action="store_true", help="replace this format's earlier import in --out")
+
+
+def _reproduce_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paper", choices=("dominotree",), help="which paper's repository")
+    parser.add_argument("clone", type=Path, help="a clone (or extracted snapshot) of its repository")
+    parser.add_argument("--out", type=Path, default=Path("runs/reproduce-dominotree"),
+                        help="where the derived tables go (a folder that holds files is refused without --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing --out")
+    parser.add_argument("--resamples", type=int, default=None,
+                        help="bootstrap resamples of the pairwise intervals (default: the paper's 10,000)")
 
 
 def config_from_args(args: argparse.Namespace) -> bench.BenchConfig:
@@ -159,7 +200,111 @@ def _run_distributed(args: argparse.Namespace, config: bench.BenchConfig, shard:
     return _report(args.out, args.resamples)
 
 
+def _imported(out_dir: Path) -> list[Path]:
+    return sorted(out_dir.glob("imported-*.jsonl"))
+
+
+def _import(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from treespec.apps.published.records import read_records, write_imported
+
+    records = read_records(args.fmt, args.raw)
+    if not records:
+        raise ValueError(f"no {args.fmt} records in {', '.join(map(str, args.raw))}")
+    path = args.out / f"imported-{args.fmt}.jsonl"
+    if path.exists() and not args.overwrite:
+        raise ValueError(f"{path} exists (an earlier import of {args.fmt}); pass --overwrite to replace it")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_imported(records, path)
+    methods = Counter(r.method for r in records)
+    lacks = [f"{what}: {n} of {len(records)}" for what, n in (
+        ("no token ids (only a count)", sum(r.new_tokens is not None for r in records)),
+        ("no output signature", sum(r.signature is None for r in records)),
+        ("no per-round tau", sum(r.taus is None for r in records)),
+        ("no decode time", sum(r.decode_time is None for r in records))) if n]
+    print(f"imported {len(records)} {args.fmt} records ({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}) "
+          f"into {path}; what they do not hold: {'; '.join(lacks) or 'nothing'}")
+    return 0
+
+
+def _signature_check(records) -> str:
+    """Losslessness from imported records: outputs whose signature equals their AR's at T = 0, where
+    signatures exist; "not measurable" otherwise."""
+    signed = [r for r in records if r.signature is not None and r.temperature == 0.0]
+    if not signed:
+        return "losslessness: not measurable (the imported records hold no output ids or signatures)"
+    ar = {(r.harness, r.dataset, r.key): r.signature for r in signed if r.method == "ar"}
+    mine = [r for r in signed if r.method != "ar" and (r.harness, r.dataset, r.key) in ar]
+    same = sum(r.signature == ar[(r.harness, r.dataset, r.key)] for r in mine)
+    return (f"losslessness at T = 0, from the records' output signatures: {same} of {len(mine)} responses equal "
+            f"their AR's (records without a signature: not measurable)")
+
+
+def _published_report(args: argparse.Namespace) -> int:
+    from treespec.apps.published.records import read_imported
+    from treespec.apps.published.report import diff_pairwise, diff_table1, write_tables
+    from treespec.apps.published.tables import CONVENTIONS, TableRow, pairwise, table1
+
+    conv = CONVENTIONS[args.convention or "treespec"]  # its own bootstrap resamples
+    if _imported(args.dir):
+        records = [r for path in _imported(args.dir) for r in read_imported(path)]
+        pairs = pairwise(records, conv)
+    else:
+        from treespec.apps.published.own import harness_records
+
+        records = harness_records(bench.read_records(args.dir / bench.RECORDS))
+        methods = sorted({r.method for r in records}, key=lambda m: (m != "ar", m))
+        conv = attrs.evolve(conv, rows=tuple(TableRow(m, "treespec", m) for m in methods),
+                             datasets=tuple(sorted({r.dataset for r in records})), groups={}, against=())
+        pairs = None
+    cells = table1(records, conv)
+    files = write_tables(args.dir, cells, pairs, conv, args.model_label)
+    print((args.dir / "table1.md").read_text())
+    print(_signature_check(records))
+    print(f"wrote {', '.join(p.name for p in files)} in {args.dir}")
+    failed = 0
+    for label, expected, diff, found in (("Table 1", args.expect, diff_table1, cells),
+                                         ("pairwise", args.expect_pairwise, diff_pairwise, pairs)):
+        if expected is None:
+            continue
+        if found is None:
+            raise ValueError("--expect-pairwise needs imported records with the paper's rows")
+        total, differences = diff(found, expected)
+        print(f"{label}: {total - len({d.where for d in differences})} of {total} cells match {expected}")
+        for d in differences:
+            print(f"  {d.where}: {d.field} {d.mine} here, {d.published} published")
+        failed |= bool(differences)
+    return 1 if failed else 0
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from treespec.apps.published.reproduce import reproduce_dominotree
+
+    if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
+        raise ValueError(f"{args.out} holds files; pass --overwrite to replace them")
+    results = reproduce_dominotree(args.clone, args.out, resamples=args.resamples,
+                                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+    for r in results:
+        table_bad = len({d.where for d in r.table_differences})
+        pair_bad = len({d.where for d in r.pair_differences})
+        print(f"{r.model}: Table 1 {r.table_cells - table_bad} of {r.table_cells} cells match; pairwise "
+              f"{r.pair_cells - pair_bad} of {r.pair_cells} comparisons match (delta, interval and verdict)")
+        for d in (*r.table_differences, *r.pair_differences):
+            print(f"  {d.where}: {d.field} {d.mine} here, {d.published} published")
+        print(f"  {r.shift}")
+    print(f"wrote the tables under {args.out}")
+    return 0 if all(r.matched for r in results) else 1
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.action == "import":
+        return _import(args)
+    if args.action == "reproduce":
+        return _reproduce(args)
+    if args.action == "report" and (args.layout or args.convention or args.expect or args.expect_pairwise
+                                    or _imported(args.dir)):
+        return _published_report(args)
     if args.action == "report":
         return _report(args.dir, args.resamples)
     if args.action == "merge":
