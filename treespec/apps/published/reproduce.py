@@ -64,19 +64,38 @@ def dominotree_layout(clone: Path) -> list[dict]:
     return sizes
 
 
-def convention_shift(paper: list[Cell], ours: list[Cell]) -> str:
+def _flips(paper: list[Cell], ours: list[Cell], focus: str) -> tuple[int, int]:
+    """(cells where ``focus`` and another non-AR row swap order between the conventions, cells compared)."""
+    a = {(c.temperature, c.dataset, c.label): c.speedup for c in paper}
+    b = {(c.temperature, c.dataset, c.label): c.speedup for c in ours}
+    flips = total = 0
+    for (temp, dataset, label), speed in a.items():
+        mine, theirs = (temp, dataset, focus), (temp, dataset, label)
+        if label in (focus, "AR") or mine not in a or not all(k in b for k in (mine, theirs)):
+            continue
+        values = (a[mine], speed, b[mine], b[theirs])
+        if not all(math.isfinite(v) for v in values):
+            continue
+        total += 1
+        flips += (values[0] > values[1]) != (values[2] > values[3])
+    return flips, total
+
+
+def convention_shift(paper: list[Cell], ours: list[Cell], focus: str = "DominoTree (16)") -> str:
     """How the cells' speedups move from the paper's convention to treespec's, in one paragraph."""
     index = {(c.temperature, c.dataset, c.label): c for c in ours}
     moves = [(c, index[(c.temperature, c.dataset, c.label)]) for c in paper if (c.temperature, c.dataset, c.label) in index]
-    changes = [100 * (b.speedup / a.speedup - 1) for a, b in moves
-               if math.isfinite(a.speedup) and math.isfinite(b.speedup) and a.label != "AR"]
-    unmeasurable = sum(1 for a, b in moves if math.isfinite(a.speedup) and not math.isfinite(b.speedup))
-    printed = sum(1 for a, b in moves if f"{a.speedup:.2f}" != f"{b.speedup:.2f}")
+    measurable = [(a, b) for a, b in moves if math.isfinite(a.speedup) and math.isfinite(b.speedup)]
+    changes = [100 * (b.speedup / a.speedup - 1) for a, b in measurable if a.label != "AR"]
+    unmeasurable = len(moves) - len(measurable)
+    printed = sum(1 for a, b in measurable if f"{a.speedup:.2f}" != f"{b.speedup:.2f}")
     if not changes:
         return f"treespec's convention leaves no speedup measurable ({unmeasurable} cells lack token counts or times)."
+    flips, compared = _flips(paper, ours, focus)
     return (f"Under treespec's convention (speedup of totals, prompts paired with their AR, no warm-up drop) "
-            f"{printed} of {len(moves)} printed speedups change: median {statistics.median(changes):+.1f} %, "
-            f"from {min(changes):+.1f} % to {max(changes):+.1f} %"
+            f"{printed} of {len(measurable)} measurable printed speedups change: median "
+            f"{statistics.median(changes):+.1f} %, from {min(changes):+.1f} % to {max(changes):+.1f} %; "
+            f"{focus} and a baseline swap order in {flips} of {compared} cells"
             + (f"; {unmeasurable} cells are not measurable (their records keep no token counts or times)"
                if unmeasurable else "") + ".")
 
