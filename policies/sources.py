@@ -3,7 +3,7 @@
 Contract
 --------
 A `CandidateSource` answers one question for both backends: given the scorer states of n parent
-nodes at ``depth``, which children can they have?  ``expand`` returns `Children`: tokens and
+nodes at ``depth``, which children can they have?  ``expand`` returns `Expansion`: tokens and
 log-probs [n, k], each row sorted by log-prob descending (ties by token ascending), and the
 children's own states [n, k, S] (None for factorized sources).  ``k`` may differ between depths
 but not between the parents of one call.
@@ -14,10 +14,10 @@ but not between the parents of one call.
 * `ScorerSource` -- a `ConditionalScorer` (Domino's GRU correction): each parent's children depend
   on its own path state.
 
-A scorer that also offers ``expand_deferred(states, depth, top_m=, k=)`` and ``advance(pending)``
-(drafters/domino.py's `DominoScorer`) is driven through them: its children's states stay pending
-(cheap to make) and `ScorerSource` completes only the rows it is asked to expand, so the many
-children a tree never expands cost no state update.
+Scorers are driven through `ConditionalScorer`'s deferred-expansion protocol (``expand_deferred``
+and ``advance``, no-ops by default): a scorer that overrides them (drafters/domino.py's
+`DominoScorer`) leaves its children's states pending (cheap to make) and `ScorerSource` completes
+only the rows it is asked to expand, so the many children a tree never expands cost no state update.
 
 The networkx reference calls ``expand`` with n = 1 per popped node; the torch expander calls it
 with every frontier node of a depth at once.  Both backends agree bit for bit only if the scorer
@@ -33,17 +33,7 @@ import torch
 
 from treespec.interfaces import ConditionalScorer, Expansion
 
-__all__ = ["CandidateSource", "Children", "FactorizedSource", "ScorerSource", "check_children", "defers",
-           "scorer_children"]
-
-
-@attrs.frozen(eq=False)
-class Children:
-    """Candidate children of n parents (k per parent), rows sorted as in the module docstring."""
-
-    tokens: torch.Tensor  # [n, k] int64
-    logprobs: torch.Tensor  # [n, k] float32 log-prob of each child given its parent's path
-    states: torch.Tensor | None  # [n, k, S] each child's path state, None when factorized
+__all__ = ["CandidateSource", "FactorizedSource", "ScorerSource", "check_children", "scorer_children"]
 
 
 class CandidateSource(ABC):
@@ -54,8 +44,8 @@ class CandidateSource(ABC):
         """[S] the root's path state (None for factorized sources)."""
 
     @abstractmethod
-    def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Children:
-        """Children at ``depth + 1`` of n parents at ``depth`` whose states are ``states`` [n, S]."""
+    def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Expansion:
+        """Expansion at ``depth + 1`` of n parents at ``depth`` whose states are ``states`` [n, S]."""
 
 
 @attrs.frozen(eq=False)
@@ -73,14 +63,14 @@ class FactorizedSource(CandidateSource):
     def root_state(self) -> None:
         return None
 
-    def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Children:
+    def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Expansion:
         tokens, logprobs = self.tokens[depth], self.logprobs[depth]
-        return Children(tokens.expand(n, -1), logprobs.expand(n, -1), None)
+        return Expansion(tokens.expand(n, -1), logprobs.expand(n, -1), None)
 
 
 @attrs.frozen(eq=False)
 class ScorerSource(CandidateSource):
-    """Children from ``scorer.expand(states, depth, top_m, k)``, checked on the way out."""
+    """Expansion from ``scorer.expand(states, depth, top_m, k)``, checked on the way out."""
 
     scorer: ConditionalScorer  # the draft's path-dependent scorer
     top_m: int  # candidates per depth the correction is normalised over
@@ -93,24 +83,18 @@ class ScorerSource(CandidateSource):
             raise ValueError(f"scorer.root_state() must be a [S] tensor, got shape {tuple(state.shape)}")
         return state
 
-    def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Children:
+    def expand(self, states: torch.Tensor | None, n: int, depth: int) -> Expansion:
         out = scorer_children(self.scorer, states, depth, self.top_m, self.k)
         check_children(out.tokens, out.logprobs, out.states, (n,), depth, self.check_values)
-        return Children(out.tokens, out.logprobs, out.states)
-
-
-def defers(scorer: object) -> bool:
-    """Whether a scorer can leave child states pending (``expand_deferred`` and ``advance``)."""
-    return hasattr(scorer, "expand_deferred") and hasattr(scorer, "advance")
+        return out
 
 
 def scorer_children(scorer, states: torch.Tensor, depth: int, top_m: int, k: int) -> Expansion:
-    """``scorer``'s children of parents ``states``; a deferring scorer's states below the root are
-    pending children, completed first (only the rows being expanded pay for their GRU step)."""
-    if defers(scorer):
-        states = states if depth == 0 else scorer.advance(states)
-        return scorer.expand_deferred(states, depth, top_m=top_m, k=k)
-    return scorer.expand(states, depth, top_m=top_m, k=k)
+    """``scorer``'s children of parents ``states`` through the deferred-expansion protocol of
+    `ConditionalScorer`: states below the root are pending children, completed first (only the
+    rows being expanded pay for their completion; a scorer that defers nothing completes nothing)."""
+    states = states if depth == 0 else scorer.advance(states)
+    return scorer.expand_deferred(states, depth, top_m=top_m, k=k)
 
 
 def check_children(tokens, logprobs, states, lead: tuple[int, ...], depth: int, check_values: bool) -> None:

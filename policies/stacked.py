@@ -9,8 +9,8 @@ Contract
 * `ScorerStack` -- the S drafts' scorers as one stacked scorer: ``type(scorer).stack(scorers)``
   where the scorer class offers it (drafters/domino.py: one batched correction for all S), else
   `LoopedScorers`, which calls each scorer in turn.  A stacked scorer has the methods of a
-  `ConditionalScorer` (and, optionally, ``expand_deferred`` / ``advance``) with a leading [S]
-  dimension on every tensor.
+  `ConditionalScorer` (its deferred pair ``expand_deferred`` / ``advance`` included) with a
+  leading [S] dimension on every tensor.
 
 `stacked_selection(roots, stack, budgets, depth)` grows S trees level by level with the
 frontier of policies/frontier.py in its static form -- every level of every sequence holds
@@ -32,12 +32,12 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, defers, scorer_children
+from policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, scorer_children
 from treespec.interfaces import ConditionalScorer, Expansion
 from treespec.topk import order_key
 from treespec.tree import DraftTree
 
-__all__ = ["FactorizedStack", "LoopedDeferredScorers", "LoopedScorers", "ScorerStack", "SourceStack", "assemble",
+__all__ = ["FactorizedStack", "LoopedScorers", "ScorerStack", "SourceStack", "assemble",
            "stack_sources", "stacked_selection"]
 
 
@@ -93,20 +93,12 @@ class LoopedScorers:
     def expand(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
         return _stacked([s.expand(row, depth, top_m=top_m, k=k) for s, row in zip(self.scorers, states, strict=True)])
 
-
-class LoopedDeferredScorers(LoopedScorers):
-    """`LoopedScorers` over scorers that leave child states pending (``expand_deferred`` / ``advance``)."""
-
     def expand_deferred(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
         return _stacked([s.expand_deferred(row, depth, top_m=top_m, k=k)
                          for s, row in zip(self.scorers, states, strict=True)])
 
     def advance(self, pending: torch.Tensor) -> torch.Tensor:
         return torch.stack([s.advance(row) for s, row in zip(self.scorers, pending, strict=True)])
-
-
-def _looped(scorers: Sequence[ConditionalScorer]) -> LoopedScorers:
-    return (LoopedDeferredScorers if all(defers(s) for s in scorers) else LoopedScorers)(scorers)
 
 
 def stack_sources(sources: Sequence[CandidateSource]) -> SourceStack | None:
@@ -124,7 +116,7 @@ def stack_sources(sources: Sequence[CandidateSource]) -> SourceStack | None:
         return None
     scorers = [s.scorer for s in sources]
     stacked = type(scorers[0]).stack(scorers) if all(type(s) is type(scorers[0]) for s in scorers) else None
-    return ScorerStack(stacked if stacked is not None else _looped(scorers), first.top_m, first.k, first.check_values)
+    return ScorerStack(stacked if stacked is not None else LoopedScorers(scorers), first.top_m, first.k, first.check_values)
 
 
 # ---------------------------------------------------------------------------- the stacked frontier

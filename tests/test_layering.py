@@ -68,6 +68,21 @@ def test_the_package_face_imports_the_kernel_and_the_api_only():
     assert [n for n in names if n.startswith("treespec.apps")] == ["treespec.apps.api.generate"]
 
 
+def test_importing_treespec_or_a_policy_loads_no_app():
+    """The face is lazy (PEP 562): ``import treespec`` and a policy's imports load the kernel only,
+    and ``treespec.generate`` still resolves to the api's function when asked for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, treespec, policies.ddtree, verifiers.match\n"
+            "print(sorted(m for m in sys.modules if m.startswith('treespec.apps')))\n"
+            "from treespec.apps.api import generate\n"
+            "print(treespec.generate is generate)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT.parent).stdout.split("\n")
+    assert out[:2] == ["[]", "True"]
+
+
 def test_the_scanner_finds_planted_imports():
     planted = '''
 import importlib

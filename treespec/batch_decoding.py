@@ -36,9 +36,9 @@ from treespec.batch_target import BatchTarget
 from treespec.decoding import (
     DRAFT_BACKOFF,
     DraftGate,
-    _generator_for,
-    _Sequence,
-    _Stopwatch,
+    generator_for,
+    SequenceState,
+    Stopwatch,
     check_backend,
     check_first_token,
     check_request,
@@ -61,7 +61,7 @@ __all__ = ["BatchDecoder"]
 class _Row:
     """One sequence of the batch: its state, drafter fork, gate, sampling and measurements."""
 
-    seq: _Sequence
+    seq: SequenceState
     drafter: Drafter | None
     gate: DraftGate
     sampling: SamplingParams
@@ -102,7 +102,7 @@ class BatchDecoder:
         rows = self._start(prompts, max_new_tokens, sampling,
                            frozenset(stop_token_ids or ()), generators, backend)
         batch = BatchTarget(self.target)
-        clock = _Stopwatch(self.target.device)
+        clock = Stopwatch(self.target.device)
         features = clock.run("prefill", batch.prefill, [r.seq.tokens[:r.seq.length] for r in rows], self.taps)
         for row, feats in zip(rows, features, strict=True):
             row.seq.features = feats
@@ -156,16 +156,16 @@ class BatchDecoder:
         if prompt.numel() == 0:
             raise ValueError(f"prompt {index} is empty")
         check_request(self.target, prompt, max_new_tokens, where=f"prompt {index}: ")
-        generator = _generator_for(sampling, generator)
+        generator = generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # the key a single-sequence run draws first
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
         fork = None if self.drafter is None else self.drafter.fork()
-        seq = _Sequence.start(prompt, max_new_tokens, stops)
+        seq = SequenceState.start(prompt, max_new_tokens, stops)
         return _Row(seq, fork, DraftGate(self.draft_backoff), sampling, generator)
 
     # ------------------------------------------------------------------ one round
     def _round(self, batch: BatchTarget, rows: list[_Row], backend: str) -> None:
-        clock = _Stopwatch(self.target.device)
+        clock = Stopwatch(self.target.device)
         drafting = [r for r in rows if r.drafter is not None and r.gate.drafts_now()]
         clock.run("draft", self._draft, rows, drafting)
         clock.run("build", self._build, rows, backend)

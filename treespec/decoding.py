@@ -82,7 +82,7 @@ DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no
 
 
 @attrs.define
-class _Sequence:
+class SequenceState:
     """The mutable state of one generation."""
 
     tokens: torch.Tensor  # [P + max_new] int64 buffer; the committed tokens are tokens[:length]
@@ -94,7 +94,7 @@ class _Sequence:
     done: bool = False
 
     @classmethod
-    def start(cls, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int]) -> _Sequence:
+    def start(cls, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int]) -> SequenceState:
         """A sequence holding ``prompt`` [P] with room for ``max_new_tokens`` more."""
         buffer = torch.empty(prompt.numel() + max_new_tokens, dtype=torch.int64, device=prompt.device)
         buffer[:prompt.numel()] = prompt
@@ -156,7 +156,7 @@ class DraftGate:
         self.skip = self.wait = 0
 
 
-class _Stopwatch:
+class Stopwatch:
     """Wall-clock stage timer; synchronises CUDA so that queued kernels count in their stage."""
 
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -225,17 +225,17 @@ class SpeculativeDecoder:
         prompt = check_single_batch(input_ids).to(self.target.device)
         check_backend(backend)
         check_request(self.target, prompt, max_new_tokens)
-        generator = _generator_for(sampling, generator)
+        generator = generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
         check_first_token(first_token)
         stats = GenerationStats()
         seq = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), stats)
         if first_token == "prefill":
-            clock = _Stopwatch(self.target.device, self.clock)
+            clock = Stopwatch(self.target.device, self.clock)
             clock.run("prefill", self._first_from_prefill, seq, sampling, generator)
             stats.prefill_time += clock.times["prefill"]  # the published loops time it with the prefill
-        clock = _Stopwatch(self.target.device, self.clock)
+        clock = Stopwatch(self.target.device, self.clock)
         start = clock.now()
         while not seq.done:
             stats.rounds.append(self._round(seq, sampling, generator, backend))
@@ -245,17 +245,17 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int],
-               stats: GenerationStats) -> _Sequence:
+               stats: GenerationStats) -> SequenceState:
         if self.drafter is not None:
             self.drafter.reset()
-        clock = _Stopwatch(self.target.device, self.clock)
+        clock = Stopwatch(self.target.device, self.clock)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
         stats.prefill_time = clock.times["prefill"]
-        seq = _Sequence.start(prompt, max_new_tokens, stops)
+        seq = SequenceState.start(prompt, max_new_tokens, stops)
         seq.features = prefill.features
         return seq
 
-    def _first_from_prefill(self, seq: _Sequence, sampling: SamplingParams,
+    def _first_from_prefill(self, seq: SequenceState, sampling: SamplingParams,
                             generator: torch.Generator | None) -> None:
         """Run the anchor too (timed with the prefill by the caller) and commit the target's token after it."""
         out = self.target.forward_tree(DraftTree.root_only(seq.anchor, device=self.target.device), self.taps)
@@ -263,9 +263,9 @@ class SpeculativeDecoder:
         commit_first_token(seq, out.logits, out.features, sampling, generator)
 
     # ------------------------------------------------------------------ one round
-    def _round(self, seq: _Sequence, sampling: SamplingParams, generator: torch.Generator | None,
+    def _round(self, seq: SequenceState, sampling: SamplingParams, generator: torch.Generator | None,
                backend: str) -> RoundStats:
-        clock = _Stopwatch(self.target.device, self.clock)  # "verify": the tree forward + the verifier's walk
+        clock = Stopwatch(self.target.device, self.clock)  # "verify": the tree forward + the verifier's walk
         explore = self.live is not None and self.live.begin_round()
         ar_step = self.live is not None and self.live.wants_ar_step  # the live model measures an AR step
         drafted = not self.autoregressive and not ar_step and (explore or self.gate.drafts_now())
@@ -288,12 +288,12 @@ class SpeculativeDecoder:
         """The curve the policy's cost model prices this round with (None without a cost model)."""
         return self.live.priced() if self.live is not None else getattr(self.policy, "cost_model", None)
 
-    def _draft(self, seq: _Sequence) -> DraftOutput | None:
+    def _draft(self, seq: SequenceState) -> DraftOutput | None:
         if self.autoregressive:
             return None
         return checked_draft(self.drafter.draft(seq.context()), self.target)
 
-    def _build(self, draft: DraftOutput | None, seq: _Sequence, backend: str, explore: bool,
+    def _build(self, draft: DraftOutput | None, seq: SequenceState, backend: str, explore: bool,
                sampling: SamplingParams, generator: torch.Generator | None) -> tuple[DraftTree, Proposals | None]:
         if draft is None:
             return DraftTree.root_only(seq.anchor, device=self.target.device), None
@@ -303,14 +303,14 @@ class SpeculativeDecoder:
         fitted = fitted_tree(tree, seq, self.target)
         return fitted, cut_proposals(proposals, tree, fitted)
 
-    def _verify(self, tree: DraftTree, draft: DraftOutput | None, proposals: Proposals | None, seq: _Sequence,
+    def _verify(self, tree: DraftTree, draft: DraftOutput | None, proposals: Proposals | None, seq: SequenceState,
                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[VerifyResult, TargetOutput]:
         out = self.target.forward_tree(tree, self.taps)
         result = self.verifier.verify(tree, out.logits, sampling=sampling, generator=generator,
                                       position=seq.anchor_position + 1, draft=draft, proposals=proposals)
         return result, out
 
-    def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: _Sequence,
+    def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: SequenceState,
                 drafted: bool) -> None:
         self.target.commit(result.accepted.to(tree.device))
         path_tokens = commit_round(seq, tree, result, verified.features, drafted, self.autoregressive)
@@ -378,7 +378,7 @@ def checked_draft(draft: DraftOutput, target: TargetModel) -> DraftOutput:
     return draft
 
 
-def fitted_tree(tree: DraftTree, seq: _Sequence, target: TargetModel) -> DraftTree:
+def fitted_tree(tree: DraftTree, seq: SequenceState, target: TargetModel) -> DraftTree:
     """The policy's tree, checked against the anchor and cut to the depth the sequence can still use."""
     if tree.root_token != seq.anchor:
         raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {seq.anchor}")
@@ -386,7 +386,7 @@ def fitted_tree(tree: DraftTree, seq: _Sequence, target: TargetModel) -> DraftTr
     return limit_depth(tree, min(seq.remaining - 1, room))
 
 
-def commit_round(seq: _Sequence, tree: DraftTree, result: VerifyResult, features: torch.Tensor | None,
+def commit_round(seq: SequenceState, tree: DraftTree, result: VerifyResult, features: torch.Tensor | None,
                  drafted: bool, autoregressive: bool) -> torch.Tensor:
     """The sequence's side of a commit: the taps the drafter sees next, the new tokens; returns the
     accepted path's tokens (root first) for ``Drafter.observe``."""
@@ -408,7 +408,7 @@ def check_first_token(first_token: str) -> None:
         raise ValueError(f"first_token must be 'round' or 'prefill', got {first_token!r}")
 
 
-def commit_first_token(seq: _Sequence, logits: torch.Tensor, features: torch.Tensor | None,
+def commit_first_token(seq: SequenceState, logits: torch.Tensor, features: torch.Tensor | None,
                        sampling: SamplingParams, generator: torch.Generator | None) -> None:
     """``first_token="prefill"``: append the target's token after the anchor, from the root-only
     tree's ``logits`` [1, V] (argmax, or a draw at T > 0), and the anchor's ``features``."""
@@ -418,7 +418,7 @@ def commit_first_token(seq: _Sequence, logits: torch.Tensor, features: torch.Ten
     seq.append([int(chosen[0])])
 
 
-def _generator_for(sampling: SamplingParams, generator: torch.Generator | None) -> torch.Generator | None:
+def generator_for(sampling: SamplingParams, generator: torch.Generator | None) -> torch.Generator | None:
     """The caller's generator, or a fresh non-deterministically seeded one when sampling without one."""
     if generator is not None or sampling.greedy:
         return generator

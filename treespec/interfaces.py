@@ -86,11 +86,12 @@ class DraftContext:
 
 @attrs.frozen(eq=False)
 class Expansion:
-    """Children proposed by a `ConditionalScorer` for a batch of n parent nodes (k per parent)."""
+    """Children of a batch of n parent nodes (k per parent): what a `ConditionalScorer` proposes, and
+    what every candidate source of the tree builders hands on (policies/sources.py)."""
 
     tokens: torch.Tensor  # [n, k] int64, per row sorted by logprob descending, ties token ascending
     logprobs: torch.Tensor  # [n, k] float32 log-probs of each child given its parent's path
-    states: torch.Tensor  # [n, k, S] scorer state of each child's own root-to-child path
+    states: torch.Tensor | None  # [n, k, S] scorer state of each child's own root-to-child path (None: factorized)
 
 
 class ConditionalScorer(ABC):
@@ -108,6 +109,18 @@ class ConditionalScorer(ABC):
         the correction is normalised over those candidates and the best ``k`` are returned.
         Depths below the scorer's pure-draft prefix use the base log-probs unchanged.
         """
+
+    def expand_deferred(self, states: torch.Tensor, depth: int, *, top_m: int, k: int) -> Expansion:
+        """Optional: the children `expand` gives, with their states left pending (a scorer whose child
+        state costs a step of work, such as Domino's GRU, can skip it for children never expanded);
+        the tree builders call `advance` on a row of pending states before expanding it, and only
+        then.  The default defers nothing: `expand`'s children, their states complete."""
+        return self.expand(states, depth, top_m=top_m, k=k)
+
+    def advance(self, pending: torch.Tensor) -> torch.Tensor:
+        """Optional: [n, S] the complete states of pending children ``pending`` [n, ...] (see
+        `expand_deferred`); the default: they are complete already."""
+        return pending
 
     def round_inputs(self) -> dict[str, torch.Tensor] | None:
         """Optional: the tensors this round's scorer is made of (everything else, such as weights,
