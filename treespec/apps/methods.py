@@ -32,7 +32,8 @@ from treespec import registry
 from treespec.cost import CostModel
 from treespec.interfaces import TreePolicy
 
-__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "method_family", "parse_method", "policy_class", "with_budget"]
+__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "method_family", "parse_method", "policy_class", "prices_trees",
+           "with_budget"]
 
 # The comparison of the README's demo: the published systems on the embedded default.
 DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
@@ -51,6 +52,11 @@ class Method:
     @property
     def autoregressive(self) -> bool:
         return self.policy is None
+
+    @property
+    def priced(self) -> bool:
+        """Whether the method's policy prices its trees (declares ``uses_cost_model``)."""
+        return self.policy is not None and prices_trees(self.policy)
 
 
 def with_budget(method: Method, budget: int) -> Method:
@@ -142,6 +148,12 @@ def parse_method(text: str) -> Method:
     return Method(text, policy, kind, int(budget) if budget else None, _options(policy, option_parts, text))
 
 
+def prices_trees(policy: str) -> bool:
+    """Whether the registered policy ``policy`` declares ``uses_cost_model`` (needs a cost model):
+    the one place the apps ask."""
+    return bool(getattr(policy_class(policy), "uses_cost_model", False))
+
+
 def policy_class(name: str) -> type[TreePolicy]:
     """The registered policy class (or factory) of ``name``."""
     return registry.resolve("policy", name)
@@ -155,7 +167,7 @@ def build_policy(method: Method, cost_model: CostModel | None = None, calibratio
     kwargs = dict(method.options)
     if method.budget is not None:
         kwargs["budget"] = method.budget
-    if getattr(policy_class(method.policy), "uses_cost_model", False) and "cost_model" not in kwargs:
+    if method.priced and "cost_model" not in kwargs:
         kwargs["cost_model"] = cost_model
         if calibration != 1.0:
             kwargs.setdefault("calibration", calibration)

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from treespec.apps.datasets import encode_chat
-from treespec.apps.methods import Method, build_policy, policy_class
+from treespec.apps.methods import Method, build_policy
 from treespec.apps.pricing import CostSource, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
@@ -104,7 +104,7 @@ class Harness:
         if method.drafter not in self.drafters:
             raise ValueError(f"method {method.name!r} needs a {method.drafter} drafter, and none was loaded")
         drafter = self.drafters[method.drafter]
-        if not getattr(policy_class(method.policy), "uses_cost_model", False):
+        if not method.priced:
             return drafter, build_policy(method)
         return drafter, build_policy(method, *self.pricing(method.drafter))
 

@@ -25,15 +25,12 @@ from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_to
 from treespec.apps.bench.records import BenchRecord, cost_schedule
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import Method, policy_class
+from treespec.apps.methods import Method
 from treespec.decoding import SpeculativeDecoder
 from treespec.target import ContextOverflowError
 
 __all__ = ["Runner", "Turn"]
 
-
-def _prices(method: Method) -> bool:
-    return bool(getattr(policy_class(method.policy), "uses_cost_model", False))
 
 
 @attrs.frozen
@@ -83,7 +80,7 @@ class Runner:
     def _record(self, method: Method, turn: Turn) -> BenchRecord:
         out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
         s = out.stats
-        models, rounds = cost_schedule(s.rounds) if method.policy and _prices(method) else ([], [])
+        models, rounds = cost_schedule(s.rounds) if method.priced else ([], [])
         return BenchRecord(
             method=method.name, policy=method.policy or AR, budget=method.budget or 0,
             temperature=turn.temperature, dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn,

@@ -155,11 +155,11 @@ def _from_model(args: argparse.Namespace):
 
 def _pricing(args: argparse.Namespace, target, drafter) -> tuple:
     """(cost model, calibration) when the policy prices trees: as --cost-model says (`treespec.apps.pricing`)."""
-    from treespec.apps.methods import parse_method, policy_class
+    from treespec.apps.methods import parse_method
     from treespec.apps.pricing import CostSource
     from treespec.profile import machine_profile
 
-    if not getattr(policy_class(parse_method(args.method).policy), "uses_cost_model", False):
+    if not parse_method(args.method).priced:
         return None, 1.0
     return CostSource.parse(args.cost_model).price(
         lambda: machine_profile(target, [drafter], progress=True).pricing(drafter))
