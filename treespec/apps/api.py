@@ -151,12 +151,9 @@ def _input_ids(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any) -> to
 def _stop_ids(stop_token_ids: Iterable[int] | int | None, tokenizer: Any, target: TargetModel) -> list[int]:
     if stop_token_ids is not None:
         return [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(target.config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    from treespec.apps.models import eos_ids
+
+    return eos_ids(tokenizer, target.config)
 
 
 def _temperature(do_sample: bool, temperature: float) -> float:

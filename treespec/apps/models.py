@@ -14,7 +14,16 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["load_frozen_model", "model_identity"]
+__all__ = ["eos_ids", "load_frozen_model", "model_identity"]
+
+
+def eos_ids(tokenizer, config=None) -> list[int]:
+    """The end-of-sequence ids a generation stops at: the tokenizer's, else the model config's (one
+    id or several), else none."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def model_identity(name: str, model_dir: str | Path) -> dict[str, str]:

@@ -47,8 +47,9 @@ class Chat:
 
     @property
     def stop_ids(self) -> list[int]:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        from treespec.apps.models import eos_ids
+
+        return eos_ids(self.tokenizer)
 
 
 @attrs.define
