@@ -226,3 +226,19 @@ def test_pipeline_commands_name_a_device_this_machine_lacks(tmp_path, capsys, de
         main(["train-drafter", "--data", str(tmp_path / "data"), "--target", str(tmp_path / "target"),
               "--out", str(tmp_path / "run"), "--mask-token-id", "0", *common])
     assert not (tmp_path / "d2").exists() and not (tmp_path / "c").exists()
+
+
+def test_generate_takes_sampling_as_one_typed_value():
+    """``sampling=SamplingParams(...)`` equals the Hugging Face style flags it replaces (same seed, same
+    tokens), and giving both is refused, naming both."""
+    from treespec import SamplingParams
+
+    target = tiny_target()
+    flags = treespec.generate(target, [1, 2, 3], max_new_tokens=8, do_sample=True, temperature=0.7, top_k=5, seed=3)
+    typed = treespec.generate(target, [1, 2, 3], max_new_tokens=8, seed=3,
+                              sampling=SamplingParams(temperature=0.7, top_k=5))
+    assert typed.tokens.tolist() == flags.tokens.tolist()
+    greedy = treespec.generate(target, [1, 2, 3], max_new_tokens=8, sampling=SamplingParams())
+    assert greedy.tokens.tolist() == treespec.generate(target, [1, 2, 3], max_new_tokens=8).tokens.tolist()
+    with pytest.raises(ValueError, match="give either sampling=SamplingParams"):
+        treespec.generate(target, [1, 2, 3], max_new_tokens=2, sampling=SamplingParams(), temperature=0.5)

@@ -47,7 +47,7 @@ from treespec.apps.pricing import CostSource, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
-from treespec.interfaces import Drafter, TreePolicy, Verifier
+from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.stats import GenerationStats
 from treespec.target import TargetModel
 
@@ -156,12 +156,17 @@ def _stop_ids(stop_token_ids: Iterable[int] | int | None, tokenizer: Any, target
     return eos_ids(tokenizer, target.config)
 
 
-def _temperature(do_sample: bool, temperature: float) -> float:
-    if not do_sample:
-        return 0.0
-    if temperature <= 0.0:
+def _sampling(sampling: SamplingParams | None, do_sample: bool, temperature: float, top_k: int, top_p: float,
+              position_keyed: bool) -> SamplingParams:
+    """The one typed sampling value: ``sampling`` as given, or built from the Hugging Face style flags."""
+    if sampling is not None:
+        if (do_sample, temperature, top_k, top_p, position_keyed) != (False, 1.0, 0, 1.0, True):
+            raise ValueError("give either sampling=SamplingParams(...) or do_sample/temperature/top_k/top_p/"
+                             "position_keyed, not both")
+        return sampling
+    if do_sample and temperature <= 0.0:
         raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
-    return temperature
+    return SamplingParams(temperature if do_sample else 0.0, top_k, top_p, position_keyed)
 
 
 def _is_batch(prompt: Any) -> bool:
@@ -178,8 +183,14 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
              seed: int | None = None, tokenizer: Any = None, dtype: torch.dtype | str = "auto",
              device: str | torch.device = "cpu", backend: str = "torch", position_keyed: bool = True,
              drafter_kwargs: dict[str, Any] | None = None, policy_kwargs: dict[str, Any] | None = None,
-             cost_model: str | CostModel | CostSource = "live") -> GenerateOutput | list[GenerateOutput]:
-    """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring)."""
+             cost_model: str | CostModel | CostSource = "live",
+             sampling: SamplingParams | None = None) -> GenerateOutput | list[GenerateOutput]:
+    """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring).
+
+    ``sampling`` (a `SamplingParams`) gives temperature, top-k, top-p and position keying as one typed
+    value, in place of the Hugging Face style ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p``
+    (which must then be left at their defaults)."""
+    sampling = _sampling(sampling, do_sample, temperature, top_k, top_p, position_keyed)
     batch = _is_batch(prompt)
     prompts = list(prompt) if batch else [prompt]
     target = load_target(model, dtype=dtype, device=device)
@@ -192,8 +203,9 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
                             if draft_model is not None else (None, lambda: None))
     checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
     stops = _stop_ids(stop_token_ids if stop_token_ids is not None else eos_token_id, tokenizer, target)
-    options = {"max_new_tokens": max_new_tokens, "temperature": _temperature(do_sample, temperature), "top_k": top_k,
-               "top_p": top_p, "stop_token_ids": stops, "backend": backend, "position_keyed": position_keyed}
+    options = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
+               "top_p": sampling.top_p, "stop_token_ids": stops, "backend": backend,
+               "position_keyed": sampling.position_keyed}
     ids = [_input_ids(p, tokenizer) for p in prompts]
     if batch:
         generators = [torch.Generator().manual_seed(seed) if seed is not None else None for _ in ids]

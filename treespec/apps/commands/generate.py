@@ -11,6 +11,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.commands import DTYPES
+from treespec.interfaces import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # typed once
         out = generate(target, _prompt_ids(tokenizer, args.prompt, args.chat), tokenizer=tokenizer,
                        drafter=args.drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
-                       max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                       temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                       max_new_tokens=args.max_new_tokens, sampling=sampling,
                        stop_token_ids=args.stop_token_id, seed=args.seed, backend=args.backend)
     except (OSError, ValueError, TypeError, LookupError) as exc:
         print(f"treespec generate: {exc}", file=sys.stderr)
