@@ -336,18 +336,26 @@ def test_the_base_share_decays_to_its_floor(target, tmp_path):
     assert make(target, tmp_path, kind="domino", steps=10).base_share(10) == 0.0
 
 
-@pytest.mark.parametrize("kind", ["dflash", "domino"])
-def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
-    """``--init``: the saved weights and d2t are the start, the optimiser is fresh, a mismatch is refused."""
-    from drafters.training import draft_vocabulary, response_token_counts, warm_start
+def _trained_start(target, out_dir, kind: str, steps: int):
+    """(data, draft vocabulary, one-layer config, its trainer after ``steps`` steps): a saved start."""
+    from drafters.training import draft_vocabulary, response_token_counts
 
     data = sequences(3, target=target)
     vocab = draft_vocabulary(response_token_counts(data, 64), 24)
-    cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=8, steps=20, warmup_steps=2,
+    cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=8, steps=steps, warmup_steps=2,
                       gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=10, lr=3e-3,
                       soft_label_share=0.0)
-    first = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / "a")
+    first = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=out_dir)
     first.train(data, progress=False)
+    return data, vocab, cfg, first
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
+    """``--init``: the saved weights and d2t are the start, the optimiser is fresh, a mismatch is refused."""
+    from drafters.training import warm_start
+
+    data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=20)
     start = warm_start(target, cfg, 1, tmp_path / "a" / "drafter")
     assert torch.equal(start.draft_token_ids, vocab)
     for p, q in zip(first.drafter.model.parameters(), start.model.parameters(), strict=True):
@@ -378,15 +386,9 @@ def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(targ
     """``--init`` of a one-layer drafter into a two-layer run: the saved layer first, unchanged; the added
     one the target's next-to-top layer with its output projections zeroed, so the start's loss is the
     saved drafter's; training then opens it; fewer layers than saved are refused."""
-    from drafters.training import draft_vocabulary, response_token_counts, warm_start
+    from drafters.training import warm_start
 
-    data = sequences(3, target=target)
-    vocab = draft_vocabulary(response_token_counts(data, 64), 24)
-    cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=8, steps=10, warmup_steps=2,
-                      gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=10, lr=3e-3,
-                      soft_label_share=0.0)
-    first = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / "a")
-    first.train(data, progress=False)
+    data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=10)
     two = attrs_evolve(cfg, num_layers=2)
     grown = warm_start(target, two, 1, tmp_path / "a" / "drafter")
     assert len(grown.model.layers) == 2 and torch.equal(grown.draft_token_ids, vocab)

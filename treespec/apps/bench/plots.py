@@ -16,7 +16,7 @@ from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import POOLED, CellSummary
 from treespec.apps.methods import method_family
 
-__all__ = ["interval_axes", "plot_budget_curves", "plot_tau_histograms", "save_figure"]
+__all__ = ["budget_axis", "interval_axes", "plot_budget_curves", "plot_tau_histograms", "save_figure"]
 
 
 def _pyplot():
@@ -35,6 +35,14 @@ def save_figure(fig, path: Path) -> Path:
         fig.savefig(path, metadata={"Date": None} if path.suffix == ".svg" else None)
     plt.close(fig)
     return path
+
+
+def budget_axis(ax, budgets: Sequence[int], label: str = "budget B (non-root nodes)") -> None:
+    """A log2 x axis ticked at the budgets themselves (a single budget keeps a linear axis)."""
+    if len(budgets) > 1:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel(label)
 
 
 def interval_axes(ax, label: str, values: Sequence[float], min_span: float = 0.1) -> None:
@@ -95,12 +103,8 @@ def plot_budget_curves(summaries: Sequence[CellSummary], path: str | Path) -> Pa
     ax_s.axhline(1.0, color="black", linestyle="dashed", linewidth=0.8)
     interval_axes(ax_s, "speedup over AR [95% CI]", [v for s in cells for v in (s.speedup_lo, s.speedup_hi)] + [1.0])
     interval_axes(ax_t, "tau [95% CI]", [v for s in cells for v in (s.tau_lo, s.tau_hi)])
-    budgets = sorted({s.budget for s in cells})
     for ax in (ax_s, ax_t):
-        if len(budgets) > 1:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget B")
+        budget_axis(ax, sorted({s.budget for s in cells}))
     if curves:
         ax_t.legend(fontsize=7)
     fig.tight_layout()

@@ -106,12 +106,9 @@ def _need(rows: list[dict], columns: Sequence[str], path) -> None:
                          f"(expected columns {', '.join(columns)})")
 
 
-def diff_table1(cells: Sequence[Cell], published: str | Path) -> tuple[int, list[Difference]]:
-    """(cells compared, differences) of ``cells`` against a published ``table1_cells.csv``."""
-    rows = _read_csv(published)
-    _need(rows, ("temp", "dataset", "method", "speedup", "tau"), published)
-    theirs = {(round(float(r["temp"]), 3), r["dataset"], r["method"]): r for r in rows}
-    mine = {(round(c.temperature, 3), c.dataset, c.label): c for c in cells}
+def _diff(mine: dict, theirs: dict, checks) -> tuple[int, list[Difference]]:
+    """(keys compared, differences): a key on one side only, or each (field, mine, published) of
+    ``checks(mine_value, their_row)`` whose two texts differ."""
     out = []
     for key in sorted(set(theirs) | set(mine), key=str):
         where = f"T={key[0]:g} {key[1]} {key[2]}"
@@ -119,15 +116,27 @@ def diff_table1(cells: Sequence[Cell], published: str | Path) -> tuple[int, list
             out.append(Difference(where, "cell", "present" if key in mine else "absent",
                                   "present" if key in theirs else "absent"))
             continue
-        for field in ("speedup", "tau"):
-            a, b = _fmt(getattr(mine[key], field)), _fmt(float(theirs[key][field]))
-            if a != b:
-                out.append(Difference(where, field, a, b))
+        out += [Difference(where, field, a, b) for field, a, b in checks(mine[key], theirs[key]) if a != b]
     return len(set(theirs) | set(mine)), out
+
+
+def diff_table1(cells: Sequence[Cell], published: str | Path) -> tuple[int, list[Difference]]:
+    """(cells compared, differences) of ``cells`` against a published ``table1_cells.csv``."""
+    rows = _read_csv(published)
+    _need(rows, ("temp", "dataset", "method", "speedup", "tau"), published)
+    theirs = {(round(float(r["temp"]), 3), r["dataset"], r["method"]): r for r in rows}
+    mine = {(round(c.temperature, 3), c.dataset, c.label): c for c in cells}
+    return _diff(mine, theirs, lambda c, r: [(f, _fmt(getattr(c, f)), _fmt(float(r[f]))) for f in ("speedup", "tau")])
 
 
 def _verdict(lo: float, hi: float) -> str:
     return "faster" if lo > 0 else "slower" if hi < 0 else "tie"
+
+
+def _pair_checks(p: Pair, r: dict) -> list[tuple[str, str, str]]:
+    lo, hi = float(r["ci_low"]), float(r["ci_high"])
+    return [("n", str(p.n), str(int(float(r["n"])))), ("delta_pct", _fmt(p.delta_pct), _fmt(float(r["delta_pct"]))),
+            ("ci_low", _fmt(p.lo), _fmt(lo)), ("ci_high", _fmt(p.hi), _fmt(hi)), ("verdict", p.verdict, _verdict(lo, hi))]
 
 
 def diff_pairwise(pairs: Sequence[Pair], published: str | Path) -> tuple[int, list[Difference]]:
@@ -136,17 +145,4 @@ def diff_pairwise(pairs: Sequence[Pair], published: str | Path) -> tuple[int, li
     _need(rows, ("temp", "dataset_or_rollup", "comparison", "n", "delta_pct", "ci_low", "ci_high"), published)
     theirs = {(round(float(r["temp"]), 3), r["dataset_or_rollup"], r["comparison"]): r for r in rows}
     mine = {(round(p.temperature, 3), p.group, f"{p.a} vs {p.b}"): p for p in pairs}
-    out = []
-    for key in sorted(set(theirs) | set(mine), key=str):
-        where = f"T={key[0]:g} {key[1]} {key[2]}"
-        if key not in mine or key not in theirs:
-            out.append(Difference(where, "cell", "present" if key in mine else "absent",
-                                  "present" if key in theirs else "absent"))
-            continue
-        p, r = mine[key], theirs[key]
-        lo, hi = float(r["ci_low"]), float(r["ci_high"])
-        checks = [("n", str(p.n), str(int(float(r["n"])))), ("delta_pct", _fmt(p.delta_pct), _fmt(float(r["delta_pct"]))),
-                  ("ci_low", _fmt(p.lo), _fmt(lo)), ("ci_high", _fmt(p.hi), _fmt(hi)),
-                  ("verdict", p.verdict, _verdict(lo, hi))]
-        out += [Difference(where, field, a, b) for field, a, b in checks if a != b]
-    return len(set(theirs) | set(mine)), out
+    return _diff(mine, theirs, _pair_checks)

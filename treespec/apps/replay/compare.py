@@ -164,7 +164,7 @@ def _curve_key(row: ComparisonRow) -> str:
 def plot_sweep(rows: Sequence[ComparisonRow], path: str | Path) -> Path:
     """tau against budget with 95 % intervals, one line per policy and options (chains dashed,
     level), and, with a baseline, tau - baseline with its paired intervals around a zero line."""
-    from treespec.apps.bench.plots import interval_axes, save_figure
+    from treespec.apps.bench.plots import budget_axis, interval_axes, save_figure
 
     import matplotlib.pyplot as plt
 
@@ -189,10 +189,7 @@ def plot_sweep(rows: Sequence[ComparisonRow], path: str | Path) -> Path:
         interval_axes(ax_diff, f"τ − {', '.join(base)} (same B) [paired 95% CI]",
                       [v for r in rows if r.baseline for v in (r.diff_lo, r.diff_hi)] + [0.0])
     for ax in axes[0]:
-        if len(budgets) > 1:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget B (non-root nodes)")
+        budget_axis(ax, budgets)
     if curves:
         ax_tau.legend(fontsize=7)
     fig.tight_layout()
