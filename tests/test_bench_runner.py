@@ -377,3 +377,33 @@ def test_options_in_method_names_set_the_policys_own_fields_and_bad_ones_are_nam
                           ("ddtree@16+stop=1", "ddtree has no option 'stop'; its options: none")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_method(text)
+
+
+def test_a_verifier_in_the_method_name_checks_that_methods_trees(tmp_path):
+    """``POLICY@B/VERIFIER``: parsed once, kept by budgets and option sweeps, refused by name when
+    unknown or when its policy cannot feed it; the bench decodes with it and records it (at T = 0
+    every exact verifier is greedy decoding, so the output equals AR's)."""
+    from treespec.apps.methods import method_family, with_budget, with_options
+
+    method = parse_method("ddtree-sampled@8/recursive-rejection")
+    assert (method.policy, method.budget, method.verifier) == ("ddtree-sampled", 8, "recursive-rejection")
+    assert parse_method("ddtree@8").verifier == "match"
+    assert with_budget(method, 16).name == "ddtree-sampled@16/recursive-rejection"
+    assert with_options(parse_method("eagle2@8:domino/match"), {"topk": "2"}).name == "eagle2@8+topk=2:domino/match"
+    assert method_family("dominotree-sampled@16+shape=fixed/recursive-rejection") == \
+        "dominotree-sampled+shape=fixed/recursive-rejection"
+    with pytest.raises(ValueError, match="unknown verifier 'nosuch'; available: match"):
+        parse_method("ddtree@8/nosuch")
+    harness = make_harness()
+    with pytest.raises(ValueError, match="recursive-rejection"):
+        harness.decoders([parse_method("ddtree@4/recursive-rejection")])  # a deterministic tree cannot feed it
+    single, _ = prompt_files(tmp_path)
+    config = attrs.evolve(CONFIG, methods=("ar", "ddtree-sampled/recursive-rejection"), temperatures=(0.0, 1.0),
+                          datasets=(single,), prompts=2)
+    ab.run_shard(config, harness, tmp_path / "out", progress=False)
+    ab.merge_shards(tmp_path / "out")
+    records = list(ab.read_records(tmp_path / "out" / ab.RECORDS))
+    sampled = [r for r in records if r.method == "ddtree-sampled@4/recursive-rejection"]
+    assert len(sampled) == 4 and {r.verifier for r in sampled} == {"recursive-rejection"}
+    ar = {r.key: r for r in records if r.method == "ar"}
+    assert all(r.tokens == ar[r.key].tokens for r in sampled if r.temperature == 0.0)

@@ -2,8 +2,8 @@
 
 Contract
 --------
-A method string is ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER]`` or one of the aliases below; `parse_method` turns it into a
-`Method`.  Each method names the kind of drafter it needs ("dflash" for factorized policies,
+A method string is ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER][/VERIFIER]`` or one of the aliases below;
+`parse_method` turns it into a `Method`.  Each method names the kind of drafter it needs ("dflash" for factorized policies,
 "domino" for conditional ones, None for autoregressive decoding), so one harness can run every
 method of a comparison over the same target with the same two drafters:
 
@@ -15,6 +15,8 @@ method of a comparison over the same target with the same two drafters:
   otherwise over DFlash; ``POLICY@B:domino`` / ``:dflash`` picks the drafter explicitly, and
   ``+KEY=VALUE`` sets one of the policy's own fields (``eagle2@16+topk=4``), typed by the field's
   default and refused, naming the policy's options, when it has no such field.
+* ``/VERIFIER`` names the registered verifier that checks the method's trees (default ``match``),
+  e.g. ``ddtree-sampled@16/recursive-rejection``; AR and the chains take one too.
 
 A policy that declares ``uses_cost_model`` gets the machine's cost model from `build_policy`'s
 caller (the harness measures it, `treespec.profile`), never a built-in preset.
@@ -33,7 +35,7 @@ from treespec.cost import CostModel
 from treespec.interfaces import TreePolicy
 
 __all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "method_family", "parse_method", "policy_class", "prices_trees",
-           "with_budget"]
+           "with_budget", "with_options"]
 
 # The comparison of the README's demo: the published systems on the embedded default.
 DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
@@ -48,6 +50,7 @@ class Method:
     drafter: str | None  # "dflash" or "domino" (None: autoregressive)
     budget: int | None = None  # tree budget (None: the policy's default)
     options: Mapping[str, Any] = attrs.field(factory=dict)  # extra policy keyword arguments
+    verifier: str = "match"  # registered verifier that checks the trees
 
     @property
     def autoregressive(self) -> bool:
@@ -59,20 +62,35 @@ class Method:
         return self.policy is not None and prices_trees(self.policy)
 
 
+def _split_name(name: str) -> tuple[str, str, str, str]:
+    """(policy, "+K=V..." options, ":DRAFTER", "/VERIFIER") of a method name, the budget dropped; each
+    tail keeps its sign (empty when absent)."""
+    head, slash, verifier = name.partition("/")
+    spec, colon, drafter = head.partition(":")
+    policy, plus, options = spec.partition("+")
+    return policy.partition("@")[0], plus + options, colon + drafter, slash + verifier
+
+
 def with_budget(method: Method, budget: int) -> Method:
-    """``method`` at tree budget ``budget``, named as `parse_method` would name ``POLICY@B[+K=V...][:DRAFTER]``."""
-    spec, sep, drafter = method.name.partition(":")
-    head, plus, options = spec.partition("+")
-    return attrs.evolve(method, name=f"{head.partition('@')[0]}@{budget}{plus}{options}{sep}{drafter}", budget=budget)
+    """``method`` at tree budget ``budget``, named as `parse_method` would name it."""
+    policy, options, drafter, verifier = _split_name(method.name)
+    return attrs.evolve(method, name=f"{policy}@{budget}{options}{drafter}{verifier}", budget=budget)
+
+
+def with_options(method: Method, options: Mapping[str, str]) -> Method:
+    """``method`` with more ``+KEY=VALUE`` options (text, typed and checked by `parse_method`), named
+    as `parse_method` would name it; options it sets already are kept as they are."""
+    policy, given, drafter, verifier = _split_name(method.name)
+    budget = f"@{method.budget}" if method.budget is not None else ""
+    extra = "".join(f"+{k}={v}" for k, v in options.items() if k not in method.options)
+    return parse_method(f"{policy}{budget}{given}{extra}{drafter}{verifier}")
 
 
 def method_family(name: str) -> str:
     """A method name with its budget taken out (``ddtree@16:domino`` -> ``ddtree:domino``,
-    ``eagle2@8+topk=4`` -> ``eagle2+topk=4``): the line of a budget curve, which keeps options and
-    drafters apart."""
-    spec, sep, drafter = name.partition(":")
-    head, plus, options = spec.partition("+")
-    return f"{head.partition('@')[0]}{plus}{options}{sep}{drafter}"
+    ``eagle2@8+topk=4`` -> ``eagle2+topk=4``): the line of a budget curve, which keeps options,
+    drafters and verifiers apart."""
+    return "".join(_split_name(name))
 
 
 def _option_value(policy: str, key: str, text: str) -> Any:
@@ -122,17 +140,27 @@ def _options(policy: str, parts: list[str], text: str) -> dict[str, Any]:
 
 
 def parse_method(text: str) -> Method:
-    """``ar`` | ``dflash`` | ``domino`` | ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER]`` -> `Method`.
+    """``ar`` | ``dflash`` | ``domino`` | ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER]``, each optionally
+    followed by ``/VERIFIER`` -> `Method`.
 
     Options set the policy's own fields, typed by their defaults and checked against them
-    (``eagle2@16+topk=4``, ``sequoia@32+depth=4``); ``+`` and ``=`` need no quoting in a shell and keep
-    the comma free for method lists."""
+    (``eagle2@16+topk=4``, ``sequoia@32+depth=4``); ``+``, ``=`` and ``/`` need no quoting in a shell
+    and keep the comma free for method lists."""
     text = text.strip()
-    if text == "ar":
+    head, slash, verifier = text.partition("/")
+    if slash and verifier not in registry.available("verifier"):
+        raise ValueError(f"method {text!r}: unknown verifier {verifier!r}; available: "
+                         f"{', '.join(registry.available('verifier'))}")
+    return attrs.evolve(_parse_head(head, text), name=text, verifier=verifier or "match")
+
+
+def _parse_head(head: str, text: str) -> Method:
+    """The method ``head`` names (everything before ``/VERIFIER``); errors quote the whole ``text``."""
+    if head == "ar":
         return Method(text, None, None)
-    if text in ("dflash", "domino"):
-        return Method(text, "chain", text)
-    spec, _, drafter = text.partition(":")
+    if head in ("dflash", "domino"):
+        return Method(text, "chain", head)
+    spec, _, drafter = head.partition(":")
     spec, *option_parts = spec.split("+")
     policy, _, budget = spec.partition("@")
     if budget and not budget.isdigit():

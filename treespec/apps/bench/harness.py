@@ -18,6 +18,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from treespec import registry
 from treespec.apps.datasets import encode_chat
 from treespec.apps.methods import Method, build_policy
 from treespec.apps.pricing import CostSource, persist_live
@@ -70,7 +71,8 @@ class Harness:
 
     def batch_decoders(self, methods: Sequence[Method]) -> dict[str, BatchDecoder]:
         """One batched decoder per method, with the drafter and policy `decoders` gives it."""
-        return {m.name: BatchDecoder(self.target, *self._parts(m)) for m in methods}
+        return {m.name: BatchDecoder(self.target, *self._parts(m), registry.create("verifier", m.verifier))
+                for m in methods}
 
     def machine_profile(self) -> CostProfile:
         """This machine's cost profile of the target and every loaded drafter."""
@@ -96,7 +98,7 @@ class Harness:
         return updated
 
     def _decoder(self, method: Method) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.target, *self._parts(method))
+        return SpeculativeDecoder(self.target, *self._parts(method), registry.create("verifier", method.verifier))
 
     def _parts(self, method: Method) -> tuple[Drafter | None, TreePolicy | None]:
         """The method's drafter and policy (None, None for AR); a cost-aware policy priced on this machine."""
@@ -124,8 +126,6 @@ def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, 
 
 
 def _load_drafter(kind: str, path: Path) -> Drafter:
-    from treespec import registry
-
     if not path.is_dir():
         raise FileNotFoundError(f"no {kind} drafter checkpoint at {path}: pass --{kind} DIR, or leave out the "
                                 f"methods that need a {kind} drafter")

@@ -86,6 +86,7 @@ class Runner:
             temperature=turn.temperature, dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn,
             seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus, decode_time=s.decode_time,
             prefill_time=s.prefill_time, stage_times=s.stage_totals(), run=self.run_id, options=dict(method.options),
+            verifier=method.verifier,
             cost_models=models, cost_rounds=rounds)
 
     def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:

@@ -47,6 +47,7 @@ class BenchRecord:
     batch_size: int = 1  # sequences decoded together (> 1: the times are this response's share of its batch's)
     run: str = ""  # the bench invocation that measured it (a resumed output folder holds several)
     options: dict = attrs.field(factory=dict)  # the policy options of the method (``eagle2@16+topk=4``: topk 4)
+    verifier: str = "match"  # the verifier that checked the method's trees
     cost_models: list[dict] = attrs.field(factory=list)  # the distinct curves its cost-aware rounds were priced with
     cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
 

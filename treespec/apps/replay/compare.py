@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from treespec.apps.bench.summary import bootstrap_interval
-from treespec.apps.methods import Method, method_family, parse_method, policy_class, with_budget
+from treespec.apps.methods import Method, method_family, parse_method, policy_class, with_budget, with_options
 from treespec.apps.replay.evaluate import ReplayResult
 
 __all__ = ["ComparisonRow", "compare", "expand_sweep", "markdown_table", "per_prompt_rows", "plot_sweep",
@@ -75,9 +75,7 @@ def expand_sweep(methods: Sequence[str], budgets: Sequence[int] = (),
             out.append(method)
             continue
         for grid in _option_grid(method.policy, settings):
-            head, sep, drafter = method.name.partition(":")
-            name = head + "".join(f"+{k}={v}" for k, v in grid.items() if k not in method.options) + sep + drafter
-            variant = parse_method(name)
+            variant = with_options(method, grid)
             chosen = [variant] if method.budget is not None or not budgets else [with_budget(variant, b) for b in budgets]
             out += chosen
     names = [m.name for m in out]
