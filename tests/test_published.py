@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import statistics
 
 import attrs
@@ -220,3 +221,25 @@ def test_treespecs_own_records_in_the_papers_layout(tmp_path, capsys):
     assert {r["method"] for r in rows} == {"ar", "chain", "ddtree@16"} and {r["model"] for r in rows} == {"toy"}
     ddtree = next(r for r in rows if r["method"] == "ddtree@16")
     assert float(ddtree["tau"]) == pytest.approx(2.5) and 1.7 < float(ddtree["speedup"]) < 2.3
+
+
+def test_conventions_are_set_one_by_one_and_bad_ones_named(clone, tmp_path, capsys):
+    from treespec.apps.published.tables import with_settings
+
+    conv = with_settings(PAPER, ["speedup=totals", "paired=true", "warmup=none", "resamples=50"])
+    assert (conv.speedup, conv.paired, dict(conv.warmup), conv.resamples) == ("totals", True, {}, 50)
+    records = _records(clone)
+    mine = {c.label: c.speedup for c in table1(records, conv)}
+    assert mine == pytest.approx({c.label: c.speedup for c in table1(records, attrs.evolve(OURS, rows=PAPER.rows))})
+    added = with_settings(CONVENTIONS["treespec"], ["warmup=domino-official:first-prompt"])
+    assert dict(added.warmup) == {"domino-official": "first-prompt"}
+    for bad, message in [(["speedup=median"], "speedup convention must be"), (["paired=maybe"], "paired takes true"),
+                         (["resamples=many"], "resamples takes a int"), (["colour=red"], "no convention 'colour'"),
+                         (["warmup=first-row"], "warmup takes HARNESS:first-row"), (["speedup"], "KEY=VALUE")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            with_settings(PAPER, bad)
+    raw = clone / "results" / "raw"
+    assert main(["bench", "import", "--from", "caddtree-harness", str(raw / "baseline_ddtree_caddtree"),
+                 "--out", str(tmp_path / "imp")]) == 0
+    assert main(["bench", "report", str(tmp_path / "imp"), "--conv", "colour=red"]) == 2
+    assert "no convention 'colour'" in capsys.readouterr().err

@@ -96,6 +96,10 @@ def _published_report_arguments(parser: argparse.ArgumentParser) -> None:
                             "implied for a folder of imported records")
     group.add_argument("--convention", choices=sorted(CONVENTIONS), default=None,
                        help="the table's conventions (default: treespec; dominotree-4b / -8b: the paper's)")
+    group.add_argument("--conv", action="append", default=[], metavar="KEY=VALUE",
+                       help="change one convention of the preset: speedup=mean-tps|totals, ar=own|common, "
+                            "paired=true|false, best_mode=true|false, warmup=HARNESS:first-row|first-prompt "
+                            "(or none), resamples=N, seed=N, bootstrap=numpy|python, focus=ROW (repeatable)")
     group.add_argument("--expect", type=Path, default=None,
                        help="a published table1_cells.csv: diff every cell at its printed precision, exit 1 on "
                             "any difference")
@@ -244,9 +248,9 @@ def _signature_check(records) -> str:
 def _published_report(args: argparse.Namespace) -> int:
     from treespec.apps.published.records import read_imported
     from treespec.apps.published.report import diff_pairwise, diff_table1, write_tables
-    from treespec.apps.published.tables import CONVENTIONS, TableRow, pairwise, table1
+    from treespec.apps.published.tables import CONVENTIONS, TableRow, pairwise, table1, with_settings
 
-    conv = CONVENTIONS[args.convention or "treespec"]  # its own bootstrap resamples
+    conv = with_settings(CONVENTIONS[args.convention or "treespec"], args.conv)  # its own bootstrap resamples
     if _imported(args.dir):
         records = [r for path in _imported(args.dir) for r in read_imported(path)]
         pairs = pairwise(records, conv)
@@ -302,8 +306,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _import(args)
     if args.action == "reproduce":
         return _reproduce(args)
-    if args.action == "report" and (args.layout or args.convention or args.expect or args.expect_pairwise
-                                    or _imported(args.dir)):
+    if args.action == "report" and (args.layout or args.convention or args.conv or args.expect
+                                    or args.expect_pairwise or _imported(args.dir)):
         return _published_report(args)
     if args.action == "report":
         return _report(args.dir, args.resamples)

@@ -40,7 +40,7 @@ import numpy as np
 
 from treespec.apps.published.records import HarnessRecord
 
-__all__ = ["CONVENTIONS", "Cell", "Conventions", "Pair", "TableRow", "avg_cells", "pairwise", "table1"]
+__all__ = ["CONVENTIONS", "Cell", "Conventions", "Pair", "TableRow", "avg_cells", "pairwise", "table1", "with_settings"]
 
 
 @attrs.frozen
@@ -307,3 +307,39 @@ def pairwise(records: Sequence[HarnessRecord], conv: Conventions) -> list[Pair]:
                     lo, hi = _numpy_interval(data, conv)
                 out.append(Pair(temp, name, focus.label, other.label, kind, len(units), delta, lo, hi))
     return out
+
+
+_SETTABLE = {"speedup": str, "ar": str, "paired": bool, "best_mode": bool, "resamples": int, "seed": int,
+             "bootstrap": str, "focus": str}
+
+
+def with_settings(conv: Conventions, settings: Sequence[str]) -> Conventions:
+    """``conv`` with ``KEY=VALUE`` settings applied (``speedup=totals``, ``paired=false``,
+    ``warmup=dominotree-harness:first-row`` (``none`` clears it), ``resamples=2000``, ...), each checked."""
+    changes: dict = {}
+    for item in settings:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"a convention setting is KEY=VALUE, got {item!r}")
+        if key == "warmup":
+            drops = dict(changes.get("warmup", conv.warmup)) if value != "none" else {}
+            if value != "none":
+                harness, colon, how = value.partition(":")
+                if not colon:
+                    raise ValueError(f"warmup takes HARNESS:first-row, HARNESS:first-prompt or none, got {value!r}")
+                drops[harness] = how
+            changes["warmup"] = drops
+        elif key in _SETTABLE:
+            kind = _SETTABLE[key]
+            if kind is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(f"{key} takes true or false, got {value!r}")
+                changes[key] = value.lower() == "true"
+            else:
+                try:
+                    changes[key] = kind(value)
+                except ValueError:
+                    raise ValueError(f"{key} takes a {kind.__name__}, got {value!r}") from None
+        else:
+            raise ValueError(f"no convention {key!r}; settable: {', '.join(sorted([*_SETTABLE, 'warmup']))}")
+    return attrs.evolve(conv, **changes)
