@@ -476,6 +476,8 @@ def _replay_modules(shared: Mapping[str, torch.Tensor], vocab: int, table: bool)
 class DominoDrafter(DFlashDrafter):
     """A DFlash drafter whose output carries the Domino `DominoScorer` (see module docstring)."""
 
+    role = "conditional"  # its drafts carry a ConditionalScorer
+
     kind: ClassVar[str] = "Domino"
 
     def __init__(self, config: DFlashConfig | None = None, *, path: str | Path | None = None,

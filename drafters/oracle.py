@@ -168,6 +168,11 @@ class OracleDrafter(Drafter):
         self.continuations = continuations  # shared between drafters of one target, or made at bind
         self._next_feature = 0
 
+    @property
+    def role(self) -> str:
+        """Conditional when configured to carry its scorer, else marginal (so known per instance only)."""
+        return "conditional" if self.config.conditional else "marginal"
+
     def bind(self, target) -> None:
         self.target = target
         if self.continuations is None or self.continuations.target is not target:

@@ -152,6 +152,8 @@ def _init_weights(cfg: ToyConfig, gen: torch.Generator) -> _Weights:
 class ToyConditionalDrafter(Drafter):
     """Domino in miniature with random weights (see the module docstring)."""
 
+    role = "conditional"  # its drafts carry a ConditionalScorer
+
     def __init__(self, config: ToyConfig | None = None, *, seed: int = 0,
                  generator: torch.Generator | None = None, **overrides) -> None:
         self.config = attrs.evolve(config or ToyConfig(), **overrides)

@@ -1,6 +1,8 @@
 """Test-session settings shared by every test module."""
 
 import torch
+from bigram_drafter import NAME as BIGRAM
+from bigram_drafter import BigramDrafter
 from sibling_capped import NAME, SiblingCapped
 
 from treespec import register
@@ -11,3 +13,6 @@ torch.set_num_threads(1)
 
 # A policy added as a user adds one (tests/sibling_capped.py): registered, never listed elsewhere.
 register("policy", NAME, SiblingCapped)
+
+# A drafter added the same way (tests/bigram_drafter.py): it declares its role and its loader.
+register("drafter", BIGRAM, BigramDrafter)

@@ -102,12 +102,12 @@ def without_times(record) -> dict:
 
 # ---------------------------------------------------------------------------- methods, seeds, config
 def test_methods_expand_over_budgets_with_ar_first():
-    names = [m.name for m in ab.expand_methods(["dflash", "ddtree", "ar", "ddtree@4", "dominotree:dflash",
+    names = [m.name for m in ab.expand_methods(["dflash", "ddtree", "ar", "ddtree@4", "ddtree:domino",
                                                     "domino", "chain"], [4, 8])]
-    assert names == ["ar", "dflash", "ddtree@4", "ddtree@8", "dominotree@4:dflash", "dominotree@8:dflash",
+    assert names == ["ar", "dflash", "ddtree@4", "ddtree@8", "ddtree@4:domino", "ddtree@8:domino",
                      "domino", "chain"]
     assert [m.budget for m in ab.expand_methods(["ddtree@32"], [4])] == [None, 32]
-    expanded = ab.expand_methods(["ddtree", "dominotree:dflash", "caddtree"], [4, 8])
+    expanded = ab.expand_methods(["ddtree", "ddtree:domino", "caddtree"], [4, 8])
     assert all(m == parse_method(m.name) for m in expanded)  # a copy at the budget, as its name parses
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         ab.expand_methods(["nope"], [4])

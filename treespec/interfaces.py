@@ -32,7 +32,8 @@ import copy
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -200,9 +201,20 @@ class DraftOutput:
 
 
 class Drafter(ABC):
-    """A block drafter.  Subclasses implement `draft`; the hooks are optional."""
+    """A block drafter.  Subclasses implement `draft`; the hooks are optional.
+
+    ``role`` says what its drafts give a policy: ``"marginal"`` (per-depth marginals only: DFlash)
+    or ``"conditional"`` (marginals and a `ConditionalScorer`: Domino), so the apps pick a drafter for
+    a policy by what the policy declares it needs (``uses_scorer``), not by a product name."""
 
     tap_layers: tuple[int, ...] = ()  # target hidden_states indices the drafter reads (0 = embeddings)
+    role: ClassVar[str] = "marginal"  # "marginal" or "conditional" (its drafts carry a ConditionalScorer)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> Drafter:
+        """Optional: the drafter saved in the local directory ``path`` (its loader: how the apps load
+        a drafter named on the command line).  The default: this drafter cannot be loaded from files."""
+        raise NotImplementedError(f"{cls.__name__} cannot be loaded from a directory (it defines no from_pretrained)")
 
     def bind(self, target: TargetModel) -> None:
         """Attach to a target (share its embeddings / head, check vocab and hidden sizes)."""

@@ -3,16 +3,19 @@
 Contract
 --------
 A method string is ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER][/VERIFIER]`` or one of the aliases below;
-`parse_method` turns it into a `Method`.  Each method names the kind of drafter it needs ("dflash" for factorized policies,
-"domino" for conditional ones, None for autoregressive decoding), so one harness can run every
-method of a comparison over the same target with the same two drafters:
+`parse_method` turns it into a `Method`.  Each method names the registered drafter it runs over (by default the one of the role its policy
+needs: "dflash" for factorized policies, "domino" for conditional ones; None for autoregressive
+decoding), so one harness can run every method of a comparison over the same target and drafters:
 
 * ``ar``: autoregressive decoding (a root-only tree each round).
 * ``dflash``: the chain over the DFlash drafter (the DFlash decoder).
 * ``domino``: the chain over the Domino drafter (greedy GRU rollout: the Domino decoder).
-* ``POLICY[@B]``: any registered policy; over Domino when the policy declares that it needs a
-  scorer (``uses_scorer = "required"``: DominoTree, static-corrected, the cost-aware DominoTree),
-  otherwise over DFlash; ``POLICY@B:domino`` / ``:dflash`` picks the drafter explicitly, and
+  Any registered drafter's name alone is the chain over it.
+* ``POLICY[@B]``: any registered policy; over the default drafter of the role it needs
+  (`DEFAULT_DRAFTERS`: Domino when the policy declares that it needs a scorer, ``uses_scorer =
+  "required"``: DominoTree, static-corrected, the cost-aware DominoTree; otherwise DFlash);
+  ``POLICY@B:NAME`` runs it over any registered drafter (a marginal drafter cannot feed a policy
+  that needs a scorer, and is refused by name), and
   ``+KEY=VALUE`` sets one of the policy's own fields (``eagle2@16+topk=4``), typed by the field's
   default and refused, naming the policy's options, when it has no such field.
 * ``/VERIFIER`` names the registered verifier that checks the method's trees (default ``match``),
@@ -32,10 +35,13 @@ import attrs
 
 from treespec import registry
 from treespec.cost import CostModel
-from treespec.interfaces import TreePolicy
+from treespec.interfaces import Drafter, TreePolicy
 
-__all__ = ["DEMO_METHODS", "Method", "build_policy", "embedded_drafter_dir", "method_family", "parse_method", "policy_class", "prices_trees",
+__all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "Method", "build_policy", "drafter_dirs", "drafter_names", "drafter_role", "embedded_drafter_dir", "load_named_drafter", "method_family", "parse_method", "policy_class", "prices_trees",
            "with_budget", "with_options"]
+
+# The drafter a method runs over when it names none, by what its policy needs (its ``uses_scorer``).
+DEFAULT_DRAFTERS = {"marginal": "dflash", "conditional": "domino"}
 
 # The comparison of the README's demo: the published systems on the embedded default.
 DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
@@ -158,22 +164,37 @@ def _parse_head(head: str, text: str) -> Method:
     """The method ``head`` names (everything before ``/VERIFIER``); errors quote the whole ``text``."""
     if head == "ar":
         return Method(text, None, None)
-    if head in ("dflash", "domino"):
-        return Method(text, "chain", head)
+    if head in drafter_names():
+        return Method(text, "chain", head)  # a drafter alone: the chain over it (its own decoder)
     spec, _, drafter = head.partition(":")
     spec, *option_parts = spec.split("+")
     policy, _, budget = spec.partition("@")
     if budget and not budget.isdigit():
         raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
-    if drafter not in ("", "dflash", "domino"):
-        raise ValueError(f"method {text!r}: drafter must be 'dflash' or 'domino', got {drafter!r}")
+    if drafter and drafter not in drafter_names():
+        raise ValueError(f"method {text!r}: unknown drafter {drafter!r}; available: {', '.join(drafter_names())}")
     if budget and int(budget) < 1:
         raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
     if policy not in registry.available("policy"):
         raise ValueError(f"method {text!r}: unknown policy {policy!r}; available: "
                          f"{', '.join(registry.available('policy'))}")
-    kind = drafter or ("domino" if policy_class(policy).uses_scorer == "required" else "dflash")
-    return Method(text, policy, kind, int(budget) if budget else None, _options(policy, option_parts, text))
+    needs = "conditional" if policy_class(policy).uses_scorer == "required" else "marginal"
+    if drafter and needs == "conditional" and drafter_role(drafter) == "marginal":
+        raise ValueError(f"method {text!r}: {policy} needs a conditional drafter (one whose drafts carry a "
+                         f"ConditionalScorer); {drafter} is marginal")
+    return Method(text, policy, drafter or DEFAULT_DRAFTERS[needs], int(budget) if budget else None,
+                  _options(policy, option_parts, text))
+
+
+def drafter_names() -> list[str]:
+    """Registered drafters that a method can name: the classes (which declare a ``role``)."""
+    return [n for n in registry.available("drafter") if isinstance(registry.resolve("drafter", n), type)]
+
+
+def drafter_role(name: str) -> str | None:
+    """The registered drafter's ``role`` ("marginal" / "conditional"; None: decided per instance)."""
+    role = getattr(registry.resolve("drafter", name), "role", "marginal")
+    return role if isinstance(role, str) else None
 
 
 def prices_trees(policy: str) -> bool:
@@ -200,6 +221,43 @@ def build_policy(method: Method, cost_model: CostModel | None = None, calibratio
         if calibration != 1.0:
             kwargs.setdefault("calibration", calibration)
     return registry.create("policy", method.policy, **kwargs)
+
+
+def drafter_dirs(names, given: list[str], flags: Mapping[str, Path | None] | None = None, *,
+                 embedded: bool = True) -> dict[str, Path]:
+    """NAME -> checkpoint directory for each drafter of ``names``: from ``given`` (``NAME=DIR`` texts
+    of ``--drafter``) or ``flags`` (``--dflash DIR``-style, by name), else the embedded target's own
+    drafter when ``embedded``; a missing one, an unknown name or a malformed flag is refused by name."""
+    dirs = {name: Path(path) for name, path in (flags or {}).items() if path is not None}
+    for item in given:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--drafter takes NAME=DIR, got {item!r}")
+        if name not in drafter_names():
+            raise ValueError(f"--drafter {item}: unknown drafter {name!r}; available: {', '.join(drafter_names())}")
+        dirs[name] = Path(path)
+    out = {}
+    for name in names:
+        if name in dirs:
+            out[name] = dirs[name]
+        elif embedded and name in DEFAULT_DRAFTERS.values():
+            out[name] = embedded_drafter_dir(name)
+        else:
+            raise ValueError(f"a method runs over the {name} drafter: give its checkpoint with --drafter {name}=DIR")
+    return out
+
+
+def load_named_drafter(name: str, path: str | Path) -> Drafter:
+    """The registered drafter ``name`` loaded from ``path`` through its declared loader (its class's
+    ``from_pretrained``); a missing folder or a drafter with no loader is refused by name."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no {name} drafter checkpoint at {path}: pass --drafter {name}=DIR, or leave out "
+                                f"the methods that need the {name} drafter")
+    try:
+        return registry.resolve("drafter", name).from_pretrained(path)
+    except NotImplementedError as exc:
+        raise ValueError(f"the {name} drafter: {exc}") from None
 
 
 def embedded_drafter_dir(kind: str) -> Path:

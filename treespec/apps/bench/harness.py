@@ -20,7 +20,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.datasets import encode_chat
-from treespec.apps.methods import Method, build_policy
+from treespec.apps.methods import Method, build_policy, load_named_drafter
 from treespec.apps.pricing import CostSource, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
@@ -121,12 +121,5 @@ def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, 
 
     target = load_target(model_dir, dtype=dtype, device=device, float32_head=float32_head)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    drafters = {kind: _load_drafter(kind, Path(path)) for kind, path in drafter_dirs.items()}
+    drafters = {name: load_named_drafter(name, path) for name, path in drafter_dirs.items()}
     return Harness(target, Chat(tokenizer), drafters)
-
-
-def _load_drafter(kind: str, path: Path) -> Drafter:
-    if not path.is_dir():
-        raise FileNotFoundError(f"no {kind} drafter checkpoint at {path}: pass --{kind} DIR, or leave out the "
-                                f"methods that need a {kind} drafter")
-    return registry.resolve("drafter", kind).from_pretrained(path)

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--model", type=Path, default=None, help="target model directory")
     models.add_argument("--dflash", type=Path, default=None, help="DFlash drafter checkpoint directory")
     models.add_argument("--domino", type=Path, default=None, help="Domino drafter checkpoint directory")
+    models.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
+                        help="the checkpoint of any registered drafter a method names (ddtree@16:NAME, or NAME "
+                             "alone for its chain); repeatable; --dflash DIR is --drafter dflash=DIR")
     models.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once; bf16 on CUDA)")
     models.add_argument("--cost-model", default="live",
@@ -143,10 +146,12 @@ def _report(out_dir: Path, resamples: int) -> int:
 
 
 def _drafter_dirs(args: argparse.Namespace, methods) -> dict[str, Path]:
-    from treespec.apps.methods import embedded_drafter_dir
+    """The checkpoint of each drafter the methods name: --drafter NAME=DIR (or --dflash / --domino),
+    else the embedded one where the embedded target ships it."""
+    from treespec.apps.methods import drafter_dirs
 
-    kinds = sorted({m.drafter for m in methods if m.drafter})
-    return {kind: getattr(args, kind) or embedded_drafter_dir(kind) for kind in kinds}
+    return drafter_dirs(sorted({m.drafter for m in methods if m.drafter}), args.drafter,
+                        {"dflash": args.dflash, "domino": args.domino})
 
 
 def _device(args: argparse.Namespace, shard: bench.Shard) -> str:

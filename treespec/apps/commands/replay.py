@@ -43,6 +43,8 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
     for kind in _KINDS:
         parser.add_argument(f"--{kind}", type=Path, default=None,
                             help=f"{kind} checkpoint directory (default with the embedded target: its shipped drafter)")
+    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
+                        help="also record any registered drafter from its checkpoint (repeatable)")
     parser.add_argument("--dataset", action="append", default=None,
                         help="benchmark name or local prompt file (repeatable; default: gsm8k)")
     parser.add_argument("--prompt-ids", type=Path, default=None,
@@ -152,17 +154,18 @@ def _load_target(args: argparse.Namespace):
 
 
 def _load_drafters(args: argparse.Namespace) -> dict:
-    from treespec import registry
-    from treespec.apps.methods import embedded_drafter_dir
+    from treespec.apps.methods import drafter_dirs, embedded_drafter_dir, load_named_drafter
 
     dirs = {kind: getattr(args, kind) for kind in _KINDS}
     if args.model is None:
         dirs = {k: d or (embedded_drafter_dir(k) if embedded_drafter_dir(k).is_dir() else None) for k, d in dirs.items()}
     dirs = {k: d for k, d in dirs.items() if d is not None}
+    given = [item.partition("=")[0] for item in args.drafter]
+    dirs |= drafter_dirs(given, args.drafter, embedded=False)
     if not dirs:
         raise ValueError("no drafter to record: pass --dflash DIR and/or --domino DIR "
                          "(the embedded target's drafters are not installed)")
-    return {kind: registry.resolve("drafter", kind).from_pretrained(path) for kind, path in dirs.items()}
+    return {name: load_named_drafter(name, path) for name, path in dirs.items()}
 
 
 def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
