@@ -57,3 +57,28 @@ def test_demo_prompts_need_no_dataset_files(monkeypatch, tmp_path):
     assert [len(p) for p in (chat, math, code)] == [2, 2, 2]
     assert {p.dataset for p in chat} == {"chat"} and {p.dataset for p in code} == {"humaneval"}
     assert all(p.turns[0].endswith(datasets.MATH_SUFFIX) for p in math)  # the GSM8K template
+
+
+def test_demo_loads_another_drafter_by_name(monkeypatch, tmp_path, capsys):
+    """``--drafter NAME=DIR`` reaches the harness for a method over a registered drafter (here the tests'
+    bigram drafter, tests/bigram_drafter.py); a drafter named by no flag is asked for by name."""
+    from treespec.apps import bench
+    from treespec.apps.cli import main
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load_harness(model, dirs, **kwargs):
+        seen.update(dirs)
+        raise Loaded
+
+    monkeypatch.setattr(bench, "load_harness", load_harness)
+    assert main(["demo", "--methods", "ar,bigram"]) == 2
+    assert "give its checkpoint with --drafter bigram=DIR" in capsys.readouterr().err
+    try:
+        main(["demo", "--methods", "ar,bigram,ddtree@4:bigram", "--drafter", f"bigram={tmp_path}"])
+    except Loaded:
+        pass
+    assert seen == {"bigram": tmp_path}

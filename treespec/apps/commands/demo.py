@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per response")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: the published six)")
+    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
+                        help="the checkpoint of another registered drafter a method names (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="where the records and report go (default: a new "
                         "folder under the treespec cache's demo/ each run; an existing --out is resumed)")
     parser.add_argument("--cost-model", default="live",
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps import bench
     from treespec.apps.bench.records import read_records
     from treespec.apps.embedded import cache_root, embedded_model_dir
-    from treespec.apps.methods import DEMO_METHODS, embedded_drafter_dir
+    from treespec.apps.methods import DEFAULT_DRAFTERS, DEMO_METHODS, drafter_dirs, embedded_drafter_dir
     from treespec.apps.pricing import CostSource
 
     start = time.perf_counter()
@@ -95,15 +97,20 @@ def run(args: argparse.Namespace) -> int:
     methods = tuple(args.methods.split(",")) if args.methods else DEMO_METHODS
     config = bench.BenchConfig(methods=methods, temperatures=(0.0,), datasets=_DATASETS, prompts=args.prompts,
                                 max_new_tokens=args.max_new_tokens)
-    expanded = bench.expand_methods(config.methods, config.budgets)
-    kinds = sorted({m.drafter for m in expanded if m.drafter})
-    missing = [str(embedded_drafter_dir(k)) for k in kinds if not embedded_drafter_dir(k).is_dir()]
+    try:
+        expanded = bench.expand_methods(config.methods, config.budgets)
+        dirs = drafter_dirs(sorted({m.drafter for m in expanded if m.drafter}), args.drafter)
+    except ValueError as exc:
+        print(f"treespec demo: {exc}", file=sys.stderr)
+        return 2
+    missing = [str(path) for name, path in dirs.items()
+               if name in DEFAULT_DRAFTERS.values() and path == embedded_drafter_dir(name) and not path.is_dir()]
     if missing:
         print(f"treespec demo: the embedded drafters are not installed ({', '.join(missing)}); "
               "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
         return 2
-    harness = bench.load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in kinds},
-                                  dtype=DTYPES[args.dtype], float32_head=args.logits_dtype == "float32")
+    harness = bench.load_harness(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype],
+                                  float32_head=args.logits_dtype == "float32")
     harness.progress = True
     harness.costs = CostSource.parse(args.cost_model)
     print(machine_header(harness, args.dtype), flush=True)
