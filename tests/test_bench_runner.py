@@ -407,3 +407,24 @@ def test_a_verifier_in_the_method_name_checks_that_methods_trees(tmp_path):
     assert len(sampled) == 4 and {r.verifier for r in sampled} == {"recursive-rejection"}
     ar = {r.key: r for r in records if r.method == "ar"}
     assert all(r.tokens == ar[r.key].tokens for r in sampled if r.temperature == 0.0)
+
+
+def test_rejection_verifiers_at_t_above_0_are_not_compared_token_for_token(tmp_path):
+    """Recursive rejection samples from the target's distribution without AR's draws: at T > 0 its
+    outputs are reported as distribution-exact, not counted as divergences; at T = 0 they are checked."""
+    from treespec.apps.bench.lossless import lossless_text, token_comparable
+
+    single, _ = prompt_files(tmp_path)
+    config = attrs.evolve(CONFIG, methods=("ar", "ddtree-sampled/recursive-rejection", "ddtree"),
+                          temperatures=(0.0, 1.0), datasets=(single,), prompts=3)
+    ab.run_shard(config, make_harness(), tmp_path / "out", progress=False)
+    ab.merge_shards(tmp_path / "out")
+    records = list(ab.read_records(tmp_path / "out" / ab.RECORDS))
+    sampled = [r for r in records if r.verifier == "recursive-rejection"]
+    assert [token_comparable(r) for r in sampled] == [r.temperature == 0.0 for r in sampled]
+    assert all(token_comparable(r) for r in records if r.verifier == "match")
+    text, bad = lossless_text(records, ab.read_divergences(tmp_path / "out" / ab.DIVERGENCES))
+    assert bad == 0
+    assert "3 responses of ddtree-sampled@4/recursive-rejection are not compared with AR's" in text
+    t1 = text.split("### T = 1")[1]
+    assert "of 3 responses differ from AR's" in t1  # only ddtree@4 (match) is compared at T = 1

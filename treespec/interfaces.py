@@ -349,6 +349,9 @@ class Verifier(ABC):
     name: ClassVar[str] = "verifier"
     # lossless only over trees sampled from the draft (a policy declaring ``samples_from_draft``)
     requires_sampled_tree: ClassVar[bool] = False
+    # at T > 0 with position-keyed sampling, commits exactly AR's own draws (so outputs equal AR's token
+    # for token, as with match verification); False: only their distribution is the target's
+    reproduces_ar_samples: ClassVar[bool] = False
 
     @abstractmethod
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,

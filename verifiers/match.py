@@ -56,6 +56,7 @@ class MatchVerifier(Verifier):
     """Accept the longest root path on which every draft token equals the target's own choice."""
 
     name = "match"
+    reproduces_ar_samples = True  # every node's target token is the position-keyed draw AR makes there
 
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
                generator: torch.Generator | None, position: int,

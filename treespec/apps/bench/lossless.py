@@ -27,7 +27,7 @@ from treespec.sampling import gumbel_noise, sampling_key, work_dtype
 from treespec.target import TargetModel
 
 __all__ = ["GAP_TOLERANCE", "Divergence", "decision_gap", "find_divergence", "first_difference", "lossless_text",
-           "read_divergences", "resolve_tolerance", "write_jsonl"]
+           "read_divergences", "resolve_tolerance", "token_comparable", "write_jsonl"]
 
 # Largest AR decision margin (top-two gap, logit units; see `decision_gap`) at which a divergence
 # from AR is put down to rounding: a tree forward and a one-token step sum in different orders.
@@ -133,15 +133,32 @@ def _ar_index(records: Sequence[BenchRecord]) -> dict[tuple, BenchRecord]:
 
 _LOSSLESS_INTRO = (
     "Every method's output must equal AR's: at T = 0, and at T > 0 too (position-keyed sampling, paired "
-    "seeds). In float64 exactly; in float32 / bf16 a divergence is acceptable only where AR's decision "
+    "seeds) under a verifier that commits AR's own draws (match verification). In float64 exactly; in float32 / bf16 a divergence is acceptable only where AR's decision "
     "margin at the first differing token (top-two gap of the logits, at T > 0 of logits + T x Gumbel "
     "noise) is within the stated tolerance.")
 
 
-def _lossless_section(temperature: float, compared: Sequence[BenchRecord], ar: dict[tuple, BenchRecord],
+def token_comparable(record: BenchRecord) -> bool:
+    """Whether ``record`` must equal AR's output token for token: at T = 0 always; at T > 0 when its
+    verifier commits AR's own position-keyed draws (``reproduces_ar_samples``: match verification).
+    Other verifiers at T > 0 (rejection sampling) only sample from the target's distribution, which
+    `treespec.apps.exactness` tests; their outputs are not compared with AR's."""
+    from treespec import registry
+
+    return record.temperature == 0.0 or bool(getattr(registry.resolve("verifier", record.verifier),
+                                                     "reproduces_ar_samples", False))
+
+
+def _lossless_section(temperature: float, records: Sequence[BenchRecord], ar: dict[tuple, BenchRecord],
                       measured: dict[tuple, Divergence]) -> tuple[list[str], int]:
     """Markdown lines listing every response of one temperature that differs from AR's; unacceptable count."""
     lines, bad = [f"### T = {temperature:g}", ""], 0
+    compared = [r for r in records if token_comparable(r)]
+    distributional = sorted({f"{r.method}" for r in records if not token_comparable(r)})
+    if distributional:
+        lines += [f"{len(records) - len(compared)} responses of {', '.join(distributional)} are not compared with "
+                  "AR's: their verifier samples from the target's distribution without reproducing AR's draws "
+                  "(exact in distribution: treespec.apps.exactness, docs/sampling.md).", ""]
     differing = [r for r in compared if r.hash != ar[r.key].hash]
     for r in differing:
         d = measured.get((r.method, *r.key))

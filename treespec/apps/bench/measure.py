@@ -21,7 +21,7 @@ import torch
 
 from treespec.apps.bench.config import BenchConfig, pair_seed
 from treespec.apps.bench.harness import Harness
-from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_tolerance
+from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_tolerance, token_comparable
 from treespec.apps.bench.records import BenchRecord, cost_schedule
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
@@ -92,7 +92,7 @@ class Runner:
     def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:
         ar = records[AR]
         found = (find_divergence(self.harness.target, turn.ids, ar, r, self.tolerance)
-                 for name, r in records.items() if name != AR)
+                 for name, r in records.items() if name != AR and token_comparable(r))
         return [d for d in found if d is not None]
 
     def conversation(self, prompt: PromptRecord, temperature: float) -> Iterator[tuple[list, list]]:
