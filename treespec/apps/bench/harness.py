@@ -20,7 +20,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.datasets import encode_chat
-from treespec.apps.methods import Method, build_policy, load_named_drafter
+from treespec.apps.methods import Method, build_policy
 from treespec.apps.pricing import CostSource, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
@@ -115,11 +115,7 @@ class Harness:
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",
                  device: str | torch.device = "cpu", float32_head: bool | None = None) -> Harness:
     """The target, its tokenizer and the drafters ("dflash" / "domino" -> checkpoint), from local files."""
-    from transformers import AutoTokenizer
+    from treespec.apps.assemble import Parts
 
-    from treespec.apps.api import load_target
-
-    target = load_target(model_dir, dtype=dtype, device=device, float32_head=float32_head)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    drafters = {name: load_named_drafter(name, path) for name, path in drafter_dirs.items()}
-    return Harness(target, Chat(tokenizer), drafters)
+    parts = Parts.load(model_dir, drafter_dirs, dtype=dtype, device=device, float32_head=float32_head)
+    return Harness(parts.target, Chat(parts.tokenizer), dict(parts.drafters))

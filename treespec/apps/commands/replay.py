@@ -113,8 +113,10 @@ def _record(args: argparse.Namespace) -> int:
     parts = args.out.with_name(args.out.name + ".parts")  # one file per recorded prompt: a rerun resumes
     if args.overwrite and parts.exists():
         shutil.rmtree(parts)
-    drafters = _load_drafters(args)  # first: a missing checkpoint fails before the target loads
-    target, tokenizer, name = _load_target(args)
+    from treespec.apps.assemble import Parts
+
+    loaded = Parts.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False)
+    target, tokenizer, name, drafters = loaded.target, loaded.tokenizer, loaded.name, dict(loaded.drafters)
     prompts, ids = _prompts(args, tokenizer)
     start = time.perf_counter()
     try:
@@ -133,39 +135,20 @@ def _record(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_target(args: argparse.Namespace):
-    """(TargetModel, tokenizer or None, name) from --model, or the embedded default."""
-    from transformers import AutoTokenizer
-
-    from treespec.target import TargetModel
-
-    if args.model is None:
-        from treespec.apps.embedded import embedded_model_dir
-
-        target = TargetModel.from_local(embedded_model_dir(), dtype=DTYPES[args.dtype])
-        tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir(), local_files_only=True)
-        return target, tokenizer, "smollm2-135m-instruct"
-    target = TargetModel.from_local(args.model, dtype=DTYPES[args.dtype])
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError):
-        tokenizer = None  # a bare model directory: prompts must come as token ids
-    return target, tokenizer, str(args.model)
-
-
-def _load_drafters(args: argparse.Namespace) -> dict:
-    from treespec.apps.methods import drafter_dirs, embedded_drafter_dir, load_named_drafter
+def _drafter_dirs(args: argparse.Namespace) -> dict[str, Path]:
+    """The drafters to record: --dflash / --domino (by default, with the embedded target, its shipped
+    ones) and any --drafter NAME=DIR."""
+    from treespec.apps.methods import drafter_dirs, embedded_drafter_dir
 
     dirs = {kind: getattr(args, kind) for kind in _KINDS}
     if args.model is None:
         dirs = {k: d or (embedded_drafter_dir(k) if embedded_drafter_dir(k).is_dir() else None) for k, d in dirs.items()}
     dirs = {k: d for k, d in dirs.items() if d is not None}
-    given = [item.partition("=")[0] for item in args.drafter]
-    dirs |= drafter_dirs(given, args.drafter, embedded=False)
+    dirs |= drafter_dirs([item.partition("=")[0] for item in args.drafter], args.drafter, embedded=False)
     if not dirs:
         raise ValueError("no drafter to record: pass --dflash DIR and/or --domino DIR "
                          "(the embedded target's drafters are not installed)")
-    return {name: load_named_drafter(name, path) for name, path in dirs.items()}
+    return dirs
 
 
 def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
