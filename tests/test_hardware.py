@@ -44,6 +44,8 @@ def test_forced_dtypes_cuda_and_float64_checkpoints_skip_the_benchmark(tmp_path)
     assert hardware.resolve_dtype("checkpoint", config=config, cache_dir=tmp_path, benchmark=never) == "auto"
     assert hardware.resolve_dtype("auto", device="cuda", config=config, cache_dir=tmp_path,
                                   benchmark=never) == torch.bfloat16
+    config.dtype = torch.bfloat16  # a config that names its stored dtype: "checkpoint" resolves to it, typed
+    assert hardware.resolve_dtype("checkpoint", config=config, cache_dir=tmp_path, benchmark=never) == torch.bfloat16
     config.dtype = torch.float64
     assert hardware.resolve_dtype("auto", config=config, cache_dir=tmp_path, benchmark=never) == "auto"
     assert not calls

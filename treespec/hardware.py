@@ -208,8 +208,9 @@ def resolve_dtype(dtype: torch.dtype | str, *, device: str | torch.device = "cpu
         return dtype
     if dtype in DTYPE_NAMES:
         return DTYPE_NAMES[dtype]
-    if dtype == "checkpoint":
-        return "auto"
+    if dtype == "checkpoint":  # the stored dtype itself where the config names one; else transformers' "auto"
+        stored = _stored_dtype(config) if config is not None else None
+        return stored if stored is not None else "auto"
     if dtype != "auto":
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, checkpoint or one of {', '.join(DTYPE_NAMES)}")
     if torch.device(device).type == "cuda":
