@@ -136,14 +136,10 @@ def _width(tree: DraftTree) -> float:
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib
-    import matplotlib.pyplot as plt
+    from treespec.apps.bench.plots import save_figure  # stable SVG ids, no date: reproducible files
 
     fig.tight_layout()
-    with matplotlib.rc_context({"svg.hashsalt": "treespec"}):  # stable element ids: reproducible SVG
-        fig.savefig(path, metadata={"Date": None} if path.suffix == ".svg" else None)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _figure_path(path: str | Path) -> Path:

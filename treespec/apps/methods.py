@@ -53,7 +53,7 @@ class Method:
 
     name: str  # display name, as given
     policy: str | None  # registry policy name (None: autoregressive)
-    drafter: str | None  # "dflash" or "domino" (None: autoregressive)
+    drafter: str | None  # registered drafter name it runs over (None: autoregressive)
     budget: int | None = None  # tree budget (None: the policy's default)
     options: Mapping[str, Any] = attrs.field(factory=dict)  # extra policy keyword arguments
     verifier: str = "match"  # registered verifier that checks the trees
@@ -164,15 +164,16 @@ def _parse_head(head: str, text: str) -> Method:
     """The method ``head`` names (everything before ``/VERIFIER``); errors quote the whole ``text``."""
     if head == "ar":
         return Method(text, None, None)
-    if head in drafter_names():
+    names = drafter_names()
+    if head in names:
         return Method(text, "chain", head)  # a drafter alone: the chain over it (its own decoder)
     spec, _, drafter = head.partition(":")
     spec, *option_parts = spec.split("+")
     policy, _, budget = spec.partition("@")
     if budget and not budget.isdigit():
         raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
-    if drafter and drafter not in drafter_names():
-        raise ValueError(f"method {text!r}: unknown drafter {drafter!r}; available: {', '.join(drafter_names())}")
+    if drafter and drafter not in names:
+        raise ValueError(f"method {text!r}: unknown drafter {drafter!r}; available: {', '.join(names)}")
     if budget and int(budget) < 1:
         raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
     if policy not in registry.available("policy"):
@@ -229,12 +230,13 @@ def drafter_dirs(names, given: list[str], flags: Mapping[str, Path | None] | Non
     of ``--drafter``) or ``flags`` (``--dflash DIR``-style, by name), else the embedded target's own
     drafter when ``embedded``; a missing one, an unknown name or a malformed flag is refused by name."""
     dirs = {name: Path(path) for name, path in (flags or {}).items() if path is not None}
+    known = drafter_names() if given else []
     for item in given:
         name, eq, path = item.partition("=")
         if not eq or not name or not path:
             raise ValueError(f"--drafter takes NAME=DIR, got {item!r}")
-        if name not in drafter_names():
-            raise ValueError(f"--drafter {item}: unknown drafter {name!r}; available: {', '.join(drafter_names())}")
+        if name not in known:
+            raise ValueError(f"--drafter {item}: unknown drafter {name!r}; available: {', '.join(known)}")
         dirs[name] = Path(path)
     out = {}
     for name in names:

@@ -40,7 +40,8 @@ def page_data(trace: Trace, methods: Sequence[str], prompt: int, label: Callable
     label = label or str
     seq = trace.sequences[prompt].tolist()
     start = trace.prompt_len(prompt)
-    positions = [[_tree_data(v, label) for v in views_at(trace, methods, prompt, p, backend=backend)]
+    cache: dict = {}  # one draft rebuilder per drafter for every position
+    positions = [[_tree_data(v, label) for v in views_at(trace, methods, prompt, p, backend=backend, cache=cache)]
                  for p in range(trace.max_new_tokens)]
     return {"prompt_id": trace.meta["prompts"][prompt]["id"], "methods": list(methods),
             "prompt_tail": [label(t) for t in seq[max(0, start - 24):start]],

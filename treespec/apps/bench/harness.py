@@ -59,7 +59,7 @@ class Harness:
 
     target: TargetModel  # one KV cache, reset per generation
     chat: Chat  # prompt encoding
-    drafters: dict[str, Drafter] = attrs.field(factory=dict)  # "dflash" / "domino" -> drafter
+    drafters: dict[str, Drafter] = attrs.field(factory=dict)  # registered drafter name -> drafter
     costs: CostSource = attrs.field(factory=CostSource)  # how cost-aware policies are priced (--cost-model)
     profile: CostProfile | None = None  # this machine's, measured (or read from the cache) on first need
     progress: bool = False  # progress bar while the profile is measured

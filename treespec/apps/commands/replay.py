@@ -205,18 +205,13 @@ def _budgets(text: str | None) -> list[int]:
 
 def _sweep(args: argparse.Namespace, trace) -> list:
     """The methods to replay: the sweep of --methods x --budgets x --set, plus the baseline(s) it needs."""
-    from treespec.apps.methods import parse_method, with_budget
     from treespec.apps.replay import expand_sweep
+    from treespec.apps.replay.compare import baselines
 
     methods = expand_sweep(_methods(args, trace), _budgets(args.budgets), _settings(args.settings))
     if args.baseline is not None:
-        base = parse_method(args.baseline)
         named = {m.name for m in methods}
-        if base.budget is None and base.policy != "chain" and not base.autoregressive:
-            wanted = [with_budget(base, b) for b in sorted({m.budget for m in methods if m.budget is not None})]
-        else:
-            wanted = [base]
-        methods = [m for m in wanted if m.name not in named] + methods
+        methods = [m for m in baselines(args.baseline, methods) if m.name not in named] + methods
     return methods
 
 

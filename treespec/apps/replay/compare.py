@@ -28,7 +28,7 @@ from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.methods import Method, method_family, parse_method, policy_class, with_budget, with_options
 from treespec.apps.replay.evaluate import ReplayResult
 
-__all__ = ["ComparisonRow", "compare", "expand_sweep", "markdown_table", "per_prompt_rows", "plot_sweep",
+__all__ = ["ComparisonRow", "baselines", "compare", "expand_sweep", "markdown_table", "per_prompt_rows", "plot_sweep",
            "pooled_tau"]
 
 
@@ -91,10 +91,23 @@ def pooled_tau(taus: Sequence[Sequence[int]], idx) -> float:
     return sum(sum(taus[i]) for i in idx) / rounds if rounds else float("nan")
 
 
+def _per_budget(baseline: Method) -> bool:
+    """Whether ``baseline`` is taken at each compared method's budget: a tree policy named without one."""
+    return baseline.budget is None and baseline.policy != "chain" and not baseline.autoregressive
+
+
+def baselines(baseline: str, methods: Sequence[Method]) -> list[Method]:
+    """The baseline methods a comparison of ``methods`` against ``baseline`` needs replayed."""
+    base = parse_method(baseline)
+    if not _per_budget(base):
+        return [base]
+    return [with_budget(base, b) for b in sorted({m.budget for m in methods if m.budget is not None})]
+
+
 def _baseline_for(method: Method, baseline: Method | None, by_name: Mapping[str, ReplayResult]) -> str | None:
     if baseline is None:
         return None
-    if baseline.budget is None and baseline.policy != "chain" and not baseline.autoregressive:
+    if _per_budget(baseline):
         if method.budget is None:
             return None  # a chain has no budget to compare at
         name = with_budget(baseline, method.budget).name

@@ -64,8 +64,9 @@ def check_position(trace: Trace, prompt: int, position: int) -> None:
 
 
 def views_at(trace: Trace, methods: Sequence[str | Method], prompt: int, position: int, *,
-             backend: str = "torch") -> list[TreeView]:
-    """Each method's tree from the draft at ``position`` of ``prompt`` (module docstring)."""
+             backend: str = "torch", cache: dict[str, ReplayDrafts] | None = None) -> list[TreeView]:
+    """Each method's tree from the draft at ``position`` of ``prompt`` (module docstring); ``cache``
+    keeps the draft rebuilders between calls (one per drafter), as a page of every position does."""
     check_position(trace, prompt, position)
     parsed = [parse_method(m) if isinstance(m, str) else m for m in methods]
     if any(m.autoregressive for m in parsed):
@@ -73,7 +74,7 @@ def views_at(trace: Trace, methods: Sequence[str | Method], prompt: int, positio
     seq = trace.sequences[prompt].tolist()
     anchor = trace.prompt_len(prompt) - 1 + position  # absolute position of the round's root
     room = min(trace.max_new_tokens - position - 1, int(trace.meta["target"]["max_positions"]) - 1 - anchor)
-    cache: dict[str, ReplayDrafts] = {}
+    cache = {} if cache is None else cache
     built = []
     for method in parsed:
         drafts, policy = policy_for(trace, method, cache)
