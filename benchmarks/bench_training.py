@@ -23,16 +23,11 @@ from pathlib import Path
 import attrs
 import torch
 
-from drafters.teacher import TeacherCache
-from drafters.training import (
-    TRAIN_PRESETS,
-    DrafterTrainer,
-    coverage,
-    draft_vocabulary,
-    new_drafter,
-    response_token_counts,
-)
+from drafters.training import TRAIN_PRESETS, BlockRecipe, new_drafter
 from treespec.apps.selfdistill import iter_sequences
+from treespec.apps.training.teacher import TeacherCache
+from treespec.apps.training.trainer import DrafterTrainer
+from treespec.apps.training.vocabulary import coverage, draft_vocabulary, response_token_counts
 
 
 def _arms(args) -> dict[str, dict]:
@@ -54,17 +49,15 @@ def _trainers(args, target, pairs, cache, vocab, out: Path) -> dict[str, tuple[D
         cfg = arm["cfg"]
         drafter = new_drafter(target, cfg, args.mask_token_id,
                               draft_vocab=vocab if cfg.draft_vocab_size else None)
-        trainers[name] = (DrafterTrainer(target, drafter, cfg, out_dir=out / name), cache if arm["cached"] else pairs)
+        trainers[name] = (DrafterTrainer(BlockRecipe(target, drafter, cfg), out_dir=out / name), cache if arm["cached"] else pairs)
     return trainers
 
 
 def _step(trainer: DrafterTrainer, source, index: int) -> tuple[float, int]:
     """(CPU seconds, label positions) of one training step on sequence ``index``."""
     start = time.process_time()
-    record = trainer.record(source, index)
-    batch = trainer.make_batch(record, torch.Generator().manual_seed(index))
-    trainer.train_step(batch)
-    return time.process_time() - start, batch.anchors.numel() * trainer.drafter.config.num_drafted
+    done = trainer.train_step(trainer.record(source, index))
+    return time.process_time() - start, done[1] if done is not None else 0
 
 
 @torch.no_grad()

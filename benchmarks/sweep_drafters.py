@@ -3,7 +3,7 @@
 Every arm trains a fresh drafter from the teacher caches for the same CPU budget: a short probe
 (``--probe`` steps, thrown away) measures the arm's seconds per step on this machine, the arm's
 schedule is then set to the number of steps that fit the budget (warm-up and cosine decay over
-exactly those steps), and the trained drafter is scored by `drafters.evaluate` on the held-out
+exactly those steps), and the trained drafter is scored by `treespec.apps.training.evaluate` on the held-out
 caches at T = 0.  Arms are resumable: each writes ``OUT/ARM/result.json`` when done and is
 skipped on a rerun; an interrupted arm resumes from its last checkpoint.  The table, with the
 CPU minutes each arm really used, is printed and written to ``OUT/sweep.md``.
@@ -23,15 +23,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from drafters.teacher import TeacherCache
-from drafters.training import (
-    TRAIN_PRESETS,
-    DrafterTrainer,
-    TrainConfig,
-    draft_vocabulary,
-    new_drafter,
-    response_token_counts,
-)
+from drafters.training import TRAIN_PRESETS, BlockRecipe, TrainConfig, new_drafter
+from treespec.apps.training.teacher import TeacherCache
+from treespec.apps.training.trainer import DrafterTrainer
+from treespec.apps.training.vocabulary import draft_vocabulary, response_token_counts
 
 # name -> (preset, overrides): the axes the issue names, one change from the base arm each.
 ARMS: dict[str, tuple[str, dict]] = {
@@ -59,7 +54,7 @@ def arm_config(name: str, steps: int) -> TrainConfig:
 
 def _seconds_per_step(target, cache, name: str, vocab, mask: int, probe: int, out: Path) -> float:
     cfg = arm_config(name, steps=10_000)
-    trainer = DrafterTrainer(target, new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab)), cfg,
+    trainer = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab)), cfg),
                              out_dir=out / "probe")
     trainer.train(cache, until=1, progress=False)  # first step: allocation, tables
     start = time.process_time()
@@ -86,7 +81,7 @@ def run_arm(target, cache, heldout, name: str, budget_s: float, vocab, mask: int
         plan.parent.mkdir(parents=True, exist_ok=True)
         plan.write_text(json.dumps({"steps": steps, "seconds_per_step": per_step}))
     cfg = arm_config(name, steps)
-    trainer = DrafterTrainer(target, new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab)), cfg,
+    trainer = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab)), cfg),
                              out_dir=out / name)
     resumed = trainer.resume()
     start = time.process_time()

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ConfigError", "DFlashConfig", "DominoHeadConfig", "PRESETS", "preset", "read_config", "spread_layers"]
+__all__ = ["ConfigError", "DFlashConfig", "DominoHeadConfig", "PRESETS", "preset", "read_config"]
 
 DOMINO_PROJECTORS = ("domino",)  # dflash_config.projector_type values that mean a Domino head
 
@@ -338,9 +338,3 @@ def preset(name: str) -> DFlashConfig:
         return PRESETS[name]()
     except KeyError:
         raise ConfigError(f"unknown drafter preset {name!r}; available: {', '.join(sorted(PRESETS))}") from None
-
-
-def spread_layers(num_target_layers: int, taps: int = 4) -> tuple[int, ...]:
-    """Evenly spread tap layers from layer 1 to the second-to-last (like the released drafters)."""
-    last = num_target_layers - 2
-    return tuple(sorted({round(1 + i * (last - 1) / (taps - 1)) for i in range(taps)}))

@@ -2,13 +2,16 @@
 
 Contract
 --------
-`DrafterTrainer` trains a `DFlashDrafter` / `DominoDrafter` against a frozen target on token
-sequences (the target's own responses: self-distillation).  One step takes one sequence:
+`BlockRecipe` (registered as the training recipe ``"block"``) trains a `DFlashDrafter` /
+`DominoDrafter` against a frozen target on token sequences (the target's own responses:
+self-distillation), in the apps' training loop (`treespec.apps.training`: data order, optimiser,
+schedule, checkpoints and held-out τ; the contract between the two is `treespec.training`).  One
+step takes one sequence:
 
-1. The teacher's view of the sequence (`drafters.teacher.TeacherRecord`): the target's hidden-state
-   taps (rounded to bf16) give the drafter's context features, its top-K next-token log-probs plus
-   the remaining mass give the soft labels.  Read from a teacher cache (`drafters.teacher`), so
-   the step never runs the target, or computed live by a target forward (the same record).
+1. The teacher's view of the sequence (a `treespec.training.TeacherRecord`, which the loop reads
+   from a teacher cache or computes live): the target's hidden-state taps (rounded to bf16) give
+   the drafter's context features, its top-K next-token log-probs plus the remaining mass give the
+   soft labels.
 2. ``anchors_per_sequence`` anchors a are drawn in the response.  Block j is
    ``[token_a, mask, ..., mask]`` at positions ``a .. a+B-1``; it sees the context features of
    positions ``< a`` and itself (bidirectionally), as at inference.  All blocks of a sequence run
@@ -28,31 +31,25 @@ sequences (the target's own responses: self-distillation).  One step takes one s
    (a label outside them falls back to the base loss); loss ``(1 - lam) L(corrected) + lam L(base)``
    with lam decayed linearly from 1 to 0 over the run (or to ``base_share_floor``).
 
-Checkpoints are safetensors only: the drafter in its released layout (``drafter/``) and the
-optimizer moments under parameter names plus a JSON record of the step (``trainer_state.json``).
-Resuming restores both and continues the same data order (a seeded permutation).
+`new_drafter` builds a fresh drafter for a target (top layers copied from it), `warm_start` loads a
+saved one as a run's start (`grow_layers` adds draft layers that draft nothing at first).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import attrs
 import torch
-from safetensors.torch import load_file, save_file
 
-from drafters.config import DFlashConfig, DominoHeadConfig, spread_layers
+from drafters.config import DFlashConfig, DominoHeadConfig
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
-from drafters.teacher import TeacherCache, TeacherRecord, TeacherSpec, live_record
+from treespec.target import spread_layers
+from treespec.training import StepLoss, TeacherRecord, TrainingRecipe
 
-__all__ = ["DrafterTrainer", "TRAIN_PRESETS", "TrainConfig", "coverage", "decay_weights", "draft_config_for",
-           "draft_vocabulary", "init_from_target", "new_drafter", "response_token_counts", "use_autocast",
-           "warm_start"]
+__all__ = ["TRAIN_PRESETS", "BlockRecipe", "TrainConfig", "decay_weights", "draft_config_for", "grow_layers",
+           "init_from_target", "new_drafter", "warm_start"]
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -104,19 +101,6 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "smollm2-dflash-v8k-l1": TrainConfig(kind="dflash", **_SHIPPED),
     "smollm2-domino-v8k-l1": TrainConfig(kind="domino", base_share_floor=0.3, **_SHIPPED),
 }
-
-
-def use_autocast(setting: bool | None, device: torch.device, target_config) -> bool:
-    """Whether to train under bf16 autocast: ``setting``, else on CUDA, else where this CPU's bf16
-    matmul beats fp32 for the target's shapes (`treespec.hardware`; on a CPU without bf16 hardware
-    a bf16-autocast step measured about 10x slower than a float32 one)."""
-    if setting is not None:
-        return setting
-    if torch.device(device).type == "cuda":
-        return True
-    from treespec.hardware import cpu_dtype_choice
-
-    return cpu_dtype_choice(target_config).dtype == torch.bfloat16
 
 
 def decay_weights(depths: int, gamma: float) -> torch.Tensor:
@@ -174,41 +158,49 @@ class Batch:
     top_logp: torch.Tensor  # [T, K] float32 their log-probs
 
 
-class DrafterTrainer:
-    """Runs the recipe of the module docstring; see `train`."""
+class BlockRecipe(TrainingRecipe):
+    """The recipe of the module docstring for `DFlashDrafter` and `DominoDrafter` (``cfg.kind``)."""
 
-    def __init__(self, target, drafter: DFlashDrafter, cfg: TrainConfig, *, out_dir: str | Path,
-                 init: str | None = None) -> None:
-        self.target, self.drafter, self.cfg = target, drafter, cfg
-        self.init = init  # the warm start's weights (path and sha256), None for fresh weights
-        self.out_dir = Path(out_dir)
+    presets = TRAIN_PRESETS
+    config_type = TrainConfig
+
+    def __init__(self, target, drafter: DFlashDrafter, cfg: TrainConfig) -> None:
+        super().__init__(target, drafter, cfg)
+        self.cfg = cfg
         self.embed, self.head = target.get_input_embeddings(), target.get_output_embeddings()
-        self.spec = TeacherSpec(drafter.config.target_layer_ids, cfg.teacher_top_k, cfg.max_seq_len)
         ids = drafter.draft_token_ids
         vocab = drafter.config.vocab_size
         self.draft_ids = torch.arange(vocab, device=self.embed.weight.device) if ids is None else ids  # [N]
         self.head_rows = self.head.weight.detach().index_select(0, self.draft_ids)  # [N, H] frozen
         self.to_draft = torch.full((vocab,), -1, dtype=torch.int64, device=self.draft_ids.device)  # [V]
         self.to_draft[self.draft_ids] = torch.arange(self.draft_ids.numel(), device=self.draft_ids.device)
-        self.params = [p for p in drafter.model.parameters()]
-        for p in self.params:
-            p.requires_grad_(True)
-        drafter.model.train()
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.autocast = use_autocast(cfg.autocast_bf16, self.embed.weight.device, target.config)
-        self.step = 0
-        self.best_tau = float("-inf")  # best held-out τ of the first eval method so far
-        self._eval_target = None
-        self.generator = torch.Generator().manual_seed(cfg.seed)
 
-    # ------------------------------------------------------------------ schedule
-    def learning_rate(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to 10% of the peak."""
-        cfg = self.cfg
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    @classmethod
+    def new_drafter(cls, target, config: TrainConfig, mask_token_id: int,
+                    draft_vocab: torch.Tensor | None = None) -> DFlashDrafter:
+        return new_drafter(target, config, mask_token_id, draft_vocab)
+
+    @classmethod
+    def warm_start(cls, target, config: TrainConfig, mask_token_id: int, init_dir: str | Path) -> DFlashDrafter:
+        return warm_start(target, config, mask_token_id, init_dir)
+
+    @property
+    def trainable(self) -> torch.nn.Module:
+        return self.drafter.model
+
+    @property
+    def eval_methods(self) -> tuple[str, ...]:
+        """The config's, else the drafter's tree at budget 16 and its chain."""
+        if self.cfg.eval_methods:
+            return tuple(self.cfg.eval_methods)
+        return ("dominotree@16", "domino") if self.cfg.kind == "domino" else ("ddtree@16", "dflash")
+
+    def loss(self, record: TeacherRecord, step: int, generator: torch.Generator) -> StepLoss | None:
+        batch = self.make_batch(record, generator)
+        if batch is None:
+            return None
+        loss, logs = self.batch_loss(batch, step)
+        return StepLoss(loss, logs, batch.anchors.numel() * self.drafter.config.num_drafted)
 
     def base_share(self, step: int) -> float:
         """Domino's lam: the base-logit loss share, decayed linearly from 1 to ``base_share_floor``."""
@@ -288,8 +280,9 @@ class DrafterTrainer:
         s = self.cfg.soft_label_share
         return (1 - s) * ce_hard + s * ce_soft
 
-    def loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Weighted block loss (Domino: mixed base / corrected) and per-depth top-1 accuracy."""
+    def batch_loss(self, batch: Batch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """Weighted block loss at step ``step`` (Domino: mixed base / corrected) and per-depth top-1
+        accuracy."""
         z = self.drafted_states(batch)  # [n, L, H]
         base = (z.to(self.head_rows.dtype) @ self.head_rows.T).float()  # [n, L, N] over draft ids
         hard, soft, valid = self.labels(batch)
@@ -298,7 +291,7 @@ class DrafterTrainer:
         pred = self.draft_ids[base.argmax(-1)]  # [n, L] target ids
         if self.drafter.config.is_domino:
             corrected, pred = self.corrected_loss(z, base, hard, soft, batch)
-            lam = self.base_share(self.step)
+            lam = self.base_share(step)
             per_pos = lam * per_pos + (1 - lam) * corrected
         loss = (per_pos * weights).sum() / weights.sum().clamp(min=1e-6)
         acc = ((pred == hard) & valid).float().sum(0) / valid.float().sum(0).clamp(min=1)
@@ -335,153 +328,6 @@ class DrafterTrainer:
         pred = torch.where(pure, self.draft_ids[base.argmax(-1)],
                            cand_ids.gather(-1, logits.argmax(-1, keepdim=True))[..., 0])
         return torch.where(use_base, fallback, corrected), pred
-
-    # ------------------------------------------------------------------ loop
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.learning_rate(self.step)
-        device = self.drafter.model.fc.weight.device.type
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast):
-            loss, logs = self.loss(batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
-        self.optimizer.step()
-        self.step += 1
-        return logs
-
-    def record(self, source: Sequence, index: int) -> TeacherRecord:
-        """The teacher's view of sequence ``index``: from a `TeacherCache`, else a live target forward."""
-        if isinstance(source, TeacherCache):
-            record = source[index]
-            taps = source.select_taps(record.features, self.drafter.config.target_layer_ids)
-            return attrs.evolve(record, features=taps)
-        tokens, response_start = source[index]
-        return live_record(self.target, tokens, response_start, self.spec)
-
-    # ------------------------------------------------------------------ held-out τ
-    @property
-    def eval_methods(self) -> tuple[str, ...]:
-        """The held-out methods: the config's, else the drafter's tree at budget 16 and its chain."""
-        if self.cfg.eval_methods:
-            return tuple(self.cfg.eval_methods)
-        return ("dominotree@16", "domino") if self.cfg.kind == "domino" else ("ddtree@16", "dflash")
-
-    @torch.no_grad()
-    def evaluate(self, heldout: TeacherCache) -> dict[str, float]:
-        """Held-out τ of each eval method (`drafters.evaluate`) with the current weights."""
-        from drafters.evaluate import heldout_tau
-        from treespec.apps.methods import build_policy, parse_method
-        from treespec.target import TargetModel
-
-        if self._eval_target is None:
-            self._eval_target = TargetModel(self.target)
-        self.drafter.model.eval()
-        self.drafter.bind(self._eval_target)  # fresh per-bind tables (Domino's GRU inputs) from these weights
-        methods = {m: build_policy(parse_method(m)) for m in self.eval_methods}
-        layers = self.drafter.config.target_layer_ids
-        results = heldout_tau(self.drafter, methods, heldout, taps=lambda r: heldout.select_taps(r.features, layers))
-        self.drafter.model.train()
-        return {f"tau/{r.policy}": r.tau for r in results}
-
-    def _maybe_evaluate(self, heldout: TeacherCache | None, history: list[dict[str, float]]) -> None:
-        """Every ``eval_every`` steps: log held-out τ to ``eval.jsonl``; keep the best weights in ``best/``."""
-        if heldout is None or not self.cfg.eval_every or self.step % self.cfg.eval_every:
-            return
-        scores = self.evaluate(heldout) | {"step": self.step}
-        history.append(scores)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / "eval.jsonl", "a") as fh:
-            fh.write(json.dumps(scores, sort_keys=True) + "\n")
-        primary = scores[f"tau/{self.eval_methods[0]}"]
-        if primary > self.best_tau:
-            self.best_tau = primary
-            self.drafter.save_pretrained(self.out_dir / "best")
-            (self.out_dir / "best" / "heldout.json").write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
-
-    def train(self, sequences: Sequence, *, until: int | None = None, progress: bool = True,
-              heldout: TeacherCache | None = None) -> list[dict[str, float]]:
-        """Run to step ``until`` (default ``cfg.steps``), one sequence per step in a seeded order.
-
-        ``sequences``: a `TeacherCache`, or (tokens, response_start) pairs taught live.
-        ``heldout``: a teacher cache of held-out greedy answers, scored every ``eval_every`` steps (and,
-        for a warm start, once before the first step, so ``best/`` is the start until a step beats it).
-
-        Checkpoints every ``save_every`` steps and at the end; stopping early keeps the schedule of
-        the full run, so a later call (after `resume`) continues it exactly.
-        """
-        stop = min(self.cfg.steps, until if until is not None else self.cfg.steps)
-        from tqdm import tqdm
-
-        if not sequences:
-            raise ValueError("no training sequences")
-        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(self.cfg.seed)).tolist()
-        history: list[dict[str, float]] = []
-        bar = tqdm(total=stop, initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
-        start, tokens_seen = time.perf_counter(), 0
-        if self.step == 0 and self.init is not None:  # a warm start's own score: the bar to beat, and best/ until beaten
-            self._maybe_evaluate(heldout, history)
-        while self.step < stop:
-            record = self.record(sequences, order[self.step % len(order)])
-            batch = self.make_batch(record, torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step))
-            if batch is None:
-                self.step += 1
-                continue
-            logs = self.train_step(batch) | {"step": self.step}
-            history.append(logs)
-            tokens_seen += batch.anchors.numel() * self.drafter.config.num_drafted
-            bar.set_postfix(loss=f"{logs['loss']:.3f}", acc1=f"{logs.get('acc1', 0):.2f}",
-                            tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}", refresh=False)
-            bar.update(1)
-            self._maybe_evaluate(heldout, history)
-            if self.step % self.cfg.save_every == 0:
-                self.save(history)
-        self.save(history)
-        bar.close()
-        return history
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, history: Sequence[dict[str, float]] = ()) -> Path:
-        """Write ``drafter/`` (released layout), optimizer moments and the trainer state."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.drafter.save_pretrained(self.out_dir / "drafter")
-        names = {id(p): n for n, p in self.drafter.model.named_parameters()}
-        moments = {}
-        for p, st in self.optimizer.state.items():
-            moments[f"{names[id(p)]}::exp_avg"] = st["exp_avg"].contiguous()
-            moments[f"{names[id(p)]}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-        save_file(moments, str(self.out_dir / "optimizer.safetensors"))
-        state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast, "init": self.init,
-                 "best_tau": self.best_tau if self.best_tau > float("-inf") else None,
-                 "recent": list(history[-50:])}
-        (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        return self.out_dir
-
-    def resume(self) -> bool:
-        """Restore weights, optimizer moments and step from ``out_dir``; False when there is none."""
-        state_file = self.out_dir / "trainer_state.json"
-        if not state_file.exists():
-            return False
-        state = json.loads(state_file.read_text())
-        if state.get("init") != self.init:
-            raise ValueError(f"{self.out_dir} is a run started from {state.get('init') or 'fresh weights'}, "
-                             f"not from {self.init or 'fresh weights'}: use a new --out or the same start")
-        loaded = type(self.drafter).from_pretrained(self.out_dir / "drafter", dtype=self.dtype)
-        with torch.no_grad():
-            for p, q in zip(self.drafter.model.parameters(), loaded.model.parameters(), strict=True):
-                p.copy_(q)
-            for b, c in zip(self.drafter.model.buffers(), loaded.model.buffers(), strict=True):
-                b.copy_(c)
-        moments = load_file(str(self.out_dir / "optimizer.safetensors"), device=str(self.drafter.device))
-        for name, p in self.drafter.model.named_parameters():
-            if f"{name}::exp_avg" in moments:
-                self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
-                                           "exp_avg": moments[f"{name}::exp_avg"],
-                                           "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
-        self.step = int(state["step"])
-        self.best_tau = state.get("best_tau") if state.get("best_tau") is not None else float("-inf")
-        return True
-
 
 def new_drafter(target, cfg: TrainConfig, mask_token_id: int,
                 draft_vocab: torch.Tensor | None = None) -> DFlashDrafter:
@@ -559,24 +405,3 @@ def warm_start(target, cfg: TrainConfig, mask_token_id: int, init_dir: str | Pat
                          + ", ".join(f"{n} ({getattr(drafter.config, n)!r} saved, {getattr(wanted, n)!r} asked)"
                                      for n in differ))
     return drafter
-
-
-def response_token_counts(sequences: Iterable[tuple[torch.Tensor, int]], vocab_size: int) -> torch.Tensor:
-    """[V] int64 how often each token occurs in the responses of (tokens, response_start) pairs."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for tokens, start in sequences:
-        counts += torch.bincount(tokens[start:].long().cpu(), minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """[size] the ``size`` most frequent token ids (ties and unseen tokens by ascending id), ascending."""
-    if not 1 <= size <= counts.numel():
-        raise ValueError(f"a draft vocabulary of {size} tokens needs 1 <= size <= {counts.numel()}")
-    order = torch.sort(counts, descending=True, stable=True).indices  # ties keep ascending ids
-    return order[:size].sort().values
-
-
-def coverage(draft_vocab: torch.Tensor, counts: torch.Tensor) -> float:
-    """Share of the counted tokens that the draft vocabulary covers."""
-    return float(counts[draft_vocab].sum()) / max(int(counts.sum()), 1)

@@ -70,7 +70,7 @@ def test_a_grown_pass_replaces_its_short_last_shard_and_the_pass_resumes_from_a_
 def test_the_teacher_cache_of_restored_data_is_the_cache_of_the_original(target, tmp_path):
     from safetensors import safe_open
 
-    from drafters.teacher import TeacherSpec, build_teacher_cache
+    from treespec.apps.training.teacher import TeacherSpec, build_teacher_cache
 
     data = _data(target, tmp_path / "run")
     save_store(data, tmp_path / "store", tokenizer="tok")

@@ -19,6 +19,8 @@ KERNEL = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                 if p.parts[len(ROOT.parts)] != "apps" and p.name != "__init__.py")
 APPS = sorted(str(p.relative_to(ROOT / "apps")) for p in (ROOT / "apps").rglob("*.py"))
 IMPLEMENTATIONS = ("policies", "drafters", "verifiers")
+IMPLEMENTATION_MODULES = sorted(str(p.relative_to(ROOT.parent)) for package in IMPLEMENTATIONS
+                                for p in (ROOT.parent / package).rglob("*.py"))
 
 
 def imported_names(source: str) -> list[tuple[int, str]]:
@@ -47,8 +49,16 @@ def app_imports(source: str) -> list[str]:
 
 
 def test_the_layout_is_what_the_checks_read():
-    assert {"tree.py", "interfaces.py", "decoding.py", "target.py", "registry.py", "topk.py"} <= set(KERNEL)
-    assert {"api.py", "cli.py", "bench/runner.py", "replay/record.py", "methods.py"} <= set(APPS)
+    assert {"tree.py", "interfaces.py", "decoding.py", "target.py", "registry.py", "topk.py", "training.py"} <= set(KERNEL)
+    assert {"api.py", "cli.py", "bench/runner.py", "replay/record.py", "methods.py", "training/trainer.py"} <= set(APPS)
+    assert {"drafters/training.py", "policies/ddtree.py", "verifiers/match.py"} <= set(IMPLEMENTATION_MODULES)
+
+
+@pytest.mark.parametrize("module", IMPLEMENTATION_MODULES)
+def test_no_implementation_imports_an_app(module):
+    """policies/, drafters/ and verifiers/ sit below the apps: they import the kernel, never an app
+    (drafter training's loop, teacher cache and commands live in ``treespec/apps/training``)."""
+    assert app_imports((ROOT.parent / module).read_text()) == []
 
 
 @pytest.mark.parametrize("module", KERNEL)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafters.training import DrafterTrainer, TrainConfig, decay_weights, init_from_target, new_drafter
+from drafters.training import BlockRecipe, TrainConfig, decay_weights, init_from_target, new_drafter
+from treespec.apps.training.trainer import DrafterTrainer
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +36,13 @@ def make(target, tmp_path, kind="dflash", **kw):
                     lr=3e-3, gru_hidden_dim=16, emb_dim=8) | kw
     cfg = TrainConfig(kind=kind, **settings)
     drafter = new_drafter(target, cfg, mask_token_id=1)
-    return DrafterTrainer(target, drafter, cfg, out_dir=tmp_path / kind)
+    return DrafterTrainer(BlockRecipe(target, drafter, cfg), out_dir=tmp_path / kind)
 
 
 def test_block_mask_sees_strict_past_context_and_own_block(target, tmp_path):
     trainer = make(target, tmp_path)
     anchors = torch.tensor([3, 7])
-    mask = trainer.block_mask(anchors, context_len=10)  # [2*4, 10 + 8]
+    mask = trainer.recipe.block_mask(anchors, context_len=10)  # [2*4, 10 + 8]
     assert mask.shape == (8, 18)
     assert mask[0, :10].tolist() == [True] * 3 + [False] * 7
     assert mask[5, :10].tolist() == [True] * 7 + [False] * 3
@@ -53,8 +54,8 @@ def test_labels_are_the_tokens_after_the_anchor(target, tmp_path):
     trainer = make(target, tmp_path)
     data = sequences(1)
     tokens, start = data[0]
-    batch = trainer.make_batch(trainer.record(data, 0), torch.Generator().manual_seed(0))
-    hard, soft, valid = trainer.labels(batch)
+    batch = trainer.recipe.make_batch(trainer.record(data, 0), torch.Generator().manual_seed(0))
+    hard, soft, valid = trainer.recipe.labels(batch)
     a = int(batch.anchors[0])
     depth = trainer.drafter.config.num_drafted
     assert hard[0].tolist() == tokens[a + 1:a + 1 + depth].tolist()
@@ -76,14 +77,14 @@ def test_training_lowers_the_held_out_loss(target, tmp_path, kind):
     trainer = make(target, tmp_path, kind=kind, steps=60, soft_label_share=0.0, anchors_per_sequence=16,
                    top_m=16)  # Domino: candidates restricted to 16 of the 64 tokens
     data = sequences(2, target=target)  # self-distillation: the target's own greedy responses
-    probe = trainer.make_batch(trainer.record(data, 0), torch.Generator().manual_seed(123))
+    probe = trainer.recipe.make_batch(trainer.record(data, 0), torch.Generator().manual_seed(123))
     trainer.step = trainer.cfg.steps  # evaluate Domino on its corrected logits (lam = 0)
     with torch.no_grad():
-        before = float(trainer.loss(probe)[0])
+        before = float(trainer.recipe.batch_loss(probe, trainer.step)[0])
     trainer.step = 0
     trainer.train(data, progress=False)
     with torch.no_grad():
-        after = float(trainer.loss(probe)[0])
+        after = float(trainer.recipe.batch_loss(probe, trainer.step)[0])
     assert after < 0.7 * before, (before, after)
 
 
@@ -106,9 +107,9 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
-    from drafters.commands.train_drafter import export_drafter
     from drafters.domino import DominoDrafter
     from treespec.apps.api import load_drafter
+    from treespec.apps.commands.train_drafter import export_drafter
 
     trainer = make(target, tmp_path, kind=kind)
     trainer.train(sequences(), until=2, progress=False)
@@ -137,8 +138,8 @@ _ID = {"name": "tiny", "sha256": "0" * 64}
 
 
 def test_the_teacher_cache_holds_the_live_records_and_resumes(target, tmp_path):
-    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache, live_record
     from treespec.apps.selfdistill import iter_sequences
+    from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache, live_record
 
     data = _distill_dir(target, tmp_path)
     spec = TeacherSpec((0, 2, 3), top_k=8, max_seq_len=24)
@@ -170,7 +171,7 @@ def _cache_shard(path):
 
 def test_a_cache_shard_whose_data_shard_grew_is_built_again(target, tmp_path):
     """distill-data rewrites a short last shard in full when a run grows; its cache shard follows."""
-    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache
+    from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache
 
     spec = TeacherSpec((0, 2), top_k=8, max_seq_len=24)
     paths = build_teacher_cache(target, _distill_dir(target, tmp_path, n=6), tmp_path / "cache", spec, _ID,
@@ -188,7 +189,7 @@ def test_a_cache_shard_whose_data_shard_grew_is_built_again(target, tmp_path):
     (dict(taps=(1,)), "target_layer_ids"),
 ])
 def test_a_teacher_cache_of_other_settings_is_refused(target, tmp_path, change, message):
-    from drafters.teacher import TeacherCacheError, TeacherSpec, build_teacher_cache
+    from treespec.apps.training.teacher import TeacherCacheError, TeacherSpec, build_teacher_cache
 
     data = _distill_dir(target, tmp_path, n=2)
     build_teacher_cache(target, data, tmp_path / "c", TeacherSpec((0, 2), top_k=8), _ID, progress=False)
@@ -198,7 +199,7 @@ def test_a_teacher_cache_of_other_settings_is_refused(target, tmp_path, change, 
 
 
 def test_training_refuses_a_cache_for_another_target_taps_or_k(target, tmp_path):
-    from drafters.teacher import TeacherCache, TeacherCacheError, TeacherSpec, build_teacher_cache
+    from treespec.apps.training.teacher import TeacherCache, TeacherCacheError, TeacherSpec, build_teacher_cache
 
     data = _distill_dir(target, tmp_path, n=2)
     build_teacher_cache(target, data, tmp_path / "c", TeacherSpec((0, 2), top_k=8), _ID, progress=False)
@@ -215,8 +216,8 @@ def test_training_refuses_a_cache_for_another_target_taps_or_k(target, tmp_path)
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_training_from_the_cache_equals_training_live(target, tmp_path, kind):
-    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache
     from treespec.apps.selfdistill import iter_sequences
+    from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache
 
     data = _distill_dir(target, tmp_path)
     live = make(target, tmp_path / "live", kind=kind, steps=6, teacher_top_k=8, target_layer_ids=(0, 2))
@@ -232,13 +233,13 @@ def test_training_from_the_cache_equals_training_live(target, tmp_path, kind):
 
 
 def test_a_reduced_vocabulary_covering_every_token_trains_like_the_full_head(target, tmp_path):
-    from drafters.training import draft_vocabulary
+    from treespec.apps.training.vocabulary import draft_vocabulary
 
     data = sequences(2, target=target)
     full = make(target, tmp_path / "full", steps=3, autocast_bf16=False)
     everything = draft_vocabulary(torch.ones(64, dtype=torch.int64), 64)
     cfg = attrs_evolve(full.cfg, draft_vocab_size=64)
-    same = DrafterTrainer(target, new_drafter(target, cfg, mask_token_id=1, draft_vocab=everything), cfg,
+    same = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, mask_token_id=1, draft_vocab=everything), cfg),
                           out_dir=tmp_path / "same")
     a, b = full.train(data, progress=False), same.train(data, progress=False)
     assert [x["loss"] for x in a] == pytest.approx([x["loss"] for x in b], rel=1e-6)
@@ -246,7 +247,7 @@ def test_a_reduced_vocabulary_covering_every_token_trains_like_the_full_head(tar
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path, kind):
-    from drafters.training import coverage, draft_vocabulary, response_token_counts
+    from treespec.apps.training.vocabulary import coverage, draft_vocabulary, response_token_counts
 
     data = sequences(3, target=target)
     counts = response_token_counts(data, 64)
@@ -259,10 +260,10 @@ def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path
                       gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=2)
     with pytest.raises(ValueError, match="pass the draft vocabulary"):
         new_drafter(target, cfg, mask_token_id=1)
-    trainer = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / kind)
+    trainer = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg), out_dir=tmp_path / kind)
     history = trainer.train(data, progress=False)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
-    resumed = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=tmp_path / kind)
+    resumed = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg), out_dir=tmp_path / kind)
     assert resumed.resume() and torch.equal(resumed.drafter.draft_token_ids, vocab)
 
 
@@ -277,9 +278,9 @@ def attrs_evolve(cfg, **kw):
 
 @pytest.mark.parametrize(("kind", "method"), [("dflash", "ddtree@6"), ("domino", "dominotree@6"), ("domino", "domino")])
 def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
-    from drafters.evaluate import heldout_tau
-    from drafters.teacher import TeacherSpec, live_record
     from treespec.apps.methods import build_policy, parse_method
+    from treespec.apps.training.evaluate import heldout_tau
+    from treespec.apps.training.teacher import TeacherSpec, live_record
     from treespec.decoding import SpeculativeDecoder
     from treespec.target import TargetModel
 
@@ -310,7 +311,7 @@ def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
 def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_path):
     import json
 
-    from drafters.teacher import TeacherCache, TeacherSpec, build_teacher_cache
+    from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache
 
     data = _distill_dir(target, tmp_path)
     build_teacher_cache(target, data, tmp_path / "held", TeacherSpec((0, 1, 2, 3), top_k=4), _ID, progress=False)
@@ -324,7 +325,7 @@ def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_
     assert best["tau/ddtree@4"] == trainer.best_tau
     again = make(target, tmp_path, steps=6, eval_every=3, eval_methods=("ddtree@4", "dflash"))
     assert again.resume() and again.best_tau == trainer.best_tau
-    warm = DrafterTrainer(target, trainer.drafter, trainer.cfg, out_dir=tmp_path / "warm", init="the run above")
+    warm = DrafterTrainer(BlockRecipe(target, trainer.drafter, trainer.cfg), out_dir=tmp_path / "warm", init="the run above")
     warm.train(sequences(2, target=target), progress=False, heldout=heldout)  # a warm start scores its start too
     steps = [json.loads(x)["step"] for x in (tmp_path / "warm" / "eval.jsonl").read_text().splitlines()]
     assert steps == [0, 3, 6]
@@ -332,20 +333,20 @@ def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_
 
 def test_the_base_share_decays_to_its_floor(target, tmp_path):
     trainer = make(target, tmp_path, kind="domino", steps=10, base_share_floor=0.25)
-    assert [trainer.base_share(s) for s in (0, 5, 8, 10)] == [1.0, 0.5, 0.25, 0.25]
-    assert make(target, tmp_path, kind="domino", steps=10).base_share(10) == 0.0
+    assert [trainer.recipe.base_share(s) for s in (0, 5, 8, 10)] == [1.0, 0.5, 0.25, 0.25]
+    assert make(target, tmp_path, kind="domino", steps=10).recipe.base_share(10) == 0.0
 
 
 def _trained_start(target, out_dir, kind: str, steps: int):
     """(data, draft vocabulary, one-layer config, its trainer after ``steps`` steps): a saved start."""
-    from drafters.training import draft_vocabulary, response_token_counts
+    from treespec.apps.training.vocabulary import draft_vocabulary, response_token_counts
 
     data = sequences(3, target=target)
     vocab = draft_vocabulary(response_token_counts(data, 64), 24)
     cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=8, steps=steps, warmup_steps=2,
                       gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=10, lr=3e-3,
                       soft_label_share=0.0)
-    first = DrafterTrainer(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg, out_dir=out_dir)
+    first = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg), out_dir=out_dir)
     first.train(data, progress=False)
     return data, vocab, cfg, first
 
@@ -360,23 +361,23 @@ def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
     assert torch.equal(start.draft_token_ids, vocab)
     for p, q in zip(first.drafter.model.parameters(), start.model.parameters(), strict=True):
         assert torch.equal(p, q)
-    probe = first.make_batch(first.record(data, 0), torch.Generator().manual_seed(5))
-    second = DrafterTrainer(target, start, cfg, out_dir=tmp_path / "b", init="a")
+    probe = first.recipe.make_batch(first.record(data, 0), torch.Generator().manual_seed(5))
+    second = DrafterTrainer(BlockRecipe(target, start, cfg), out_dir=tmp_path / "b", init="a")
     assert not second.optimizer.state  # fresh moments
     second.step = first.step  # the same loss weighting, so the probe losses compare
     with torch.no_grad():
-        before = float(second.loss(probe)[0])
-        assert before == pytest.approx(float(first.loss(probe)[0]), rel=1e-6)
+        before = float(second.recipe.batch_loss(probe, second.step)[0])
+        assert before == pytest.approx(float(first.recipe.batch_loss(probe, first.step)[0]), rel=1e-6)
     second.step = 0
     second.train(data, progress=False)
     second.step = first.step
     with torch.no_grad():
-        assert float(second.loss(probe)[0]) < before  # the added steps go on lowering the loss
+        assert float(second.recipe.batch_loss(probe, second.step)[0]) < before  # the added steps go on lowering the loss
     with pytest.raises(ValueError, match="draft_vocab_size"):
         warm_start(target, attrs_evolve(cfg, draft_vocab_size=32), 1, tmp_path / "a" / "drafter")
     with pytest.raises(ValueError, match="no drafter checkpoint"):
         warm_start(target, cfg, 1, tmp_path / "nothing")
-    other = DrafterTrainer(target, start, cfg, out_dir=tmp_path / "b", init="elsewhere")
+    other = DrafterTrainer(BlockRecipe(target, start, cfg), out_dir=tmp_path / "b", init="elsewhere")
     with pytest.raises(ValueError, match="started from a"):
         other.resume()
 
@@ -402,18 +403,18 @@ def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(targ
             assert not param.any(), name
         elif name in source:
             assert torch.equal(param, source[name].float()), name
-    probe = first.make_batch(first.record(data, 0), torch.Generator().manual_seed(5))
-    second = DrafterTrainer(target, grown, two, out_dir=tmp_path / "b", init="a")
+    probe = first.recipe.make_batch(first.record(data, 0), torch.Generator().manual_seed(5))
+    second = DrafterTrainer(BlockRecipe(target, grown, two), out_dir=tmp_path / "b", init="a")
     second.step = first.step
     with torch.no_grad():
-        before = float(second.loss(probe)[0])
-        assert before == pytest.approx(float(first.loss(probe)[0]), rel=1e-5)  # drafts as saved
+        before = float(second.recipe.batch_loss(probe, second.step)[0])
+        assert before == pytest.approx(float(first.recipe.batch_loss(probe, first.step)[0]), rel=1e-5)  # drafts as saved
     second.step = 0
     second.train(data, progress=False)
     assert added.self_attn.o_proj.weight.abs().sum() > 0 and added.mlp.down_proj.weight.abs().sum() > 0
     second.step = first.step
     with torch.no_grad():
-        assert float(second.loss(probe)[0]) < before
+        assert float(second.recipe.batch_loss(probe, second.step)[0]) < before
     second.drafter.save_pretrained(tmp_path / "two")
     with pytest.raises(ValueError, match="num_hidden_layers \\(2 saved, 1 asked\\)"):
         warm_start(target, cfg, 1, tmp_path / "two")

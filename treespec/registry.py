@@ -1,9 +1,11 @@
-"""Name -> implementation lookup for policies, drafters, verifiers, recordable scorers and CLI commands.
+"""Name -> implementation lookup for policies, drafters, verifiers, recordable scorers, training recipes
+and CLI commands.
 
 Contract: built-in names map to ``"module:attribute"`` strings that are imported only when the name
 is resolved, so the kernel never imports ``policies``, ``drafters`` or ``verifiers``.
 Third-party packages register more names through the entry-point groups ``treespec.policies``,
-``treespec.drafters``, ``treespec.verifiers``, ``treespec.scorers`` and ``treespec.commands`` (value
+``treespec.drafters``, ``treespec.verifiers``, ``treespec.scorers``, ``treespec.recipes`` and
+``treespec.commands`` (value
 ``"pkg.mod:Class"``; a command is a module, ``"pkg.mod"``), or at run time with `register`.
 """
 
@@ -15,9 +17,9 @@ from typing import Any
 
 __all__ = ["KINDS", "RegistryError", "available", "builtin", "create", "register", "resolve"]
 
-KINDS = ("policy", "drafter", "verifier", "scorer", "command")
+KINDS = ("policy", "drafter", "verifier", "scorer", "recipe", "command")
 _GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers",
-           "scorer": "treespec.scorers", "command": "treespec.commands"}
+           "scorer": "treespec.scorers", "recipe": "treespec.recipes", "command": "treespec.commands"}
 
 # Built-ins, resolved lazily.  A new policy is one file in policies/ plus one line here.
 _BUILTIN: dict[str, dict[str, str]] = {
@@ -51,10 +53,10 @@ _BUILTIN: dict[str, dict[str, str]] = {
     "scorer": {  # RecordableScorer classes: trace replay rebuilds their recorded rounds by this name
         "domino": "drafters.domino:DominoScorer",
     },
-    "command": {  # `treespec NAME` subcommands of the implementation packages (modules: add_arguments, run)
-        "teacher-cache": "drafters.commands.teacher_cache",
-        "train-drafter": "drafters.commands.train_drafter",
+    "recipe": {  # treespec.training.TrainingRecipe classes: how `treespec train-drafter` trains a drafter family
+        "block": "drafters.training:BlockRecipe",
     },
+    "command": {},  # `treespec NAME` subcommands of other packages (modules: add_arguments, run)
 }
 _RUNTIME: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 

@@ -46,7 +46,7 @@ from treespec.hardware import reduced_precision
 from treespec.tree import DraftTree
 
 __all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
-           "check_device", "crop_cache", "select_taps", "tap_features", "use_float32_head"]
+           "check_device", "crop_cache", "select_taps", "spread_layers", "tap_features", "use_float32_head"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
 
@@ -306,6 +306,12 @@ def tap_features(out, taps: tuple[int, ...]) -> torch.Tensor | None:
     if not taps:
         return None
     return torch.cat([out.hidden_states[t] for t in taps], dim=-1)
+
+
+def spread_layers(num_target_layers: int, taps: int = 4) -> tuple[int, ...]:
+    """Evenly spread tap layers from layer 1 to the second-to-last (like the released drafters)."""
+    last = num_target_layers - 2
+    return tuple(sorted({round(1 + i * (last - 1) / (taps - 1)) for i in range(taps)}))
 
 
 def select_taps(features: torch.Tensor, have: Sequence[int], want: Sequence[int]) -> torch.Tensor:

@@ -42,7 +42,7 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.methods import prices_trees
+from treespec.apps.methods import check_budget, prices_trees
 from treespec.apps.pricing import CostSource, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
@@ -101,9 +101,7 @@ def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any]
     if isinstance(policy, TreePolicy):
         return policy, lambda: None
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-        kwargs = {**kwargs, "budget": budget}
+        kwargs = {**kwargs, "budget": check_budget(budget, "generate")}
     if not prices_trees(policy) or "cost_model" in kwargs:
         return registry.create("policy", policy, **kwargs), lambda: None
     from treespec.profile import machine_profile

@@ -3,7 +3,7 @@
 Contract
 --------
 A method string is ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER][/VERIFIER]`` or one of the aliases below;
-`parse_method` turns it into a `Method`.  Each method names the registered drafter it runs over (by default the one of the role its policy
+`parse_method` turns it into a `MethodSpec`, whose name is made from its fields again (`method_name`), never parsed back.  Each method names the registered drafter it runs over (by default the one of the role its policy
 needs: "dflash" for factorized policies, "domino" for conditional ones; None for autoregressive
 decoding), so one harness can run every method of a comparison over the same target and drafters:
 
@@ -37,8 +37,9 @@ from treespec import registry
 from treespec.cost import CostModel
 from treespec.interfaces import Drafter, TreePolicy
 
-__all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "Method", "build_policy", "drafter_dirs", "drafter_names", "drafter_role", "embedded_drafter_dir", "load_named_drafter", "method_family", "parse_method", "policy_class", "prices_trees",
-           "with_budget", "with_options"]
+__all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "MethodSpec", "build_policy", "check_budget", "default_drafter",
+           "drafter_dirs", "drafter_names", "drafter_role", "embedded_drafter_dir", "load_named_drafter", "method_name",
+           "needed_role", "parse_method", "policy_class", "prices_trees", "with_budget", "with_options"]
 
 # The drafter a method runs over when it names none, by what its policy needs (its ``uses_scorer``).
 DEFAULT_DRAFTERS = {"marginal": "dflash", "conditional": "domino"}
@@ -48,15 +49,25 @@ DEMO_METHODS = ("ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotre
 
 
 @attrs.frozen
-class Method:
-    """One decoding method of a comparison."""
+class MethodSpec:
+    """One decoding method of a comparison, as fields; its name is derived from them (`method_name`)."""
 
-    name: str  # display name, as given
-    policy: str | None  # registry policy name (None: autoregressive)
+    policy: str | None  # registry policy name ("chain" for a drafter's own chain; None: autoregressive)
     drafter: str | None  # registered drafter name it runs over (None: autoregressive)
     budget: int | None = None  # tree budget (None: the policy's default)
-    options: Mapping[str, Any] = attrs.field(factory=dict)  # extra policy keyword arguments
+    options: Mapping[str, Any] = attrs.field(factory=dict)  # extra policy keyword arguments, typed
     verifier: str = "match"  # registered verifier that checks the trees
+
+    @property
+    def name(self) -> str:
+        """The display name, the form `parse_method` reads: ``ddtree@16``, ``eagle2@8+topk=4:domino``."""
+        return method_name(self.policy, self.drafter, self.budget, self.options, self.verifier)
+
+    @property
+    def family(self) -> str:
+        """The name with the budget taken out (``ddtree:domino``, ``eagle2+topk=4``): the line of a
+        budget curve, which keeps options, drafters and verifiers apart."""
+        return method_name(self.policy, self.drafter, None, self.options, self.verifier)
 
     @property
     def autoregressive(self) -> bool:
@@ -68,35 +79,57 @@ class Method:
         return self.policy is not None and prices_trees(self.policy)
 
 
-def _split_name(name: str) -> tuple[str, str, str, str]:
-    """(policy, "+K=V..." options, ":DRAFTER", "/VERIFIER") of a method name, the budget dropped; each
-    tail keeps its sign (empty when absent)."""
-    head, slash, verifier = name.partition("/")
-    spec, colon, drafter = head.partition(":")
-    policy, plus, options = spec.partition("+")
-    return policy.partition("@")[0], plus + options, colon + drafter, slash + verifier
+def method_name(policy: str | None, drafter: str | None, budget: int | None = None,
+                options: Mapping[str, Any] | None = None, verifier: str = "match") -> str:
+    """The name of a method from its fields: ``ar``, a drafter's name alone for its chain, else
+    ``POLICY[@B][+K=V...][:DRAFTER]`` with the drafter left out when it is the default of the role the
+    policy needs; ``/VERIFIER`` unless it is ``match``.  The one place a name is made."""
+    if policy is None or policy == "ar":
+        head = "ar"
+    elif policy == "chain" and drafter:
+        head = drafter
+    else:
+        head = policy + (f"@{budget}" if budget is not None else "")
+        head += "".join(f"+{k}={_option_text(v)}" for k, v in (options or {}).items())
+        if drafter and drafter != default_drafter(policy):
+            head += f":{drafter}"
+    return head + (f"/{verifier}" if verifier and verifier != "match" else "")
 
 
-def with_budget(method: Method, budget: int) -> Method:
-    """``method`` at tree budget ``budget``, named as `parse_method` would name it."""
-    policy, options, drafter, verifier = _split_name(method.name)
-    return attrs.evolve(method, name=f"{policy}@{budget}{options}{drafter}{verifier}", budget=budget)
+def _option_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def with_options(method: Method, options: Mapping[str, str]) -> Method:
-    """``method`` with more ``+KEY=VALUE`` options (text, typed and checked by `parse_method`), named
-    as `parse_method` would name it; options it sets already are kept as they are."""
-    policy, given, drafter, verifier = _split_name(method.name)
-    budget = f"@{method.budget}" if method.budget is not None else ""
-    extra = "".join(f"+{k}={v}" for k, v in options.items() if k not in method.options)
-    return parse_method(f"{policy}{budget}{given}{extra}{drafter}{verifier}")
+def needed_role(policy: str) -> str:
+    """The drafter role the registered ``policy`` needs: "conditional" when it declares that it needs
+    a scorer (``uses_scorer = "required"``), else "marginal"."""
+    return "conditional" if policy_class(policy).uses_scorer == "required" else "marginal"
 
 
-def method_family(name: str) -> str:
-    """A method name with its budget taken out (``ddtree@16:domino`` -> ``ddtree:domino``,
-    ``eagle2@8+topk=4`` -> ``eagle2+topk=4``): the line of a budget curve, which keeps options,
-    drafters and verifiers apart."""
-    return "".join(_split_name(name))
+def default_drafter(policy: str) -> str | None:
+    """The drafter a method over ``policy`` runs on when it names none (None for a policy that is not
+    registered, e.g. one of an imported published record)."""
+    return DEFAULT_DRAFTERS[needed_role(policy)] if policy in registry.available("policy") else None
+
+
+def with_budget(method: MethodSpec, budget: int) -> MethodSpec:
+    """``method`` at tree budget ``budget``."""
+    return attrs.evolve(method, budget=check_budget(budget, method.name))
+
+
+def with_options(method: MethodSpec, options: Mapping[str, str]) -> MethodSpec:
+    """``method`` with more options given as text (typed and checked as `parse_method` does); options
+    it sets already are kept as they are."""
+    extra = {k: _option_value(method.policy, k, v) for k, v in options.items() if k not in method.options}
+    return attrs.evolve(method, options={**method.options, **extra})
+
+
+def check_budget(value: Any, where: str) -> int:
+    """``value`` as a tree budget: an integer >= 1, else a ValueError naming ``where`` (the one check
+    of a budget, whichever app it comes from)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: budget must be a positive integer, got {value!r}")
+    return value
 
 
 def _option_value(policy: str, key: str, text: str) -> Any:
@@ -145,9 +178,9 @@ def _options(policy: str, parts: list[str], text: str) -> dict[str, Any]:
     return options
 
 
-def parse_method(text: str) -> Method:
+def parse_method(text: str) -> MethodSpec:
     """``ar`` | ``dflash`` | ``domino`` | ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER]``, each optionally
-    followed by ``/VERIFIER`` -> `Method`.
+    followed by ``/VERIFIER`` -> `MethodSpec`.
 
     Options set the policy's own fields, typed by their defaults and checked against them
     (``eagle2@16+topk=4``, ``sequoia@32+depth=4``); ``+``, ``=`` and ``/`` need no quoting in a shell
@@ -157,34 +190,29 @@ def parse_method(text: str) -> Method:
     if slash and verifier not in registry.available("verifier"):
         raise ValueError(f"method {text!r}: unknown verifier {verifier!r}; available: "
                          f"{', '.join(registry.available('verifier'))}")
-    return attrs.evolve(_parse_head(head, text), name=text, verifier=verifier or "match")
+    return attrs.evolve(_parse_head(head, text), verifier=verifier or "match")
 
 
-def _parse_head(head: str, text: str) -> Method:
+def _parse_head(head: str, text: str) -> MethodSpec:
     """The method ``head`` names (everything before ``/VERIFIER``); errors quote the whole ``text``."""
     if head == "ar":
-        return Method(text, None, None)
+        return MethodSpec(None, None)
     names = drafter_names()
     if head in names:
-        return Method(text, "chain", head)  # a drafter alone: the chain over it (its own decoder)
+        return MethodSpec("chain", head)  # a drafter alone: the chain over it (its own decoder)
     spec, _, drafter = head.partition(":")
     spec, *option_parts = spec.split("+")
     policy, _, budget = spec.partition("@")
-    if budget and not budget.isdigit():
-        raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
     if drafter and drafter not in names:
         raise ValueError(f"method {text!r}: unknown drafter {drafter!r}; available: {', '.join(names)}")
-    if budget and int(budget) < 1:
-        raise ValueError(f"method {text!r}: budget must be a positive integer, got {budget!r}")
     if policy not in registry.available("policy"):
         raise ValueError(f"method {text!r}: unknown policy {policy!r}; available: "
                          f"{', '.join(registry.available('policy'))}")
-    needs = "conditional" if policy_class(policy).uses_scorer == "required" else "marginal"
-    if drafter and needs == "conditional" and drafter_role(drafter) == "marginal":
+    if drafter and needed_role(policy) == "conditional" and drafter_role(drafter) == "marginal":
         raise ValueError(f"method {text!r}: {policy} needs a conditional drafter (one whose drafts carry a "
                          f"ConditionalScorer); {drafter} is marginal")
-    return Method(text, policy, drafter or DEFAULT_DRAFTERS[needs], int(budget) if budget else None,
-                  _options(policy, option_parts, text))
+    number = check_budget(int(budget) if budget.isdigit() else budget, f"method {text!r}") if budget else None
+    return MethodSpec(policy, drafter or default_drafter(policy), number, _options(policy, option_parts, text))
 
 
 def drafter_names() -> list[str]:
@@ -209,7 +237,7 @@ def policy_class(name: str) -> type[TreePolicy]:
     return registry.resolve("policy", name)
 
 
-def build_policy(method: Method, cost_model: CostModel | None = None, calibration: float = 1.0) -> TreePolicy | None:
+def build_policy(method: MethodSpec, cost_model: CostModel | None = None, calibration: float = 1.0) -> TreePolicy | None:
     """The method's policy instance (None for AR); ``cost_model`` and the drafter's ``calibration``
     go to a policy that uses a cost model."""
     if method.autoregressive:

@@ -6,7 +6,9 @@ Contract
 (`treespec.profile`), corrected while decoding by a `treespec.live_cost.LiveCost` of the policy's
 own; ``profile``: the profile as measured, fixed; a JSON file or ``preset:NAME``: that model, fixed.
 ``source.price(profile_pricing)`` turns the (cost model, calibration) of the profile into what one
-policy gets: each call gives a new `LiveCost`, so policies never share one.  `persist_live` writes
+policy gets: each call gives a new `LiveCost`, so policies never share one.  `method_policy` builds a
+method's policy and prices it when its policy declares ``uses_cost_model`` (the one place an app
+does both).  `persist_live` writes
 what the live models learned back into this machine's profile cache (`CostProfile.with_live`,
 under the profile's own key), so the next run starts from the corrected curve.  Fixed-size
 policies are never priced (they do not declare ``uses_cost_model``).
@@ -18,11 +20,12 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from treespec.apps.methods import MethodSpec, build_policy
 from treespec.cost import CostModel, resolve_cost_model
-from treespec.interfaces import Drafter
+from treespec.interfaces import Drafter, TreePolicy
 from treespec.live_cost import LiveCost, LiveSettings
 
-__all__ = ["CostSource", "persist_live"]
+__all__ = ["CostSource", "method_policy", "persist_live"]
 
 
 @attrs.frozen
@@ -56,6 +59,19 @@ class CostSource:
     def describe(self) -> str:
         return {"live": "this machine's profile, corrected live", "profile": "this machine's profile"}.get(
             self.spec, self.spec)
+
+
+def method_policy(method: MethodSpec, drafter: Drafter | None, costs: CostSource,
+                  profile: Callable[[], object]) -> tuple[TreePolicy | None, CostModel | None]:
+    """(policy, the cost model it prices with) of ``method`` over ``drafter``: (None, None) for AR; a
+    fixed-size policy as built (no cost model); a cost-aware one priced as ``costs`` says, with
+    ``profile()`` (this machine's `treespec.profile.CostProfile`) asked only when pricing needs it."""
+    if method.autoregressive:
+        return None, None
+    if not method.priced:
+        return build_policy(method), None
+    cost, kappa = costs.price(lambda: profile().pricing(drafter))
+    return build_policy(method, cost, kappa), cost
 
 
 def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | None]], *, sizes=None,

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-from treespec.apps.bench.measure import Runner, Turn
+from treespec.apps.bench.measure import Runner, Turn, method_fields
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import Method
+from treespec.apps.methods import MethodSpec
 from treespec.target import ContextOverflowError
 
 __all__ = ["BatchRunner"]
@@ -76,7 +76,7 @@ class BatchRunner(Runner):
         """Every method on one batch of turns, AR first; method name -> one record per turn."""
         return {m.name: self._batch_records(m, turns) for m in self.methods}
 
-    def _batch_records(self, method: Method, turns: Sequence[Turn]) -> list[BenchRecord]:
+    def _batch_records(self, method: MethodSpec, turns: Sequence[Turn]) -> list[BenchRecord]:
         temperature = turns[0].temperature
         results = self.decoders[method.name].generate(
             [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,
@@ -89,10 +89,8 @@ class BatchRunner(Runner):
         for turn, result in zip(turns, results, strict=True):
             share = result.tokens.numel() / total
             records.append(BenchRecord(
-                method=method.name, policy=method.policy or AR, budget=method.budget or 0, temperature=temperature,
-                dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed,
-                tokens=result.tokens.tolist(), taus=result.stats.taus, decode_time=decode * share,
-                prefill_time=result.stats.prefill_time * share,
-                stage_times={k: v * share for k, v in longest.items()}, batch_size=len(turns), run=self.run_id,
-                options=dict(method.options)))
+                **method_fields(method), temperature=temperature, dataset=turn.prompt.dataset,
+                prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed, tokens=result.tokens.tolist(),
+                taus=result.stats.taus, decode_time=decode * share, prefill_time=result.stats.prefill_time * share,
+                stage_times={k: v * share for k, v in longest.items()}, batch_size=len(turns), run=self.run_id))
         return records

@@ -3,7 +3,7 @@
 Contract
 --------
 `BenchConfig` (named presets in `BENCH_PRESETS`) holds the methods, budgets, temperatures,
-datasets and sizes of a run.  `expand_methods` turns method names into `Method`s: a method without
+datasets and sizes of a run.  `expand_methods` turns method names into `MethodSpec`s: a method without
 ``@B`` runs at every budget of the config, chains (``dflash``, ``domino``, ``chain``) and ``ar`` at
 none; ``ar`` always runs, first, since speedups and the losslessness check are taken against it.
 `pair_seed` gives every method the same generator seed for one (prompt turn, temperature), so the
@@ -22,7 +22,7 @@ import attrs
 
 from treespec.apps.bench.summary import AR, POOLED
 from treespec.apps.datasets import PromptRecord, load_prompts
-from treespec.apps.methods import Method, parse_method, with_budget
+from treespec.apps.methods import MethodSpec, check_budget, parse_method, with_budget
 from treespec.decoding import check_first_token
 
 __all__ = ["BENCH_PRESETS", "METHODS", "BenchConfig", "Shard", "bench_prompts", "canonical_key", "expand_methods",
@@ -58,8 +58,8 @@ class BenchConfig:
         _check_positive(prompts=self.prompts, max_new_tokens=self.max_new_tokens)
         if not self.methods or not self.datasets or not self.temperatures:
             raise ValueError("a bench run needs at least one method, one dataset and one temperature")
-        if any(b < 1 for b in self.budgets):
-            raise ValueError(f"budgets must be >= 1, got {self.budgets}")
+        for b in self.budgets:
+            check_budget(b, "bench budgets")
         if any(t < 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.warmup_tokens < 0:
@@ -104,7 +104,7 @@ class Shard:
         return list(items[self.rank::self.world])
 
 
-def expand_methods(names: Iterable[str], budgets: Iterable[int]) -> list[Method]:
+def expand_methods(names: Iterable[str], budgets: Iterable[int]) -> list[MethodSpec]:
     """AR first, then each method; one without ``@B`` at every budget (chains and AR at none)."""
     out = [parse_method("ar")]
     for name in names:

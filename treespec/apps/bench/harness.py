@@ -20,8 +20,8 @@ import torch
 
 from treespec import registry
 from treespec.apps.datasets import encode_chat
-from treespec.apps.methods import Method, build_policy
-from treespec.apps.pricing import CostSource, persist_live
+from treespec.apps.methods import MethodSpec
+from treespec.apps.pricing import CostSource, method_policy, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
@@ -65,11 +65,11 @@ class Harness:
     progress: bool = False  # progress bar while the profile is measured
     priced: list[tuple[CostModel, Drafter]] = attrs.field(factory=list)  # every policy priced, with its drafter
 
-    def decoders(self, methods: Sequence[Method]) -> dict[str, SpeculativeDecoder]:
+    def decoders(self, methods: Sequence[MethodSpec]) -> dict[str, SpeculativeDecoder]:
         """One decoder per method over the shared target (AR: no drafter, no policy)."""
         return {m.name: self._decoder(m) for m in methods}
 
-    def batch_decoders(self, methods: Sequence[Method]) -> dict[str, BatchDecoder]:
+    def batch_decoders(self, methods: Sequence[MethodSpec]) -> dict[str, BatchDecoder]:
         """One batched decoder per method, with the drafter and policy `decoders` gives it."""
         return {m.name: BatchDecoder(self.target, *self._parts(m), registry.create("verifier", m.verifier))
                 for m in methods}
@@ -81,14 +81,6 @@ class Harness:
                                            progress=self.progress)
         return self.profile
 
-    def pricing(self, kind: str) -> tuple[CostModel, float]:
-        """(cost model, calibration) a cost-aware policy over the ``kind`` drafter prices trees with: its
-        own live model over this machine's profile by default (`treespec.apps.pricing`)."""
-        drafter = self.drafters[kind]
-        cost, kappa = self.costs.price(lambda: self.machine_profile().pricing(drafter))
-        self.priced.append((cost, drafter))
-        return cost, kappa
-
     def persist_live(self) -> CostProfile | None:
         """Write what the live cost models learned into this machine's profile cache (end of a run)."""
         if not self.costs.uses_profile or self.profile is None:
@@ -97,19 +89,20 @@ class Harness:
         self.profile = updated or self.profile
         return updated
 
-    def _decoder(self, method: Method) -> SpeculativeDecoder:
+    def _decoder(self, method: MethodSpec) -> SpeculativeDecoder:
         return SpeculativeDecoder(self.target, *self._parts(method), registry.create("verifier", method.verifier))
 
-    def _parts(self, method: Method) -> tuple[Drafter | None, TreePolicy | None]:
+    def _parts(self, method: MethodSpec) -> tuple[Drafter | None, TreePolicy | None]:
         """The method's drafter and policy (None, None for AR); a cost-aware policy priced on this machine."""
         if method.autoregressive:
             return None, None
         if method.drafter not in self.drafters:
             raise ValueError(f"method {method.name!r} needs a {method.drafter} drafter, and none was loaded")
         drafter = self.drafters[method.drafter]
-        if not method.priced:
-            return drafter, build_policy(method)
-        return drafter, build_policy(method, *self.pricing(method.drafter))
+        policy, cost = method_policy(method, drafter, self.costs, self.machine_profile)
+        if cost is not None:
+            self.priced.append((cost, drafter))
+        return drafter, policy
 
 
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",

@@ -25,11 +25,17 @@ from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_to
 from treespec.apps.bench.records import BenchRecord, cost_schedule
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import Method
+from treespec.apps.methods import MethodSpec
 from treespec.decoding import SpeculativeDecoder
 from treespec.target import ContextOverflowError
 
-__all__ = ["Runner", "Turn"]
+__all__ = ["Runner", "Turn", "method_fields"]
+
+
+def method_fields(method: MethodSpec) -> dict:
+    """A record's fields that say which method made it: the spec's fields and its derived name."""
+    return {"method": method.name, "policy": method.policy or AR, "budget": method.budget or 0,
+            "options": dict(method.options), "verifier": method.verifier, "drafter": method.drafter}
 
 
 
@@ -47,7 +53,7 @@ class Turn:
 class Runner:
     """The measurements of one shard: a decoder per method, and what happens on each prompt turn."""
 
-    def __init__(self, config: BenchConfig, harness: Harness, methods: list[Method]) -> None:
+    def __init__(self, config: BenchConfig, harness: Harness, methods: list[MethodSpec]) -> None:
         self.config, self.harness, self.methods = config, harness, methods
         self.decoders = self.make_decoders()
         self.stops = harness.chat.stop_ids if config.stop_at_eos else []
@@ -77,16 +83,14 @@ class Runner:
         """Every method on one turn, AR first; method name -> record."""
         return {m.name: self._record(m, turn) for m in self.methods}
 
-    def _record(self, method: Method, turn: Turn) -> BenchRecord:
+    def _record(self, method: MethodSpec, turn: Turn) -> BenchRecord:
         out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
         s = out.stats
         models, rounds = cost_schedule(s.rounds) if method.priced else ([], [])
         return BenchRecord(
-            method=method.name, policy=method.policy or AR, budget=method.budget or 0,
-            temperature=turn.temperature, dataset=turn.prompt.dataset, prompt_id=turn.prompt.id, turn=turn.turn,
-            seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus, decode_time=s.decode_time,
-            prefill_time=s.prefill_time, stage_times=s.stage_totals(), run=self.run_id, options=dict(method.options),
-            verifier=method.verifier,
+            **method_fields(method), temperature=turn.temperature, dataset=turn.prompt.dataset,
+            prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus,
+            decode_time=s.decode_time, prefill_time=s.prefill_time, stage_times=s.stage_totals(), run=self.run_id,
             cost_models=models, cost_rounds=rounds)
 
     def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:

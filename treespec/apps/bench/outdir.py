@@ -20,7 +20,7 @@ from pathlib import Path
 import attrs
 
 from treespec.apps.bench.config import BenchConfig
-from treespec.apps.methods import Method
+from treespec.apps.methods import MethodSpec
 
 __all__ = ["DIVERGENCES", "RECORDS", "SETTINGS", "prepare_out", "run_settings", "shard_files", "shard_paths",
            "weights_identity", "write_settings"]
@@ -41,7 +41,7 @@ def shard_files(out_dir: Path, stem: str) -> list[Path]:
     return sorted(out_dir.glob(f"{stem}-rank*.jsonl"), key=_rank_of)
 
 
-def run_settings(config: BenchConfig, methods: Sequence[Method], extra: dict) -> dict:
+def run_settings(config: BenchConfig, methods: Sequence[MethodSpec], extra: dict) -> dict:
     """What a run measures, as JSON-ready data: the config, the expanded methods and ``extra``."""
     settings = attrs.asdict(config) | {"expanded_methods": [m.name for m in methods]} | extra
     return json.loads(json.dumps(settings, sort_keys=True, default=str))

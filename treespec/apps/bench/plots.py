@@ -14,7 +14,6 @@ import numpy as np
 
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import POOLED, CellSummary
-from treespec.apps.methods import method_family
 
 __all__ = ["budget_axis", "interval_axes", "plot_budget_curves", "plot_tau_histograms", "save_figure"]
 
@@ -91,7 +90,7 @@ def plot_budget_curves(summaries: Sequence[CellSummary], path: str | Path) -> Pa
     curves: dict[str, list[CellSummary]] = defaultdict(list)
     several = len({s.temperature for s in cells}) > 1
     for s in cells:
-        curves[method_family(s.method) + (f" T={s.temperature:g}" if several else "")].append(s)
+        curves[s.family + (f" T={s.temperature:g}" if several else "")].append(s)
     fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(9, 3.6))
     for name in sorted(curves):
         rows = sorted(curves[name], key=lambda s: s.budget)

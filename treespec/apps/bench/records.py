@@ -17,6 +17,8 @@ from pathlib import Path
 
 import attrs
 
+from treespec.apps.methods import method_name
+
 __all__ = ["BenchRecord", "cost_schedule", "output_hash", "read_records", "write_records"]
 
 
@@ -48,6 +50,7 @@ class BenchRecord:
     run: str = ""  # the bench invocation that measured it (a resumed output folder holds several)
     options: dict = attrs.field(factory=dict)  # the policy options of the method (``eagle2@16+topk=4``: topk 4)
     verifier: str = "match"  # the verifier that checked the method's trees
+    drafter: str | None = None  # the registered drafter it ran over (None: AR, or a record made before it was kept)
     cost_models: list[dict] = attrs.field(factory=list)  # the distinct curves its cost-aware rounds were priced with
     cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
 
@@ -59,6 +62,12 @@ class BenchRecord:
     def key(self) -> tuple[str, float, str, int]:
         """What pairs records across methods: dataset, temperature, prompt, turn."""
         return (self.dataset, self.temperature, self.prompt_id, self.turn)
+
+    @property
+    def family(self) -> str:
+        """The method's name with its budget taken out (`treespec.apps.methods.method_name` of the
+        record's fields): the line of a budget curve, options, drafters and verifiers kept apart."""
+        return method_name(None if self.policy == "ar" else self.policy, self.drafter, None, self.options, self.verifier)
 
     @property
     def new_tokens(self) -> int:

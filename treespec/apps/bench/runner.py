@@ -36,7 +36,7 @@ from treespec.apps.bench.measure import Runner
 from treespec.apps.bench.outdir import shard_paths
 from treespec.apps.bench.records import BenchRecord, write_records
 from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import Method
+from treespec.apps.methods import MethodSpec
 
 __all__ = ["resume_shard", "run_shard"]
 
@@ -69,7 +69,7 @@ def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard:
     return rec_path
 
 
-def _runner(config: BenchConfig, harness: Harness, methods: list[Method]) -> Runner:
+def _runner(config: BenchConfig, harness: Harness, methods: list[MethodSpec]) -> Runner:
     return Runner(config, harness, methods) if config.batch_size == 1 else BatchRunner(config, harness, methods)
 
 

@@ -49,6 +49,7 @@ class CellSummary:
     speedup_hi: float
     tokens_per_second: float
     lossless: float  # fraction of responses whose tokens equal AR's (meaningful at T = 0)
+    family: str = ""  # the method without its budget (`BenchRecord.family`): one budget curve
 
 
 @attrs.frozen
@@ -125,7 +126,7 @@ def summarize(records: Iterable[BenchRecord], *, resamples: int = 1000, seed: in
                 *bootstrap_interval(lambda idx: float(taus[idx].mean()), n, resamples, seed),
                 speed(full), *bootstrap_interval(speed, n, resamples, seed),
                 1.0 / _time_per_token(me, full) if _time_per_token(me, full) else 0.0,
-                sum(a.hash == m.hash for a, m in rows) / n))
+                sum(a.hash == m.hash for a, m in rows) / n, me[0].family))
     return out
 
 

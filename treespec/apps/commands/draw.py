@@ -136,7 +136,9 @@ def _from_model(args: argparse.Namespace):
     from treespec.apps.api import load_drafter, load_target, load_tokenizer
     from treespec.apps.datasets import encode_chat
     from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.methods import build_policy, parse_method
+    from treespec.apps.methods import parse_method
+    from treespec.apps.pricing import CostSource, method_policy
+    from treespec.profile import machine_profile
 
     method = parse_method(args.method)
     if method.autoregressive:
@@ -147,22 +149,11 @@ def _from_model(args: argparse.Namespace):
     target = load_target(model_dir, dtype=DTYPES[args.dtype])
     ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt or _DEFAULT_PROMPT]), dtype=torch.int64)
     drafter = load_drafter(drafter_dir)
-    tree, result = live_round(target, drafter, build_policy(method, *_pricing(args, target, drafter)), ids,
-                              args.round)
+    policy, _ = method_policy(method, drafter, CostSource.parse(args.cost_model),
+                              lambda: machine_profile(target, [drafter], progress=True))
+    tree, result = live_round(target, drafter, policy, ids, args.round)
     labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
     return tree, labels, result.accepted.tolist()
-
-
-def _pricing(args: argparse.Namespace, target, drafter) -> tuple:
-    """(cost model, calibration) when the policy prices trees: as --cost-model says (`treespec.apps.pricing`)."""
-    from treespec.apps.methods import parse_method
-    from treespec.apps.pricing import CostSource
-    from treespec.profile import machine_profile
-
-    if not parse_method(args.method).priced:
-        return None, 1.0
-    return CostSource.parse(args.cost_model).price(
-        lambda: machine_profile(target, [drafter], progress=True).pricing(drafter))
 
 
 def _embedded_drafter(kind: str, model: Path | None) -> Path:

@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from treespec import registry
-from treespec.apps.methods import build_policy, parse_method
-from treespec.apps.pricing import CostSource
+from treespec.apps.methods import parse_method
+from treespec.apps.pricing import CostSource, method_policy
 from treespec.decoding import SpeculativeDecoder
 from treespec.profile import machine_profile
 from treespec.target import TargetModel
@@ -50,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
     for name in _METHODS:
         method = parse_method(name)
         drafter = oracle[method.drafter] if method.drafter else None
-        pricing = CostSource().price(lambda: profile.pricing(drafter)) if drafter is not None else ()
-        decoder = SpeculativeDecoder(target, drafter, build_policy(method, *pricing))
+        decoder = SpeculativeDecoder(target, drafter, method_policy(method, drafter, CostSource(), lambda: profile)[0])
         results = [decoder.generate(p, max_new_tokens=args.max_new_tokens) for p in prompts]
         outputs[name] = [r.tokens.tolist() for r in results]
         taus = [t for r in results for t in r.stats.taus]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
 
 from treespec import registry
 from treespec.apps.commands import DTYPES
+from treespec.apps.methods import check_budget
 from treespec.interfaces import SamplingParams
 
 
@@ -42,19 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the stats as JSON instead of a summary")
 
 
-def check_arguments(args: argparse.Namespace) -> str | None:
-    """What is wrong with the numbers given, before anything loads (None: nothing)."""
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        return f"--temperature must be a finite number >= 0, got {args.temperature}"
-    if args.top_k < 0:
-        return f"--top-k must be >= 0, got {args.top_k}"
-    if not 0.0 < args.top_p <= 1.0:
-        return f"--top-p must be in (0, 1], got {args.top_p}"
+def typed_settings(args: argparse.Namespace) -> SamplingParams:
+    """The numbers given, typed and checked once before anything loads (a ValueError names the flag)."""
     if args.max_new_tokens < 1:
-        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
-    if args.budget is not None and args.budget < 1:
-        return f"--budget must be >= 1, got {args.budget}"
-    return None
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.budget is not None:
+        check_budget(args.budget, "--budget")
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as exc:  # named as the flags are
+        raise ValueError("--" + str(exc).replace("top_k", "top-k").replace("top_p", "top-p")) from None
 
 
 def _prompt_ids(tokenizer, text: str, chat: bool) -> torch.Tensor:
@@ -74,9 +71,10 @@ def _summary(stats) -> str:
 def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import generate, load_target, load_tokenizer
 
-    problem = check_arguments(args)
-    if problem is not None:
-        print(f"treespec generate: {problem}", file=sys.stderr)
+    try:
+        sampling = typed_settings(args)
+    except ValueError as exc:
+        print(f"treespec generate: {exc}", file=sys.stderr)
         return 2
     try:
         tokenizer = load_tokenizer(args.model)
@@ -90,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # typed once
         out = generate(target, _prompt_ids(tokenizer, args.prompt, args.chat), tokenizer=tokenizer,
                        drafter=args.drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
                        max_new_tokens=args.max_new_tokens, sampling=sampling,

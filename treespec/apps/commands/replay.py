@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from treespec.apps.commands import DTYPES
+from treespec.apps.methods import check_budget
 
 _KINDS = ("dflash", "domino")
 
@@ -194,13 +195,7 @@ def _settings(items: list[str]) -> dict[str, list[str]]:
 def _budgets(text: str | None) -> list[int]:
     if text is None:
         return []
-    try:
-        budgets = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--budgets takes positive integers separated by commas, got {text!r}") from None
-    if any(b < 1 for b in budgets):
-        raise ValueError(f"--budgets takes positive integers, got {text!r}")
-    return budgets
+    return [check_budget(int(b) if b.strip().isdigit() else b, f"--budgets {text}") for b in text.split(",")]
 
 
 def _sweep(args: argparse.Namespace, trace) -> list:

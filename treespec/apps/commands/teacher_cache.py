@@ -3,7 +3,7 @@ drafter training needs (hidden-state taps in bf16, the top-K next-token log-prob
 
 ``treespec train-drafter --teacher DIR`` then trains without running the target.  Resumable: a
 rerun skips the shards already written; a directory made with other settings is refused.  Layout
-and contract: `drafters.teacher`.
+and contract: `treespec.apps.training.teacher`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from drafters.teacher import TeacherCacheError, TeacherSpec, build_teacher_cache, default_cache_layers
     from treespec.apps.models import load_frozen_model
+    from treespec.apps.training.teacher import TeacherCacheError, TeacherSpec, build_teacher_cache, default_cache_layers
 
     if args.threads:
         torch.set_num_threads(args.threads)

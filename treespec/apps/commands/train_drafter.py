@@ -1,4 +1,7 @@
-"""``treespec train-drafter``: train a DFlash or Domino drafter on self-distillation data.
+"""``treespec train-drafter``: train a drafter on self-distillation data through its recipe.
+
+``--recipe NAME`` picks a registered training recipe (kind ``"recipe"``; ``block``, the default,
+trains DFlash and Domino drafters) and ``--preset`` one of its named configs.
 
 ``--teacher DIR`` reads a teacher cache (``treespec teacher-cache``) instead of running the target
 every step; ``--set draft_vocab_size=N`` gives the drafter a head over the N most frequent response
@@ -14,7 +17,11 @@ from pathlib import Path
 import attrs
 import torch
 
+from treespec import registry
 from treespec.apps.commands import CPU_DTYPES, DTYPES
+from treespec.apps.training.teacher import TeacherCache, TeacherCacheError
+from treespec.apps.training.vocabulary import coverage, draft_vocabulary, response_token_counts
+from treespec.training import TrainingRecipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from this drafter (weights and draft vocabulary, e.g. a shipped one) with a "
                              "fresh optimiser and its warm-up, instead of fresh weights; the run's steps are added")
     parser.add_argument("--target", type=Path, default=None, help="local HF target directory (default: the embedded SmolLM2)")
-    parser.add_argument("--preset", default="smollm2-dflash", help="named TrainConfig (see drafters.training.TRAIN_PRESETS)")
+    parser.add_argument("--recipe", default="block",
+                        help="registered training recipe (`treespec list recipe`; block: DFlash and Domino)")
+    parser.add_argument("--preset", default="smollm2-dflash", help="one of the recipe's named configs")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a TrainConfig field, e.g. --set steps=4000 --set lr=5e-4")
+                        help="override a field of the recipe's config, e.g. --set steps=4000 --set lr=5e-4")
     parser.add_argument("--mask-token-id", type=int, default=None, help="mask token (default: the tokenizer's unk/pad/eos)")
     parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="auto", help="dtype of the frozen target")
     parser.add_argument("--until", type=int, default=None, help="stop at this step (the schedule stays that of the full run)")
@@ -44,16 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-dtype", choices=CPU_DTYPES, default="bfloat16", help="dtype of --export")
 
 
-def _config(args: argparse.Namespace):
-    from drafters.training import TRAIN_PRESETS, TrainConfig
+def _recipe(name: str) -> type[TrainingRecipe]:
+    try:
+        return registry.resolve("recipe", name)
+    except registry.RegistryError as exc:
+        raise SystemExit(f"--recipe: {exc}") from None
 
-    if args.preset not in TRAIN_PRESETS:
-        raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(TRAIN_PRESETS)}")
-    cfg, fields = TRAIN_PRESETS[args.preset], {f.name: f for f in attrs.fields(TrainConfig)}
+
+def _config(args: argparse.Namespace, recipe: type[TrainingRecipe]):
+    if args.preset not in recipe.presets:
+        raise SystemExit(f"unknown preset {args.preset!r} of recipe {args.recipe}; available: {', '.join(recipe.presets)}")
+    cfg, fields = recipe.presets[args.preset], {f.name: f for f in attrs.fields(recipe.config_type)}
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in fields:
-            raise SystemExit(f"--set {key}: not a TrainConfig field ({', '.join(fields)})")
+            raise SystemExit(f"--set {key}: not a field of the {args.recipe} recipe's config ({', '.join(fields)})")
         try:
             cfg = attrs.evolve(cfg, **{key: _parse(value, getattr(cfg, key), str(fields[key].type))})
         except (TypeError, ValueError) as exc:
@@ -94,7 +108,6 @@ def _parse(text: str, current, annotation: str = ""):
 
 def _sequences(args: argparse.Namespace, identity, cfg):
     """What training reads: the teacher cache (checked against the target and K), else the data's pairs."""
-    from drafters.teacher import TeacherCache, TeacherCacheError
     from treespec.apps.selfdistill import iter_sequences
 
     if args.teacher is None:
@@ -112,8 +125,6 @@ def _sequences(args: argparse.Namespace, identity, cfg):
 
 def _heldout(args: argparse.Namespace, identity):
     """The held-out teacher cache (checked against the target), or None."""
-    from drafters.teacher import TeacherCache, TeacherCacheError
-
     if not args.heldout:
         return None
     try:
@@ -126,8 +137,6 @@ def _heldout(args: argparse.Namespace, identity):
 
 def _check_taps(caches: dict, layers) -> None:
     """Every teacher cache given holds the drafter's tap layers (``caches``: option -> cache or None)."""
-    from drafters.teacher import TeacherCache, TeacherCacheError
-
     for option, cache in caches.items():
         if isinstance(cache, TeacherCache):
             try:
@@ -138,9 +147,6 @@ def _check_taps(caches: dict, layers) -> None:
 
 def _draft_vocab(cfg, sequences, vocab_size: int):
     """The reduced head's token ids (None for a full head), with its coverage printed."""
-    from drafters.teacher import TeacherCache
-    from drafters.training import coverage, draft_vocabulary, response_token_counts
-
     if cfg.draft_vocab_size is None:
         return None
     pairs = sequences.pairs() if isinstance(sequences, TeacherCache) else sequences
@@ -151,15 +157,12 @@ def _draft_vocab(cfg, sequences, vocab_size: int):
     return vocab
 
 
-def _start_drafter(args: argparse.Namespace, target, cfg, mask: int, data):
+def _start_drafter(args: argparse.Namespace, recipe: type[TrainingRecipe], target, cfg, mask: int, data):
     """Fresh weights (and a draft vocabulary picked from the data), or the ``--init`` drafter's."""
-    from drafters.teacher import TeacherCache
-    from drafters.training import coverage, new_drafter, response_token_counts, warm_start
-
     if args.init is None:
-        return new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
+        return recipe.new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
     try:
-        drafter = warm_start(target, cfg, mask, args.init)
+        drafter = recipe.warm_start(target, cfg, mask, args.init)
     except ValueError as exc:
         raise SystemExit(f"treespec train-drafter: {exc}") from None
     if drafter.draft_token_ids is not None:
@@ -180,12 +183,13 @@ def _init_identity(init: Path | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from drafters.training import DrafterTrainer
     from treespec.apps.models import load_frozen_model
+    from treespec.apps.training.trainer import DrafterTrainer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = _config(args)
+    recipe = _recipe(args.recipe)
+    cfg = _config(args, recipe)
     _check_data(args.data, args.teacher)
     try:
         target, tokenizer, identity = load_frozen_model(args.target, args.target_dtype, args.device,
@@ -201,9 +205,9 @@ def run(args: argparse.Namespace) -> int:
     data, heldout = _sequences(args, identity, cfg), _heldout(args, identity)
     source = f"teacher cache {', '.join(map(str, args.teacher))}" if args.teacher else f"{args.data}"
     print(f"{len(data)} sequences from {source}; config: {cfg}")
-    drafter = _start_drafter(args, target, cfg, mask, data)
+    drafter = _start_drafter(args, recipe, target, cfg, mask, data)
     _check_taps({"teacher": data, "heldout": heldout}, drafter.config.target_layer_ids)
-    trainer = DrafterTrainer(target, drafter, cfg, out_dir=args.out, init=_init_identity(args.init))
+    trainer = DrafterTrainer(recipe(target, drafter, cfg), out_dir=args.out, init=_init_identity(args.init))
     try:
         resumed = trainer.resume()
     except ValueError as exc:

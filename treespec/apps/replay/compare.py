@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from treespec.apps.bench.summary import bootstrap_interval
-from treespec.apps.methods import Method, method_family, parse_method, policy_class, with_budget, with_options
+from treespec.apps.methods import MethodSpec, parse_method, policy_class, with_budget, with_options
 from treespec.apps.replay.evaluate import ReplayResult
 
 __all__ = ["ComparisonRow", "baselines", "compare", "expand_sweep", "markdown_table", "per_prompt_rows", "plot_sweep",
@@ -50,6 +50,8 @@ class ComparisonRow:
     diff_lo: float  # 95 % paired bootstrap interval of diff
     diff_hi: float
     ms_per_round: float  # replay milliseconds per round (draft rebuild + tree build; this machine)
+    family: str = ""  # the method without its budget (`MethodSpec.family`): one curve of a sweep
+    baseline_family: str = ""  # the baseline without its budget ("" when none)
 
 
 def _option_grid(policy: str, settings: Mapping[str, Sequence[str]]) -> list[dict[str, str]]:
@@ -60,7 +62,7 @@ def _option_grid(policy: str, settings: Mapping[str, Sequence[str]]) -> list[dic
 
 
 def expand_sweep(methods: Sequence[str], budgets: Sequence[int] = (),
-                 settings: Mapping[str, Sequence[str]] | None = None) -> list[Method]:
+                 settings: Mapping[str, Sequence[str]] | None = None) -> list[MethodSpec]:
     """The methods of a sweep (module docstring), each parsed and validated once."""
     settings = dict(settings or {})
     parsed = [parse_method(m) for m in methods]
@@ -69,7 +71,7 @@ def expand_sweep(methods: Sequence[str], budgets: Sequence[int] = (),
         if not any(key in _option_grid(p, {key: ["x"]})[0] for p in policies):
             raise ValueError(f"--set {key}: none of the swept policies ({', '.join(policies) or 'none'}) "
                              f"has an option {key!r}")
-    out: list[Method] = []
+    out: list[MethodSpec] = []
     for method in parsed:
         if method.autoregressive or method.policy == "chain":
             out.append(method)
@@ -91,12 +93,12 @@ def pooled_tau(taus: Sequence[Sequence[int]], idx) -> float:
     return sum(sum(taus[i]) for i in idx) / rounds if rounds else float("nan")
 
 
-def _per_budget(baseline: Method) -> bool:
+def _per_budget(baseline: MethodSpec) -> bool:
     """Whether ``baseline`` is taken at each compared method's budget: a tree policy named without one."""
     return baseline.budget is None and baseline.policy != "chain" and not baseline.autoregressive
 
 
-def baselines(baseline: str, methods: Sequence[Method]) -> list[Method]:
+def baselines(baseline: str, methods: Sequence[MethodSpec]) -> list[MethodSpec]:
     """The baseline methods a comparison of ``methods`` against ``baseline`` needs replayed."""
     base = parse_method(baseline)
     if not _per_budget(base):
@@ -104,7 +106,7 @@ def baselines(baseline: str, methods: Sequence[Method]) -> list[Method]:
     return [with_budget(base, b) for b in sorted({m.budget for m in methods if m.budget is not None})]
 
 
-def _baseline_for(method: Method, baseline: Method | None, by_name: Mapping[str, ReplayResult]) -> str | None:
+def _baseline_for(method: MethodSpec, baseline: MethodSpec | None, by_name: Mapping[str, ReplayResult]) -> str | None:
     if baseline is None:
         return None
     if _per_budget(baseline):
@@ -118,11 +120,11 @@ def _baseline_for(method: Method, baseline: Method | None, by_name: Mapping[str,
     return name
 
 
-def _options_text(method: Method) -> str:
+def _options_text(method: MethodSpec) -> str:
     return ";".join(f"{k}={v}" for k, v in sorted(method.options.items()))
 
 
-def compare(results: Sequence[ReplayResult], methods: Sequence[Method], *, baseline: str | None = None,
+def compare(results: Sequence[ReplayResult], methods: Sequence[MethodSpec], *, baseline: str | None = None,
             resamples: int = 2000, seed: int = 0) -> list[ComparisonRow]:
     """One row per result (``methods[i]`` replayed as ``results[i]``), diff against ``baseline``."""
     by_name = {r.method: r for r in results}
@@ -143,7 +145,7 @@ def compare(results: Sequence[ReplayResult], methods: Sequence[Method], *, basel
         rows.append(ComparisonRow(
             method.name, method.policy if method.policy else "ar", method.budget or 0, _options_text(method), n,
             result.rounds, result.mean_tau, lo, hi, against or "", diff, diff_lo, diff_hi,
-            1e3 * result.seconds / max(1, result.rounds)))
+            1e3 * result.seconds / max(1, result.rounds), method.family, base.family if against else ""))
     return rows
 
 
@@ -168,10 +170,6 @@ def per_prompt_rows(results: Sequence[ReplayResult], prompt_ids: Sequence[str]) 
             for r in results for i, t in enumerate(r.taus)]
 
 
-def _curve_key(row: ComparisonRow) -> str:
-    return row.policy + "".join(f"+{o}" for o in row.options.split(";") if o)
-
-
 def plot_sweep(rows: Sequence[ComparisonRow], path: str | Path) -> Path:
     """tau against budget with 95 % intervals, one line per policy and options (chains dashed,
     level), and, with a baseline, tau - baseline with its paired intervals around a zero line."""
@@ -182,10 +180,10 @@ def plot_sweep(rows: Sequence[ComparisonRow], path: str | Path) -> Path:
     with_base = any(r.baseline for r in rows)
     fig, axes = plt.subplots(1, 2 if with_base else 1, figsize=(10 if with_base else 5.5, 3.8), squeeze=False)
     ax_tau, ax_diff = axes[0, 0], axes[0, 1] if with_base else None
-    curves = sorted({_curve_key(r) for r in rows if r.budget})
+    curves = sorted({r.family for r in rows if r.budget})
     budgets = sorted({r.budget for r in rows if r.budget}) or [1]
     for key in curves:
-        mine = sorted((r for r in rows if r.budget and _curve_key(r) == key), key=lambda r: r.budget)
+        mine = sorted((r for r in rows if r.budget and r.family == key), key=lambda r: r.budget)
         x = [r.budget for r in mine]
         ax_tau.errorbar(x, [r.tau for r in mine], yerr=_yerr(mine, "tau"), marker="o", capsize=3, label=key)
         if ax_diff is not None and all(r.baseline for r in mine):
@@ -196,7 +194,7 @@ def plot_sweep(rows: Sequence[ComparisonRow], path: str | Path) -> Path:
     interval_axes(ax_tau, "mean τ (replayed, T = 0)", [v for r in rows for v in (r.tau_lo, r.tau_hi)])
     if ax_diff is not None:
         ax_diff.axhline(0.0, color="black", linewidth=0.8)
-        base = sorted({method_family(r.baseline) for r in rows if r.baseline})
+        base = sorted({r.baseline_family for r in rows if r.baseline})
         interval_axes(ax_diff, f"τ − {', '.join(base)} (same B) [paired 95% CI]",
                       [v for r in rows if r.baseline for v in (r.diff_lo, r.diff_hi)] + [0.0])
     for ax in axes[0]:

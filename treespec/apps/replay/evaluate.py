@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from treespec.analysis import accepted_length
-from treespec.apps.methods import Method, build_policy, parse_method
+from treespec.apps.methods import MethodSpec, build_policy, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
 from treespec.cost import CostModel, cost_model_from_dict
@@ -80,7 +80,7 @@ def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
     return taus
 
 
-def replay_priced(trace: Trace, drafts: ReplayDrafts, method: Method, prompt: int,
+def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt: int,
                   schedule: Sequence[dict | None], *, calibration: float = 1.0, backend: str = "torch") -> list[int]:
     """Per-round tau of a cost-aware ``method`` on one recorded prompt, each round priced with the cost
     model a live run priced it with: ``schedule`` has one entry per live round, the model's
@@ -127,7 +127,7 @@ class ReplayResult:
         return sum(map(sum, self.taus)) / self.rounds if self.rounds else 0.0
 
 
-def _drafts_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts]) -> ReplayDrafts | None:
+def _drafts_for(trace: Trace, method: MethodSpec, cache: dict[str, ReplayDrafts]) -> ReplayDrafts | None:
     if method.autoregressive:
         return None
     if method.drafter not in trace.drafters:
@@ -138,7 +138,7 @@ def _drafts_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts]) ->
     return cache[method.drafter]
 
 
-def _pricing(trace: Trace, method: Method, given: CostModel | None) -> tuple[CostModel | None, float]:
+def _pricing(trace: Trace, method: MethodSpec, given: CostModel | None) -> tuple[CostModel | None, float]:
     """(cost model, calibration): the one given, else those measured when the trace was recorded."""
     if given is not None or method.drafter is None:
         return given, 1.0
@@ -147,7 +147,7 @@ def _pricing(trace: Trace, method: Method, given: CostModel | None) -> tuple[Cos
     return (None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")), kappa
 
 
-def policy_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts] | None = None,
+def policy_for(trace: Trace, method: MethodSpec, cache: dict[str, ReplayDrafts] | None = None,
                cost_model: CostModel | None = None) -> tuple[ReplayDrafts | None, TreePolicy | None]:
     """(the draft rebuilder, the policy) that replay uses for ``method`` (None, None for AR): the
     policy priced with ``cost_model`` or the trace's recorded cost model, checked replayable;
@@ -159,7 +159,7 @@ def policy_for(trace: Trace, method: Method, cache: dict[str, ReplayDrafts] | No
     return drafts, policy
 
 
-def evaluate(trace: Trace, methods: Sequence[str | Method], *, backend: str = "torch",
+def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, backend: str = "torch",
              stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
              cost_model: CostModel | None = None) -> list[ReplayResult]:
     """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.apps.methods) on the

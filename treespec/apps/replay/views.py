@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import attrs
 
 from treespec.analysis import accepted_path
-from treespec.apps.methods import Method, parse_method
+from treespec.apps.methods import MethodSpec, parse_method
 from treespec.apps.replay.evaluate import policy_for
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
@@ -63,7 +63,7 @@ def check_position(trace: Trace, prompt: int, position: int) -> None:
                          "(response tokens committed before the round)")
 
 
-def views_at(trace: Trace, methods: Sequence[str | Method], prompt: int, position: int, *,
+def views_at(trace: Trace, methods: Sequence[str | MethodSpec], prompt: int, position: int, *,
              backend: str = "torch", cache: dict[str, ReplayDrafts] | None = None) -> list[TreeView]:
     """Each method's tree from the draft at ``position`` of ``prompt`` (module docstring); ``cache``
     keeps the draft rebuilders between calls (one per drafter), as a page of every position does."""

@@ -3,8 +3,8 @@
 Contract
 --------
 At temperature 0 the target's output is its own greedy continuation, so a teacher-cache record
-(`drafters.teacher`) of a held-out prompt with the target's greedy response holds everything a
-live round sees: the committed tokens, their hidden-state taps and the tokens the target accepts.
+(`treespec.apps.training.teacher`) of a held-out prompt with the target's greedy response holds
+everything a live round sees: the committed tokens, their hidden-state taps and the tokens the target accepts.
 `heldout_tau` decodes over it as the live loop does with ``first_token="round"``: the first anchor
 is the last prompt token; at an anchor at position p the drafter drafts from the features of
 positions < p, the policy builds its tree, the accepted path is the longest root-to-node path whose
@@ -24,9 +24,9 @@ from collections.abc import Iterable
 import attrs
 import torch
 
-from drafters.teacher import TeacherRecord
 from treespec.analysis import accepted_length
 from treespec.interfaces import DraftContext, Drafter, TreePolicy
+from treespec.training import TeacherRecord
 
 __all__ = ["HeldoutTau", "heldout_tau", "sequence_taus"]
 

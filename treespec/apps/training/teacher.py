@@ -41,8 +41,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafters.config import spread_layers
-from treespec.target import select_taps
+from treespec.apps.selfdistill import read_shard, shard_rows
+from treespec.target import select_taps, spread_layers
+from treespec.training import TeacherRecord
 
 __all__ = [
     "FORMAT",
@@ -77,18 +78,6 @@ class TeacherSpec:
             raise TeacherCacheError(f"target_layer_ids must be >= 0 and not empty, got {self.target_layer_ids}")
         if self.top_k < 1 or self.max_seq_len < 2:
             raise TeacherCacheError(f"top_k must be >= 1 and max_seq_len >= 2, got {self.top_k}, {self.max_seq_len}")
-
-
-@attrs.frozen(eq=False)
-class TeacherRecord:
-    """One sequence with the target's features and next-token distribution."""
-
-    tokens: torch.Tensor  # [T] int64
-    response_start: int  # tokens[response_start:] is the response
-    features: torch.Tensor  # [T, k*H] bf16 hidden-state taps
-    top_ids: torch.Tensor  # [T, K] int64, row t predicts token t + 1
-    top_logp: torch.Tensor  # [T, K] float32
-    rest_logp: torch.Tensor  # [T] float32 log of the mass outside top_ids
 
 
 def default_cache_layers(num_layers: int) -> tuple[int, ...]:
@@ -160,8 +149,6 @@ def cache_path(out_dir: Path, index: int) -> Path:
 def _is_current(path: Path, shard: Path) -> bool:
     """Whether cache shard ``path`` exists and was built from data shard ``shard`` as it is now (by
     its prompt ids; a cache shard from before they were recorded, by its number of sequences)."""
-    from treespec.apps.selfdistill import shard_rows
-
     if not path.exists():
         return False
     rows = shard_rows(shard)
@@ -176,8 +163,6 @@ def build_teacher_cache(target, data_dir: str | Path, out_dir: str | Path, spec:
                         identity: dict[str, str], *, progress: bool = True) -> list[Path]:
     """Write every missing cache shard for the data shards in ``data_dir``; returns all cache paths."""
     from tqdm import tqdm
-
-    from treespec.apps.selfdistill import read_shard
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     shards = sorted(data_dir.glob("shard-*.safetensors"))

@@ -1,0 +1,248 @@
+"""The training loop every drafter family shares; its recipe supplies the drafter and the loss.
+
+Contract
+--------
+`DrafterTrainer(recipe, out_dir=...)` trains ``recipe.trainable`` (a `treespec.training.TrainingRecipe`
+holding a drafter, a frozen target and a config) one sequence per step:
+
+* **Data.** A `TeacherCache` (`treespec.apps.training.teacher`), or (tokens, response_start) pairs
+  whose teacher record is computed live by a target forward (the same record, features rounded to
+  bf16 in both); sequences are visited in a permutation seeded by ``config.seed``, and step s draws
+  from its own generator (seeded by the seed and s), so a resumed run draws what an uninterrupted
+  one drew.
+* **Optimiser.** AdamW (``lr``, ``weight_decay``), the global gradient norm clipped at ``grad_clip``;
+  the learning rate warms up linearly over ``warmup_steps`` and then decays by a cosine to 10 % of
+  its peak at ``steps``.  bf16 autocast with float32 master weights where it pays (``autocast_bf16``;
+  None: on CUDA, or where this CPU's bf16 matmul beats float32 for the target's shapes).
+* **Held-out τ** (with a held-out teacher cache, every ``eval_every`` steps and, for a warm start,
+  before the first step): each of ``recipe.eval_methods`` decoded greedily over the cached answers
+  (`treespec.apps.training.evaluate`), logged to ``eval.jsonl``; the weights that score best on the
+  first method are kept in ``best/``.
+* **Checkpoints** (safetensors only), every ``save_every`` steps and at the end: the drafter in its
+  released layout (``drafter/``), the optimiser's moments under parameter names, and a JSON record
+  of the step, the config, the start (``init``: a warm start's path and sha256) and the best τ
+  (``trainer_state.json``).  `resume` restores all of it; a run directory started from other weights
+  is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors.torch import load_file, save_file
+
+from treespec.apps.training.teacher import TeacherCache, TeacherSpec, live_record
+from treespec.training import TeacherRecord, TrainingRecipe
+
+__all__ = ["DrafterTrainer", "use_autocast"]
+
+
+def use_autocast(setting: bool | None, device: torch.device, target_config) -> bool:
+    """Whether to train under bf16 autocast: ``setting``, else on CUDA, else where this CPU's bf16
+    matmul beats fp32 for the target's shapes (`treespec.hardware`; on a CPU without bf16 hardware
+    a bf16-autocast step measured about 10x slower than a float32 one)."""
+    if setting is not None:
+        return setting
+    if torch.device(device).type == "cuda":
+        return True
+    from treespec.hardware import cpu_dtype_choice
+
+    return cpu_dtype_choice(target_config).dtype == torch.bfloat16
+
+
+class DrafterTrainer:
+    """Runs the loop of the module docstring over one recipe; see `train`."""
+
+    def __init__(self, recipe: TrainingRecipe, *, out_dir: str | Path, init: str | None = None) -> None:
+        self.recipe = recipe
+        self.init = init  # the warm start's weights (path and sha256), None for fresh weights
+        self.out_dir = Path(out_dir)
+        cfg = recipe.config
+        self.spec = TeacherSpec(recipe.drafter.config.target_layer_ids, cfg.teacher_top_k, cfg.max_seq_len)
+        self.params = list(recipe.trainable.parameters())
+        for p in self.params:
+            p.requires_grad_(True)
+        recipe.trainable.train()
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.autocast = use_autocast(cfg.autocast_bf16, self.params[0].device, recipe.target.config)
+        self.step = 0
+        self.best_tau = float("-inf")  # best held-out τ of the first eval method so far
+        self._eval_target = None
+
+    @property
+    def cfg(self) -> Any:
+        return self.recipe.config
+
+    @property
+    def drafter(self):
+        return self.recipe.drafter
+
+    @property
+    def target(self) -> torch.nn.Module:
+        return self.recipe.target
+
+    # ------------------------------------------------------------------ schedule
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to 10% of the peak."""
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def step_generator(self, step: int) -> torch.Generator:
+        """The generator of step ``step`` (anchors and the like): a function of the seed and the step."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+
+    # ------------------------------------------------------------------ one step
+    def record(self, source: Sequence, index: int) -> TeacherRecord:
+        """The teacher's view of sequence ``index``: from a `TeacherCache`, else a live target forward."""
+        if isinstance(source, TeacherCache):
+            record = source[index]
+            taps = source.select_taps(record.features, self.drafter.config.target_layer_ids)
+            return attrs.evolve(record, features=taps)
+        tokens, response_start = source[index]
+        return live_record(self.target, tokens, response_start, self.spec)
+
+    def train_step(self, record: TeacherRecord) -> tuple[dict[str, float], int] | None:
+        """One optimiser step on ``record``: (logs, label positions), or None when the recipe finds
+        nothing to learn in it (the step still counts)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.step)
+        with torch.autocast(self.params[0].device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.recipe.loss(record, self.step, self.step_generator(self.step))
+        if out is None:
+            self.step += 1
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        logs = dict(out.logs)
+        logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        self.optimizer.step()
+        self.step += 1
+        return logs, out.label_positions
+
+    # ------------------------------------------------------------------ held-out τ
+    @torch.no_grad()
+    def evaluate(self, heldout: TeacherCache) -> dict[str, float]:
+        """Held-out τ of each eval method (`treespec.apps.training.evaluate`) with the current weights."""
+        from treespec.apps.methods import build_policy, parse_method
+        from treespec.apps.training.evaluate import heldout_tau
+        from treespec.target import TargetModel
+
+        if self._eval_target is None:
+            self._eval_target = TargetModel(self.target)
+        self.recipe.trainable.eval()
+        self.drafter.bind(self._eval_target)  # fresh per-bind tables (Domino's GRU inputs) from these weights
+        methods = {m: build_policy(parse_method(m)) for m in self.recipe.eval_methods}
+        layers = self.drafter.config.target_layer_ids
+        results = heldout_tau(self.drafter, methods, heldout, taps=lambda r: heldout.select_taps(r.features, layers))
+        self.recipe.trainable.train()
+        return {f"tau/{r.policy}": r.tau for r in results}
+
+    def _maybe_evaluate(self, heldout: TeacherCache | None, history: list[dict[str, float]]) -> None:
+        """Every ``eval_every`` steps: log held-out τ to ``eval.jsonl``; keep the best weights in ``best/``."""
+        if heldout is None or not self.cfg.eval_every or self.step % self.cfg.eval_every:
+            return
+        scores = self.evaluate(heldout) | {"step": self.step}
+        history.append(scores)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "eval.jsonl", "a") as fh:
+            fh.write(json.dumps(scores, sort_keys=True) + "\n")
+        primary = scores[f"tau/{self.recipe.eval_methods[0]}"]
+        if primary > self.best_tau:
+            self.best_tau = primary
+            self.drafter.save_pretrained(self.out_dir / "best")
+            (self.out_dir / "best" / "heldout.json").write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
+
+    # ------------------------------------------------------------------ the run
+    def train(self, sequences: Sequence, *, until: int | None = None, progress: bool = True,
+              heldout: TeacherCache | None = None) -> list[dict[str, float]]:
+        """Run to step ``until`` (default ``cfg.steps``), one sequence per step in a seeded order.
+
+        ``sequences``: a `TeacherCache`, or (tokens, response_start) pairs taught live.
+        ``heldout``: a teacher cache of held-out greedy answers, scored every ``eval_every`` steps (and,
+        for a warm start, once before the first step, so ``best/`` is the start until a step beats it).
+
+        Checkpoints every ``save_every`` steps and at the end; stopping early keeps the schedule of
+        the full run, so a later call (after `resume`) continues it exactly.
+        """
+        from tqdm import tqdm
+
+        stop = min(self.cfg.steps, until if until is not None else self.cfg.steps)
+        if not sequences:
+            raise ValueError("no training sequences")
+        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(self.cfg.seed)).tolist()
+        history: list[dict[str, float]] = []
+        bar = tqdm(total=stop, initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
+        start, positions = time.perf_counter(), 0
+        if self.step == 0 and self.init is not None:  # a warm start's own score: the bar to beat, and best/ until beaten
+            self._maybe_evaluate(heldout, history)
+        while self.step < stop:
+            done = self.train_step(self.record(sequences, order[self.step % len(order)]))
+            if done is None:
+                continue
+            logs, labelled = done
+            history.append(logs | {"step": self.step})
+            positions += labelled
+            bar.set_postfix(loss=f"{logs['loss']:.3f}", acc1=f"{logs.get('acc1', 0):.2f}",
+                            tok_s=f"{positions / (time.perf_counter() - start):.0f}", refresh=False)
+            bar.update(1)
+            self._maybe_evaluate(heldout, history)
+            if self.step % self.cfg.save_every == 0:
+                self.save(history)
+        self.save(history)
+        bar.close()
+        return history
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, history: Sequence[dict[str, float]] = ()) -> Path:
+        """Write ``drafter/`` (released layout), optimizer moments and the trainer state."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.drafter.save_pretrained(self.out_dir / "drafter")
+        names = {id(p): n for n, p in self.recipe.trainable.named_parameters()}
+        moments = {}
+        for p, st in self.optimizer.state.items():
+            moments[f"{names[id(p)]}::exp_avg"] = st["exp_avg"].contiguous()
+            moments[f"{names[id(p)]}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+        save_file(moments, str(self.out_dir / "optimizer.safetensors"))
+        state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast, "init": self.init,
+                 "best_tau": self.best_tau if self.best_tau > float("-inf") else None,
+                 "recent": list(history[-50:])}
+        (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        return self.out_dir
+
+    def resume(self) -> bool:
+        """Restore weights, optimizer moments and step from ``out_dir``; False when there is none."""
+        state_file = self.out_dir / "trainer_state.json"
+        if not state_file.exists():
+            return False
+        state = json.loads(state_file.read_text())
+        if state.get("init") != self.init:
+            raise ValueError(f"{self.out_dir} is a run started from {state.get('init') or 'fresh weights'}, "
+                             f"not from {self.init or 'fresh weights'}: use a new --out or the same start")
+        module = self.recipe.trainable
+        loaded = type(self.drafter).from_pretrained(self.out_dir / "drafter", dtype=self.params[0].dtype,
+                                                    device=self.params[0].device)
+        saved = type(self.recipe)(self.target, loaded, self.cfg).trainable
+        with torch.no_grad():
+            for p, q in zip(module.parameters(), saved.parameters(), strict=True):
+                p.copy_(q)
+            for b, c in zip(module.buffers(), saved.buffers(), strict=True):
+                b.copy_(c)
+        moments = load_file(str(self.out_dir / "optimizer.safetensors"), device=str(self.params[0].device))
+        for name, p in module.named_parameters():
+            if f"{name}::exp_avg" in moments:
+                self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
+                                           "exp_avg": moments[f"{name}::exp_avg"],
+                                           "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
+        self.step = int(state["step"])
+        self.best_tau = state.get("best_tau") if state.get("best_tau") is not None else float("-inf")
+        return True

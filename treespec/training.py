@@ -1,0 +1,93 @@
+"""What a drafter family declares so that the apps' training loop can train it.
+
+Contract
+--------
+Training is split in two.  The loop (`treespec.apps.training.DrafterTrainer`) owns what every
+drafter's training shares: the data order, the teacher's view of each sequence (a `TeacherRecord`
+read from a teacher cache or computed live), the optimiser and its schedule, bf16 autocast,
+checkpoints and resumption, held-out τ and the best weights.  A `TrainingRecipe` (registered as kind
+``"recipe"``; the block drafters' is ``"block"``) owns the rest: the configs and presets of its
+family, building a drafter for a target (fresh or warm-started from a saved one), the module whose
+parameters train, and the loss of one teacher record.  The loop never looks inside a drafter: it
+trains ``recipe.trainable`` and saves and reloads the drafter through its ``save_pretrained`` and
+``from_pretrained``.
+
+The loop reads these fields of a recipe's config (an attrs class, so ``--set KEY=VALUE`` reaches
+every field alike): ``kind`` (a name for the logs), ``steps``, ``lr``, ``warmup_steps``,
+``weight_decay``, ``grad_clip``, ``seed``, ``save_every``, ``eval_every``, ``eval_methods``,
+``autocast_bf16``, ``teacher_top_k`` and ``max_seq_len``; and of the drafter,
+``config.target_layer_ids`` (the taps a record's features hold) and the `Drafter` ABC's own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from treespec.interfaces import Drafter
+
+__all__ = ["StepLoss", "TeacherRecord", "TrainingRecipe"]
+
+
+@attrs.frozen(eq=False)
+class TeacherRecord:
+    """One sequence with the target's features and next-token distribution."""
+
+    tokens: torch.Tensor  # [T] int64
+    response_start: int  # tokens[response_start:] is the response
+    features: torch.Tensor  # [T, k*H] bf16 hidden-state taps
+    top_ids: torch.Tensor  # [T, K] int64, row t predicts token t + 1
+    top_logp: torch.Tensor  # [T, K] float32
+    rest_logp: torch.Tensor  # [T] float32 log of the mass outside top_ids
+
+
+@attrs.frozen(eq=False)
+class StepLoss:
+    """The loss of one training step and what to log about it."""
+
+    loss: torch.Tensor  # [] scalar, differentiable in the drafter's parameters
+    logs: dict[str, float]  # e.g. {"loss": ..., "acc1": ...}: shown and kept in the trainer's history
+    label_positions: int  # labelled positions the loss covers (the loop reports them per second)
+
+
+class TrainingRecipe(ABC):
+    """How a family of drafters learns from a frozen target (module docstring)."""
+
+    presets: ClassVar[Mapping[str, Any]] = {}  # preset name -> config of this recipe
+    config_type: ClassVar[type]  # the attrs class of this recipe's configs
+
+    def __init__(self, target: torch.nn.Module, drafter: Drafter, config: Any) -> None:
+        self.target, self.drafter, self.config = target, drafter, config
+
+    @classmethod
+    @abstractmethod
+    def new_drafter(cls, target: torch.nn.Module, config: Any, mask_token_id: int,
+                    draft_vocab: torch.Tensor | None = None) -> Drafter:
+        """A fresh drafter for ``target`` (float32, where the target runs); ``draft_vocab`` [N]: the
+        target ids of a reduced head, for a config that asks for one."""
+
+    @classmethod
+    @abstractmethod
+    def warm_start(cls, target: torch.nn.Module, config: Any, mask_token_id: int, init_dir: str | Path) -> Drafter:
+        """The drafter saved at ``init_dir`` as the start of a run of ``config``; a ValueError naming the
+        fields when it is not the drafter ``config`` would make for ``target``."""
+
+    @property
+    @abstractmethod
+    def trainable(self) -> torch.nn.Module:
+        """The module whose parameters the optimiser updates (and whose buffers a checkpoint keeps)."""
+
+    @abstractmethod
+    def loss(self, record: TeacherRecord, step: int, generator: torch.Generator) -> StepLoss | None:
+        """The loss of step ``step`` on ``record`` (None: nothing to learn from it, e.g. too short);
+        ``generator`` is the step's own, so a resumed run draws what the uninterrupted one drew."""
+
+    @property
+    def eval_methods(self) -> tuple[str, ...]:
+        """The methods held-out τ scores, the first picking the best weights (the config's)."""
+        return tuple(self.config.eval_methods)
