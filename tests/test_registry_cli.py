@@ -47,3 +47,20 @@ def test_cli_list_and_example(capsys):
     assert main(["example", "--prompts", "1", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
     assert "every method's output equals AR's token for token" in out and "dominotree@16" in out
+
+
+def test_training_recipes_are_reached_by_name(capsys, tmp_path):
+    """`treespec train-drafter` finds its recipe through the registry (kind "recipe"): the block
+    drafters' is listed, its presets are the recipe's own, and an unknown recipe or preset is refused
+    by name before anything loads."""
+    from treespec import registry
+    from treespec.training import TrainingRecipe
+
+    assert main(["list", "recipe"]) == 0
+    assert capsys.readouterr().out.strip() == "recipe: block"
+    block = registry.resolve("recipe", "block")
+    assert issubclass(block, TrainingRecipe) and "smollm2-domino-v8k-l1" in block.presets
+    with pytest.raises(SystemExit, match="unknown recipe 'nosuch'; available: block"):
+        main(["train-drafter", "--recipe", "nosuch", "--teacher", str(tmp_path), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="unknown preset 'nope' of recipe block; available: smollm2-dflash"):
+        main(["train-drafter", "--preset", "nope", "--teacher", str(tmp_path), "--out", str(tmp_path / "o")])
