@@ -42,8 +42,8 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.methods import check_budget, prices_trees
-from treespec.apps.pricing import CostSource, persist_live
+from treespec.apps.methods import MethodSpec, check_budget
+from treespec.apps.pricing import CostSource, method_policy, persist_live
 from treespec.batch_decoding import BatchDecoder
 from treespec.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
@@ -100,17 +100,19 @@ def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any]
     the live model learned is then saved with the profile."""
     if isinstance(policy, TreePolicy):
         return policy, lambda: None
-    if budget is not None:
-        kwargs = {**kwargs, "budget": check_budget(budget, "generate")}
-    if not prices_trees(policy) or "cost_model" in kwargs:
-        return registry.create("policy", policy, **kwargs), lambda: None
     from treespec.profile import machine_profile
 
-    profile = machine_profile(target, [drafter]) if costs.uses_profile else None
-    cost, kappa = costs.price(lambda: profile.pricing(drafter))
-    kwargs = {**({"calibration": kappa} if kappa != 1.0 else {}), **kwargs, "cost_model": cost}
-    done = (lambda: persist_live(target, profile, [(cost, drafter)])) if profile is not None else (lambda: None)
-    return registry.create("policy", policy, **kwargs), done
+    spec = MethodSpec(policy, None, None if budget is None else check_budget(budget, "generate"), kwargs)
+    measured = []  # this machine's profile, once pricing asks for it
+
+    def profile():
+        measured.append(machine_profile(target, [drafter]))
+        return measured[-1]
+
+    built, cost = method_policy(spec, drafter, costs, profile)
+    if cost is None or not measured:
+        return built, lambda: None
+    return built, lambda: persist_live(target, measured[0], [(cost, drafter)])
 
 
 def load_tokenizer(path: PathLike) -> Any:

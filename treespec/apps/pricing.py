@@ -68,7 +68,7 @@ def method_policy(method: MethodSpec, drafter: Drafter | None, costs: CostSource
     ``profile()`` (this machine's `treespec.profile.CostProfile`) asked only when pricing needs it."""
     if method.autoregressive:
         return None, None
-    if not method.priced:
+    if not method.priced or "cost_model" in method.options:  # fixed-size, or given its model
         return build_policy(method), None
     cost, kappa = costs.price(lambda: profile().pricing(drafter))
     return build_policy(method, cost, kappa), cost
