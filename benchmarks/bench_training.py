@@ -49,7 +49,8 @@ def _trainers(args, target, pairs, cache, vocab, out: Path) -> dict[str, tuple[D
         cfg = arm["cfg"]
         drafter = new_drafter(target, cfg, args.mask_token_id,
                               draft_vocab=vocab if cfg.draft_vocab_size else None)
-        trainers[name] = (DrafterTrainer(BlockRecipe(target, drafter, cfg), out_dir=out / name), cache if arm["cached"] else pairs)
+        trainer = DrafterTrainer(BlockRecipe(target, drafter, cfg), out_dir=out / name)
+        trainers[name] = (trainer, cache if arm["cached"] else pairs)
     return trainers
 
 

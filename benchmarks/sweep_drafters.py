@@ -54,8 +54,8 @@ def arm_config(name: str, steps: int) -> TrainConfig:
 
 def _seconds_per_step(target, cache, name: str, vocab, mask: int, probe: int, out: Path) -> float:
     cfg = arm_config(name, steps=10_000)
-    trainer = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab)), cfg),
-                             out_dir=out / "probe")
+    drafter = new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab))
+    trainer = DrafterTrainer(BlockRecipe(target, drafter, cfg), out_dir=out / "probe")
     trainer.train(cache, until=1, progress=False)  # first step: allocation, tables
     start = time.process_time()
     trainer.train(cache, until=1 + probe, progress=False)
@@ -81,8 +81,8 @@ def run_arm(target, cache, heldout, name: str, budget_s: float, vocab, mask: int
         plan.parent.mkdir(parents=True, exist_ok=True)
         plan.write_text(json.dumps({"steps": steps, "seconds_per_step": per_step}))
     cfg = arm_config(name, steps)
-    trainer = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab)), cfg),
-                             out_dir=out / name)
+    drafter = new_drafter(target, cfg, mask, draft_vocab=_vocab_for(cfg, vocab))
+    trainer = DrafterTrainer(BlockRecipe(target, drafter, cfg), out_dir=out / name)
     resumed = trainer.resume()
     start = time.process_time()
     history = trainer.train(cache, progress=True)

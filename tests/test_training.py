@@ -260,10 +260,12 @@ def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path
                       gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=2)
     with pytest.raises(ValueError, match="pass the draft vocabulary"):
         new_drafter(target, cfg, mask_token_id=1)
-    trainer = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg), out_dir=tmp_path / kind)
+    trainer = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg),
+                             out_dir=tmp_path / kind)
     history = trainer.train(data, progress=False)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
-    resumed = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg), out_dir=tmp_path / kind)
+    resumed = DrafterTrainer(BlockRecipe(target, new_drafter(target, cfg, 1, draft_vocab=vocab), cfg),
+                             out_dir=tmp_path / kind)
     assert resumed.resume() and torch.equal(resumed.drafter.draft_token_ids, vocab)
 
 
@@ -325,7 +327,8 @@ def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_
     assert best["tau/ddtree@4"] == trainer.best_tau
     again = make(target, tmp_path, steps=6, eval_every=3, eval_methods=("ddtree@4", "dflash"))
     assert again.resume() and again.best_tau == trainer.best_tau
-    warm = DrafterTrainer(BlockRecipe(target, trainer.drafter, trainer.cfg), out_dir=tmp_path / "warm", init="the run above")
+    warm = DrafterTrainer(BlockRecipe(target, trainer.drafter, trainer.cfg), out_dir=tmp_path / "warm",
+                          init="the run above")
     warm.train(sequences(2, target=target), progress=False, heldout=heldout)  # a warm start scores its start too
     steps = [json.loads(x)["step"] for x in (tmp_path / "warm" / "eval.jsonl").read_text().splitlines()]
     assert steps == [0, 3, 6]
