@@ -6,8 +6,9 @@ Contract
 fails, naming it, before the target's weights are read), then the target (the embedded SmolLM2 when
 ``model_dir`` is None) and its tokenizer (None for a bare model directory unless one is required).
 ``parts.name`` is how records name the target; ``parts.stop_ids`` the ids a generation stops at.
-Bench, demo, replay and draw load through it; the api keeps its own entry because it also takes
-live objects (a `TargetModel`, a module, a drafter instance) in place of directories.
+Bench, demo and replay load through it.  The api keeps its own entry because it also takes live
+objects (a `TargetModel`, a module, a drafter instance) in place of directories, and ``treespec
+draw --drafter DIR`` takes a checkpoint directory of either kind, read by its config, as the api does.
 """
 
 from __future__ import annotations
