@@ -40,18 +40,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     world = ToyWorld()
     for policy in sampled:
-        for verifier in ("match", "recursive-rejection"):
+        for verifier in ("match", "recursive-rejection", "traversal"):
             for setting, sampling in SETTINGS.items():
                 report = check_exactness(registry.create("policy", policy, budget=4),
                                          registry.create("verifier", verifier), sampling, samples=args.samples,
                                          world=world)
                 print(row(f"{policy} + {verifier}", setting, report), flush=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_sampled_trees import KeepsRejectedInQ, UnnormalisedResidual
+    from test_sampled_trees import KeepsPathAcceptance, KeepsRejectedInQ, RemovedMassDenominator, UnnormalisedResidual
 
     flat = ToyWorld(scale=0.5)
     for policy in sampled:
-        for biased in (KeepsRejectedInQ, UnnormalisedResidual):
+        for biased in (KeepsRejectedInQ, UnnormalisedResidual, RemovedMassDenominator, KeepsPathAcceptance):
             report = check_exactness(registry.create("policy", policy, budget=8), biased(), SETTINGS["T = 1.0"],
                                      samples=args.samples // 4, world=flat)
             print(row(f"{policy} + {biased.__name__} (flat world, B = 8)", "T = 1.0", report), flush=True)

@@ -49,6 +49,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "match": "verifiers.match:MatchVerifier",
         "rejection": "verifiers.rejection:RejectionVerifier",
         "recursive-rejection": "verifiers.recursive:RecursiveRejectionVerifier",
+        "traversal": "verifiers.traversal:TraversalVerifier",
     },
     "scorer": {  # RecordableScorer classes: trace replay rebuilds their recorded rounds by this name
         "domino": "drafters.domino:DominoScorer",

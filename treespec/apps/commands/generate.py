@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tree policy (cost-aware ones price trees with this machine's measured profile)")
     parser.add_argument("--budget", type=int, default=None, help="tree budget: non-root nodes (default: the policy's)")
     parser.add_argument("--verifier", default="match", choices=registry.available("verifier"),
-                        help="match (any tree), rejection (chains only; point proposal) or recursive-rejection "
-                             "(sampled trees: ddtree-sampled, dominotree-sampled)")
+                        help="match (any tree), rejection (chains only; point proposal), recursive-rejection or "
+                             "traversal (sampled trees: ddtree-sampled, dominotree-sampled)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; > 0 samples")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
