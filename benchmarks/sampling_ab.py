@@ -1,10 +1,12 @@
 """A/B at T > 0 on the embedded default: deterministic trees under match verification against
-sampled trees under recursive rejection sampling, on the same prompts (docs/sampling.md).
+sampled trees under recursive rejection sampling and traversal verification, on the same prompts
+(docs/sampling.md).
 
 For each temperature, every prompt is answered by DDTree@16 + match, ddtree-sampled@16 +
-recursive-rejection, DominoTree@16 + match and dominotree-sampled@16 + recursive-rejection (same
-seed per prompt); prints mean tau per arm and the paired 95 % bootstrap interval of the tau
-difference (sampled + recursive-rejection minus deterministic + match), prompt by prompt.
+recursive-rejection, ddtree-sampled@16 + traversal, and the same three arms of DominoTree@16 (same
+seed per prompt); prints mean tau per arm and the paired 95 % bootstrap intervals of the tau
+differences, prompt by prompt: each sampled arm minus the deterministic one, and traversal minus
+recursive rejection.
 
     python3 benchmarks/sampling_ab.py [--prompts 8] [--tokens 64] [--temperatures 0.6,1.0]
 """
@@ -22,7 +24,10 @@ from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import embedded_drafter_dir
 
 ARMS = [("ddtree", "match", "dflash"), ("ddtree-sampled", "recursive-rejection", "dflash"),
-        ("dominotree", "match", "domino"), ("dominotree-sampled", "recursive-rejection", "domino")]
+        ("ddtree-sampled", "traversal", "dflash"), ("dominotree", "match", "domino"),
+        ("dominotree-sampled", "recursive-rejection", "domino"), ("dominotree-sampled", "traversal", "domino")]
+PAIRS = [(("{0}-sampled", "recursive-rejection"), ("{0}", "match")), (("{0}-sampled", "traversal"), ("{0}", "match")),
+         (("{0}-sampled", "traversal"), ("{0}-sampled", "recursive-rejection"))]
 
 
 def paired_interval(diffs: torch.Tensor, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -51,17 +56,19 @@ def main() -> None:
     for temperature in (float(t) for t in args.temperatures.split(",")):
         taus = {}
         for policy, verifier, kind in ARMS:
-            taus[policy] = torch.tensor([
+            taus[policy, verifier] = torch.tensor([
                 treespec.generate(target, torch.tensor(ids), drafter=drafters[kind], policy=policy, budget=16,
                                   verifier=verifier, do_sample=True, temperature=temperature, seed=i,
                                   max_new_tokens=args.tokens).stats.mean_tau
                 for i, ids in enumerate(prompts)], dtype=torch.float64)
-            print(f"T={temperature} {policy}+{verifier}: tau {float(taus[policy].mean()):.3f}", flush=True)
+            print(f"T={temperature} {policy}+{verifier}: tau {float(taus[policy, verifier].mean()):.3f}", flush=True)
         for base in ("ddtree", "dominotree"):
-            diff = taus[f"{base}-sampled"] - taus[base]
-            lo, hi = paired_interval(diff)
-            print(f"T={temperature} {base}-sampled+recursive-rejection - {base}+match: "
-                  f"{float(diff.mean()):+.3f} [{lo:+.3f}, {hi:+.3f}]", flush=True)
+            for (a, va), (b, vb) in PAIRS:
+                a, b = a.format(base), b.format(base)
+                diff = taus[a, va] - taus[b, vb]
+                lo, hi = paired_interval(diff)
+                print(f"T={temperature} {a}+{va} - {b}+{vb}: {float(diff.mean()):+.3f} [{lo:+.3f}, {hi:+.3f}]",
+                      flush=True)
 
 
 if __name__ == "__main__":
