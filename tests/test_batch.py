@@ -371,7 +371,7 @@ def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path, fir
 
     import treespec.apps.bench as ab
 
-    config = attrs.evolve(CONFIG, datasets=prompt_files(tmp_path), methods=("ar", "ddtree", "dominotree"),
+    config = attrs.evolve(CONFIG, datasets=prompt_files(tmp_path), methods=("ar", "ddtree", "dominotree", "ddtree:domino"),
                           first_token=first_token)
     outs = {}
     for size in (1, 3):
@@ -384,4 +384,7 @@ def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path, fir
     strip = lambda r: {k: v for k, v in attrs.asdict(r).items() if k not in (*TIMES, "batch_size")}  # noqa: E731
     assert [strip(r) for r in outs[3]] == [strip(r) for r in outs[1]]  # same turns, tokens, taus and seeds
     assert {r.batch_size for r in outs[1]} == {1} and max(r.batch_size for r in outs[3]) == 3
+    assert {(r.method, r.drafter, r.verifier) for r in outs[3]} == {  # the method's fields, batched or not
+        ("ar", None, "match"), ("ddtree@4", "dflash", "match"), ("dominotree@4", "domino", "match"),
+        ("ddtree@4:domino", "domino", "match")}
     assert all(r.decode_time > 0 and r.stage_times["verify"] > 0 for r in outs[3])  # shares of measured batch times
