@@ -371,8 +371,8 @@ def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path, fir
 
     import treespec.apps.bench as ab
 
-    config = attrs.evolve(CONFIG, datasets=prompt_files(tmp_path), methods=("ar", "ddtree", "dominotree", "ddtree:domino"),
-                          first_token=first_token)
+    config = attrs.evolve(CONFIG, datasets=prompt_files(tmp_path),
+                          methods=("ar", "ddtree", "dominotree", "ddtree:domino"), first_token=first_token)
     outs = {}
     for size in (1, 3):
         out = tmp_path / f"s{size}"

@@ -3,8 +3,9 @@
 Contract
 --------
 A method string is ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER][/VERIFIER]`` or one of the aliases below;
-`parse_method` turns it into a `MethodSpec`, whose name is made from its fields again (`method_name`), never parsed back.  Each method names the registered drafter it runs over (by default the one of the role its policy
-needs: "dflash" for factorized policies, "domino" for conditional ones; None for autoregressive
+`parse_method` turns it into a `MethodSpec`, whose name is made from its fields again (`method_name`),
+never parsed back.  Each method names the registered drafter it runs over (by default the one of the
+role its policy needs: "dflash" for factorized policies, "domino" for conditional ones; None for autoregressive
 decoding), so one harness can run every method of a comparison over the same target and drafters:
 
 * ``ar``: autoregressive decoding (a root-only tree each round).
@@ -237,7 +238,8 @@ def policy_class(name: str) -> type[TreePolicy]:
     return registry.resolve("policy", name)
 
 
-def build_policy(method: MethodSpec, cost_model: CostModel | None = None, calibration: float = 1.0) -> TreePolicy | None:
+def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
+                 calibration: float = 1.0) -> TreePolicy | None:
     """The method's policy instance (None for AR); ``cost_model`` and the drafter's ``calibration``
     go to a policy that uses a cost model."""
     if method.autoregressive:

@@ -183,7 +183,7 @@ class DrafterTrainer:
         history: list[dict[str, float]] = []
         bar = tqdm(total=stop, initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
         start, positions = time.perf_counter(), 0
-        if self.step == 0 and self.init is not None:  # a warm start's own score: the bar to beat, and best/ until beaten
+        if self.step == 0 and self.init is not None:  # a warm start's score: the bar to beat, best/ until beaten
             self._maybe_evaluate(heldout, history)
         while self.step < stop:
             done = self.train_step(self.record(sequences, order[self.step % len(order)]))
