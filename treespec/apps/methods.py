@@ -5,8 +5,9 @@ Contract
 A method string is ``POLICY[@BUDGET][+KEY=VALUE...][:DRAFTER][/VERIFIER]`` or one of the aliases below;
 `parse_method` turns it into a `MethodSpec`, whose name is made from its fields again (`method_name`),
 never parsed back.  Each method names the registered drafter it runs over (by default the one of the
-role its policy needs: "dflash" for factorized policies, "domino" for conditional ones; None for autoregressive
-decoding), so one harness can run every method of a comparison over the same target and drafters:
+role its policy needs: "dflash" for factorized policies, "domino" for conditional ones; None for
+autoregressive decoding), so one harness can run every method of a comparison over the same target
+and drafters:
 
 * ``ar``: autoregressive decoding (a root-only tree each round).
 * ``dflash``: the chain over the DFlash drafter (the DFlash decoder).
