@@ -26,6 +26,8 @@ residual draws come from the caller's generator stream.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
@@ -33,7 +35,7 @@ from treespec.sampling import sample_from_probs, target_probs, target_tokens
 from treespec.tree import DraftTree
 from verifiers.match import check_logits, walk_matches
 
-__all__ = ["RecursiveRejectionVerifier", "check_proposals"]
+__all__ = ["RecursiveRejectionVerifier", "SampledTreeVerifier", "check_proposals"]
 
 
 def check_proposals(tree: DraftTree, proposals: Proposals | None, verifier: str) -> Proposals:
@@ -46,10 +48,10 @@ def check_proposals(tree: DraftTree, proposals: Proposals | None, verifier: str)
     return proposals
 
 
-class RecursiveRejectionVerifier(Verifier):
-    """SpecInfer / RSD recursive rejection sampling over sampled children (module docstring)."""
+class SampledTreeVerifier(Verifier):
+    """A verifier that uses each node's q, so needs a sampled tree and its `Proposals`: at T = 0 it is
+    match verification; at T > 0 `verify_sampled` gets the target's law at every node."""
 
-    name = "recursive-rejection"
     requires_sampled_tree = True
 
     def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
@@ -59,9 +61,23 @@ class RecursiveRejectionVerifier(Verifier):
         if sampling.greedy:
             return walk_matches(tree, target_tokens(target_logits, tree.depths + position, sampling, None))
         if generator is None:
-            raise ValueError("recursive rejection sampling at temperature > 0 needs an explicit torch.Generator")
+            raise ValueError(f"the {self.name} verifier at temperature > 0 needs an explicit torch.Generator")
         proposals = check_proposals(tree, proposals, self.name)
-        p_rows = target_probs(target_logits, sampling)  # [N, V]
+        return self.verify_sampled(tree, target_probs(target_logits, sampling), proposals, generator)
+
+    @abstractmethod
+    def verify_sampled(self, tree: DraftTree, p_rows: torch.Tensor, proposals: Proposals,
+                       generator: torch.Generator) -> VerifyResult:
+        """The accepted path and bonus at T > 0; ``p_rows`` [N, V] is the target's law at every node."""
+
+
+class RecursiveRejectionVerifier(SampledTreeVerifier):
+    """SpecInfer / RSD recursive rejection sampling over sampled children (module docstring)."""
+
+    name = "recursive-rejection"
+
+    def verify_sampled(self, tree: DraftTree, p_rows: torch.Tensor, proposals: Proposals,
+                       generator: torch.Generator) -> VerifyResult:
         path = [0]
         while True:
             node = path[-1]

@@ -43,32 +43,22 @@ from __future__ import annotations
 
 import torch
 
-from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
-from treespec.sampling import sample_from_probs, target_probs, target_tokens
+from treespec.interfaces import Proposals, VerifyResult
+from treespec.sampling import sample_from_probs
 from treespec.tree import DraftTree
-from verifiers.match import check_logits, walk_matches
-from verifiers.recursive import check_proposals
+from verifiers.recursive import SampledTreeVerifier
 
 __all__ = ["TraversalVerifier"]
 
 
-class TraversalVerifier(Verifier):
+class TraversalVerifier(SampledTreeVerifier):
     """Traversal verification over sampled trees (module docstring)."""
 
     name = "traversal"
-    requires_sampled_tree = True
 
-    def verify(self, tree: DraftTree, target_logits: torch.Tensor, *, sampling: SamplingParams,
-               generator: torch.Generator | None, position: int,
-               draft: DraftOutput | None = None, proposals: Proposals | None = None) -> VerifyResult:
-        check_logits(tree, target_logits)
-        if sampling.greedy:
-            return walk_matches(tree, target_tokens(target_logits, tree.depths + position, sampling, None))
-        if generator is None:
-            raise ValueError("traversal verification at temperature > 0 needs an explicit torch.Generator")
-        proposals = check_proposals(tree, proposals, self.name)
-        p_rows = target_probs(target_logits, sampling).to(torch.float64)  # [N, V]
-        return _Traversal(tree, p_rows, proposals, self, generator).run()
+    def verify_sampled(self, tree: DraftTree, p_rows: torch.Tensor, proposals: Proposals,
+                       generator: torch.Generator) -> VerifyResult:
+        return _Traversal(tree, p_rows.to(torch.float64), proposals, self, generator).run()
 
     @staticmethod
     def after_rejection(h: float, p: torch.Tensor, q: torch.Tensor, x: int) -> float:
