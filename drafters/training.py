@@ -166,7 +166,6 @@ class BlockRecipe(TrainingRecipe):
 
     def __init__(self, target, drafter: DFlashDrafter, cfg: TrainConfig) -> None:
         super().__init__(target, drafter, cfg)
-        self.cfg = cfg
         self.embed, self.head = target.get_input_embeddings(), target.get_output_embeddings()
         ids = drafter.draft_token_ids
         vocab = drafter.config.vocab_size
@@ -191,9 +190,9 @@ class BlockRecipe(TrainingRecipe):
     @property
     def eval_methods(self) -> tuple[str, ...]:
         """The config's, else the drafter's tree at budget 16 and its chain."""
-        if self.cfg.eval_methods:
-            return tuple(self.cfg.eval_methods)
-        return ("dominotree@16", "domino") if self.cfg.kind == "domino" else ("ddtree@16", "dflash")
+        if self.config.eval_methods:
+            return tuple(self.config.eval_methods)
+        return ("dominotree@16", "domino") if self.config.kind == "domino" else ("ddtree@16", "dflash")
 
     def loss(self, record: TeacherRecord, step: int, generator: torch.Generator) -> StepLoss | None:
         batch = self.make_batch(record, generator)
@@ -204,17 +203,17 @@ class BlockRecipe(TrainingRecipe):
 
     def base_share(self, step: int) -> float:
         """Domino's lam: the base-logit loss share, decayed linearly from 1 to ``base_share_floor``."""
-        return max(self.cfg.base_share_floor, 1.0 - step / max(1, self.cfg.steps))
+        return max(self.config.base_share_floor, 1.0 - step / max(1, self.config.steps))
 
     # ------------------------------------------------------------------ data
     def make_batch(self, record: TeacherRecord, generator: torch.Generator) -> Batch | None:
         """The anchors to train on in one teacher record (None when too short)."""
         device = self.embed.weight.device
-        tokens = record.tokens[: self.cfg.max_seq_len].to(device)
+        tokens = record.tokens[: self.config.max_seq_len].to(device)
         first, last = max(record.response_start - 1, 0), tokens.numel() - 2  # an anchor needs >= 1 label
         if last < first:
             return None
-        count = min(self.cfg.anchors_per_sequence, last - first + 1)
+        count = min(self.config.anchors_per_sequence, last - first + 1)
         anchors = first + torch.randperm(last - first + 1, generator=generator)[:count].sort().values
         n = tokens.numel()
         return Batch(record.features[:n].to(device).float(), tokens, anchors.to(device),
@@ -277,7 +276,7 @@ class BlockRecipe(TrainingRecipe):
         p_rest = (1 - soft.sum(-1)).clamp(min=0)  # [n, L]
         q_rest = (1 - (logp.exp() * kept).sum(-1)).clamp(min=1e-6)
         ce_soft = -(soft * logp).sum(-1) - p_rest * q_rest.log()
-        s = self.cfg.soft_label_share
+        s = self.config.soft_label_share
         return (1 - s) * ce_hard + s * ce_soft
 
     def batch_loss(self, batch: Batch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -286,7 +285,7 @@ class BlockRecipe(TrainingRecipe):
         z = self.drafted_states(batch)  # [n, L, H]
         base = (z.to(self.head_rows.dtype) @ self.head_rows.T).float()  # [n, L, N] over draft ids
         hard, soft, valid = self.labels(batch)
-        weights = decay_weights(z.shape[1], self.cfg.gamma).to(z.device)[None] * valid  # [n, L]
+        weights = decay_weights(z.shape[1], self.config.gamma).to(z.device)[None] * valid  # [n, L]
         per_pos = self.position_loss(base, hard, soft)
         pred = self.draft_ids[base.argmax(-1)]  # [n, L] target ids
         if self.drafter.config.is_domino:
@@ -311,7 +310,7 @@ class BlockRecipe(TrainingRecipe):
         path_tokens = batch.tokens[path.clamp(max=batch.tokens.numel() - 1)]  # [n, L]
         states, _ = model.prefix_gru(self.embed(path_tokens).to(self.dtype))  # [n, L, G]: s_0 .. s_{L-1}
         hidden = model.embed_proj[1](model.embed_proj[0](torch.cat([z, states], dim=-1)))  # [n, L, E]
-        cand = base.detach().topk(min(self.cfg.top_m, base.shape[-1]), dim=-1).indices  # [n, L, M] draft ids
+        cand = base.detach().topk(min(self.config.top_m, base.shape[-1]), dim=-1).indices  # [n, L, M] draft ids
         cand_ids = self.draft_ids[cand]  # [n, L, M] target ids
         w2 = model.embed_proj[2].weight[cand_ids]  # [n, L, M, E]
         logits = base.gather(-1, cand) + (w2 @ hidden[..., None])[..., 0].float()  # [n, L, M]
@@ -320,7 +319,7 @@ class BlockRecipe(TrainingRecipe):
         ce_hard = -(logp * found).sum(-1)
         target = soft.gather(-1, cand)
         ce_soft = -(target / target.sum(-1, keepdim=True).clamp(min=1e-12) * logp).sum(-1)
-        s = self.cfg.soft_label_share
+        s = self.config.soft_label_share
         corrected = (1 - s) * ce_hard + s * ce_soft
         pure = torch.arange(depth, device=z.device)[None, :] < cfg.domino.pure_draft_prefix_len  # [1, L]
         fallback = self.position_loss(base, hard, soft)

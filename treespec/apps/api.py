@@ -33,6 +33,7 @@ config's EOS ids stop generation; pass ``stop_token_ids=[]`` to run the full len
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -103,16 +104,11 @@ def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any]
     from treespec.profile import machine_profile
 
     spec = MethodSpec(policy, None, None if budget is None else check_budget(budget, "generate"), kwargs)
-    measured = []  # this machine's profile, once pricing asks for it
-
-    def profile():
-        measured.append(machine_profile(target, [drafter]))
-        return measured[-1]
-
+    profile = functools.cache(lambda: machine_profile(target, [drafter]))  # measured once, if pricing asks
     built, cost = method_policy(spec, drafter, costs, profile)
-    if cost is None or not measured:
+    if cost is None or not costs.uses_profile:
         return built, lambda: None
-    return built, lambda: persist_live(target, measured[0], [(cost, drafter)])
+    return built, lambda: persist_live(target, profile(), [(cost, drafter)])
 
 
 def load_tokenizer(path: PathLike) -> Any:

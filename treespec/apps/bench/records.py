@@ -67,7 +67,8 @@ class BenchRecord:
     def family(self) -> str:
         """The method's name with its budget taken out (`treespec.apps.methods.method_name` of the
         record's fields): the line of a budget curve, options, drafters and verifiers kept apart."""
-        return method_name(None if self.policy == "ar" else self.policy, self.drafter, None, self.options, self.verifier)
+        policy = None if self.policy == "ar" else self.policy
+        return method_name(policy, self.drafter, None, self.options, self.verifier)
 
     @property
     def new_tokens(self) -> int:

@@ -145,12 +145,16 @@ def _check_taps(caches: dict, layers) -> None:
                 raise SystemExit(f"--{option}: {exc}") from None
 
 
+def _response_counts(sequences, vocab_size: int):
+    """[V] how often each token occurs in the training responses (a teacher cache or the data's pairs)."""
+    return response_token_counts(sequences.pairs() if isinstance(sequences, TeacherCache) else sequences, vocab_size)
+
+
 def _draft_vocab(cfg, sequences, vocab_size: int):
     """The reduced head's token ids (None for a full head), with its coverage printed."""
     if cfg.draft_vocab_size is None:
         return None
-    pairs = sequences.pairs() if isinstance(sequences, TeacherCache) else sequences
-    counts = response_token_counts(pairs, vocab_size)
+    counts = _response_counts(sequences, vocab_size)
     vocab = draft_vocabulary(counts, cfg.draft_vocab_size)
     print(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens cover "
           f"{coverage(vocab, counts):.2%} of the training responses")
@@ -166,8 +170,7 @@ def _start_drafter(args: argparse.Namespace, recipe: type[TrainingRecipe], targe
     except ValueError as exc:
         raise SystemExit(f"treespec train-drafter: {exc}") from None
     if drafter.draft_token_ids is not None:
-        pairs = data.pairs() if isinstance(data, TeacherCache) else data
-        counts = response_token_counts(pairs, target.config.vocab_size)
+        counts = _response_counts(data, target.config.vocab_size)
         print(f"warm start from {args.init}: its draft vocabulary covers "
               f"{coverage(drafter.draft_token_ids.cpu(), counts):.2%} of the training responses")
     return drafter
