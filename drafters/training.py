@@ -180,8 +180,9 @@ class BlockRecipe(TrainingRecipe):
         return new_drafter(target, config, mask_token_id, draft_vocab)
 
     @classmethod
-    def warm_start(cls, target, config: TrainConfig, mask_token_id: int, init_dir: str | Path) -> DFlashDrafter:
-        return warm_start(target, config, mask_token_id, init_dir)
+    def warm_start(cls, target, config: TrainConfig, mask_token_id: int, init_dir: str | Path,
+                   token_counts: torch.Tensor | None = None) -> DFlashDrafter:
+        return warm_start(target, config, mask_token_id, init_dir, token_counts)
 
     @property
     def trainable(self) -> torch.nn.Module:
@@ -377,14 +378,40 @@ def grow_layers(drafter: DFlashDrafter, target, num_layers: int) -> DFlashDrafte
     return grown
 
 
-def warm_start(target, cfg: TrainConfig, mask_token_id: int, init_dir: str | Path) -> DFlashDrafter:
+def grow_vocab(drafter: DFlashDrafter, size: int, token_counts: torch.Tensor) -> DFlashDrafter:
+    """``drafter`` with a head over ``size`` target tokens: its own draft vocabulary and the most
+    frequent others by ``token_counts`` [V] (ties by ascending id).  No weight is indexed by draft id
+    (the head rows are the target's, picked by ``d2t``), so every weight carries over unchanged; the
+    grown head adds tokens the saved one could never draft."""
+    saved = drafter.draft_token_ids
+    if saved is None:
+        raise ValueError("cannot grow the head of a drafter whose head covers the whole vocabulary")
+    counts = token_counts.to(torch.float64).clone()
+    counts[saved.cpu()] = float("inf")  # the saved tokens first, whatever their counts
+    order = torch.sort(counts, descending=True, stable=True).indices
+    ids = order[:size].sort().values
+    config = attrs.evolve(drafter.config, draft_vocab_size=size)
+    device = next(drafter.model.parameters()).device
+    grown = type(drafter).random(config, dtype=torch.float32, device=device)
+    weights = {k: v for k, v in drafter.model.state_dict().items() if k != "d2t"}
+    missing, unexpected = grown.model.load_state_dict(weights, strict=False)
+    if unexpected or missing != ["d2t"]:
+        raise ValueError(f"cannot grow this drafter's head: unexpected {unexpected}, missing {missing}")
+    grown.set_draft_vocab(ids)
+    return grown
+
+
+def warm_start(target, cfg: TrainConfig, mask_token_id: int, init_dir: str | Path,
+               token_counts: torch.Tensor | None = None) -> DFlashDrafter:
     """The drafter saved at ``init_dir`` (weights and ``d2t``), in float32 where the target runs, as the
     start of a run of ``cfg`` (``train-drafter --init``): the optimiser starts afresh (its own warm-up).
-    A saved drafter with fewer draft layers than ``cfg`` asks for, and otherwise the same, is grown
-    (`grow_layers`): it drafts as saved, and the added layers start from the target's.
+    A saved drafter that is otherwise the same may be grown: fewer draft layers than ``cfg`` asks for
+    (`grow_layers`: it drafts as saved, the added layers start from the target's), a smaller draft
+    vocabulary (`grow_vocab`: the saved tokens and the most frequent others by ``token_counts`` [V],
+    how often each token occurs in the training responses), or both.
 
     Refused (ValueError naming the fields) when the saved drafter is not the drafter ``cfg`` would
-    make for ``target``: another kind, shape, tap set or draft-vocabulary size."""
+    make for ``target``: another kind, shape or tap set, or more layers or draft tokens."""
     init_dir = Path(init_dir)
     if not (init_dir / "config.json").is_file():
         raise ValueError(f"--init {init_dir}: no drafter checkpoint here (config.json missing)")
@@ -397,10 +424,18 @@ def warm_start(target, cfg: TrainConfig, mask_token_id: int, init_dir: str | Pat
     wanted = draft_config_for(target.config, cfg, mask_token_id)
     differ = [f.name for f in attrs.fields(DFlashConfig)
               if f.eq and f.name != "mask_token_id" and getattr(drafter.config, f.name) != getattr(wanted, f.name)]
-    if differ == ["num_hidden_layers"] and drafter.config.num_hidden_layers < wanted.num_hidden_layers:
-        return grow_layers(drafter, target, wanted.num_hidden_layers)
-    if differ:
+    grows = {name for name in differ if name in ("num_hidden_layers", "draft_vocab_size")
+             and None not in (getattr(drafter.config, name), getattr(wanted, name))
+             and getattr(drafter.config, name) < getattr(wanted, name)}
+    if "draft_vocab_size" in grows and token_counts is None:
+        raise ValueError(f"--init {init_dir}: growing the head to {wanted.draft_vocab_size} tokens needs the "
+                         "training responses' token counts")
+    if set(differ) - grows:
         raise ValueError(f"--init {init_dir}: the saved drafter differs from the run's config in "
                          + ", ".join(f"{n} ({getattr(drafter.config, n)!r} saved, {getattr(wanted, n)!r} asked)"
-                                     for n in differ))
+                                     for n in differ if n not in grows))
+    if "num_hidden_layers" in grows:
+        drafter = grow_layers(drafter, target, wanted.num_hidden_layers)
+    if "draft_vocab_size" in grows:
+        drafter = grow_vocab(drafter, wanted.draft_vocab_size, token_counts)
     return drafter

@@ -376,7 +376,9 @@ def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
     second.step = first.step
     with torch.no_grad():
         assert float(second.recipe.batch_loss(probe, second.step)[0]) < before  # the added steps go on lowering the loss
-    with pytest.raises(ValueError, match="draft_vocab_size"):
+    with pytest.raises(ValueError, match="draft_vocab_size \\(24 saved, 16 asked\\)"):
+        warm_start(target, attrs_evolve(cfg, draft_vocab_size=16), 1, tmp_path / "a" / "drafter")
+    with pytest.raises(ValueError, match="needs the training responses' token counts"):
         warm_start(target, attrs_evolve(cfg, draft_vocab_size=32), 1, tmp_path / "a" / "drafter")
     with pytest.raises(ValueError, match="no drafter checkpoint"):
         warm_start(target, cfg, 1, tmp_path / "nothing")
@@ -421,3 +423,41 @@ def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(targ
     second.drafter.save_pretrained(tmp_path / "two")
     with pytest.raises(ValueError, match="num_hidden_layers \\(2 saved, 1 asked\\)"):
         warm_start(target, cfg, 1, tmp_path / "two")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_frequent_tokens(target, tmp_path, kind):
+    """``--init`` of a 24-token head into a 32-token run: every weight as saved, the saved tokens kept and
+    the 8 most frequent others added; each saved token's logit is the saved drafter's; it trains on."""
+    from drafters.training import warm_start
+    from treespec.apps.training.vocabulary import response_token_counts
+
+    data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=10)
+    counts = response_token_counts(data, 64)
+    wide = attrs_evolve(cfg, draft_vocab_size=32)
+    grown = warm_start(target, wide, 1, tmp_path / "a" / "drafter", token_counts=counts)
+    ids = grown.draft_token_ids
+    assert ids.numel() == 32 and torch.equal(ids, ids.sort().values)
+    assert set(vocab.tolist()) <= set(ids.tolist())
+    added = sorted(set(ids.tolist()) - set(vocab.tolist()))
+    others = [t for t in torch.sort(counts, descending=True, stable=True).indices.tolist() if t not in set(vocab.tolist())]
+    assert added == sorted(others[:8])
+    saved = first.drafter.model.state_dict()
+    for name, value in grown.model.state_dict().items():
+        if name != "d2t":
+            assert torch.equal(value, saved[name]), name
+    from treespec.target import TargetModel
+
+    rows, wrapped = torch.randn(3, target.config.hidden_size), TargetModel(target)
+    first.drafter.bind(wrapped)
+    grown.bind(wrapped)
+    before, after = first.drafter._head_logits(rows), grown._head_logits(rows)  # [3, V]
+    assert torch.equal(before[:, vocab], after[:, vocab])  # the saved tokens score as they did
+    assert torch.isfinite(after[:, added]).all() and torch.isinf(before[:, added]).all()
+    second = DrafterTrainer(BlockRecipe(target, grown, wide), out_dir=tmp_path / "b", init="a")
+    second.train(data, progress=False)
+    assert second.step == wide.steps
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        from drafters.training import grow_vocab
+
+        grow_vocab(new_drafter(target, attrs_evolve(cfg, draft_vocab_size=None), 1), 32, counts)

@@ -73,9 +73,12 @@ class TrainingRecipe(ABC):
 
     @classmethod
     @abstractmethod
-    def warm_start(cls, target: torch.nn.Module, config: Any, mask_token_id: int, init_dir: str | Path) -> Drafter:
+    def warm_start(cls, target: torch.nn.Module, config: Any, mask_token_id: int, init_dir: str | Path,
+                   token_counts: torch.Tensor | None = None) -> Drafter:
         """The drafter saved at ``init_dir`` as the start of a run of ``config``; a ValueError naming the
-        fields when it is not the drafter ``config`` would make for ``target``."""
+        fields when it is not the drafter ``config`` would make for ``target``.  ``token_counts`` [V]:
+        how often each token occurs in the training responses, for a recipe that grows a saved
+        drafter's draft vocabulary."""
 
     @property
     @abstractmethod

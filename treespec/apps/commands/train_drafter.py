@@ -165,12 +165,12 @@ def _start_drafter(args: argparse.Namespace, recipe: type[TrainingRecipe], targe
     """Fresh weights (and a draft vocabulary picked from the data), or the ``--init`` drafter's."""
     if args.init is None:
         return recipe.new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
+    counts = _response_counts(data, target.config.vocab_size)
     try:
-        drafter = recipe.warm_start(target, cfg, mask, args.init)
+        drafter = recipe.warm_start(target, cfg, mask, args.init, token_counts=counts)
     except ValueError as exc:
         raise SystemExit(f"treespec train-drafter: {exc}") from None
     if drafter.draft_token_ids is not None:
-        counts = _response_counts(data, target.config.vocab_size)
         print(f"warm start from {args.init}: its draft vocabulary covers "
               f"{coverage(drafter.draft_token_ids.cpu(), counts):.2%} of the training responses")
     return drafter
