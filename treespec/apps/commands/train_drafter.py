@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "go to OUT/best")
     parser.add_argument("--init", type=Path, default=None,
                         help="start from this drafter (weights and draft vocabulary, e.g. a shipped one) with a "
-                             "fresh optimiser and its warm-up, instead of fresh weights; the run's steps are added")
+                             "fresh optimiser and its warm-up, instead of fresh weights; the run's steps are added (the block "
+                             "recipe grows a drafter with fewer layers or a smaller head than the run asks for)")
     parser.add_argument("--target", type=Path, default=None, help="local HF target directory (default: the embedded SmolLM2)")
     parser.add_argument("--recipe", default="block",
                         help="registered training recipe (`treespec list recipe`; block: DFlash and Domino)")
