@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -96,6 +98,20 @@ def test_resume_restores_weights_moments_and_step(target, tmp_path):
     for p, q in zip(trainer.drafter.model.parameters(), again.drafter.model.parameters()):
         assert torch.equal(p, q)
         assert torch.equal(trainer.optimizer.state[p]["exp_avg_sq"], again.optimizer.state[q]["exp_avg_sq"])
+
+
+def test_a_resume_may_raise_the_steps_and_nothing_else(target, tmp_path):
+    """A finished run resumed with more steps goes on from where it stopped (the schedule stretched);
+    any other change of config is refused, naming the field."""
+    make(target, tmp_path, steps=10).train(sequences(2), progress=False)
+    with pytest.raises(ValueError, match=r"lr 0.003 there, 0.001 now"):
+        make(target, tmp_path, steps=10, lr=1e-3).resume()
+    longer = make(target, tmp_path, steps=16, eval_every=0, save_every=4)
+    assert longer.resume() and longer.step == 10
+    assert longer.learning_rate(10) == pytest.approx(make(target, tmp_path / "fresh", steps=16).learning_rate(10))
+    longer.train(sequences(2), progress=False)
+    assert longer.step == 16
+    assert json.loads((tmp_path / "dflash" / "trainer_state.json").read_text())["step"] == 16
 
 
 def test_init_from_target_copies_top_layers(target, tmp_path):

@@ -22,7 +22,9 @@ holding a drafter, a frozen target and a config) one sequence per step:
   released layout (``drafter/``), the optimiser's moments under parameter names, and a JSON record
   of the step, the config, the start (``init``: a warm start's path and sha256) and the best τ
   (``trainer_state.json``).  `resume` restores all of it; a run directory started from other weights
-  is refused.
+  or trained with another config is refused, except for the fields of `RESUMABLE`: a finished run
+  resumed with more ``steps`` goes on from its weights and moments, the schedule stretched to the
+  new length (the rate at the resumed step is the stretched schedule's there).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from safetensors.torch import load_file, save_file
 from treespec.apps.training.teacher import TeacherCache, TeacherSpec, live_record
 from treespec.training import TeacherRecord, TrainingRecipe
 
-__all__ = ["DrafterTrainer", "use_autocast"]
+__all__ = ["RESUMABLE", "DrafterTrainer", "use_autocast"]
+
+RESUMABLE = frozenset({"steps", "eval_every", "save_every"})  # config fields a resumed run may change
 
 
 def use_autocast(setting: bool | None, device: torch.device, target_config) -> bool:
@@ -228,6 +232,12 @@ class DrafterTrainer:
         if state.get("init") != self.init:
             raise ValueError(f"{self.out_dir} is a run started from {state.get('init') or 'fresh weights'}, "
                              f"not from {self.init or 'fresh weights'}: use a new --out or the same start")
+        saved, now = state.get("config") or {}, json.loads(json.dumps(attrs.asdict(self.cfg)))
+        differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE and saved.get(k) != now.get(k))
+        if differ:
+            raise ValueError(f"{self.out_dir} was trained with another config ("
+                             + ", ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
+                             + f"): use a new --out; a resumed run may change only {', '.join(sorted(RESUMABLE))}")
         module = self.recipe.trainable
         loaded = type(self.drafter).from_pretrained(self.out_dir / "drafter", dtype=self.params[0].dtype,
                                                     device=self.params[0].device)
