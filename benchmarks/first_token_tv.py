@@ -61,9 +61,10 @@ class Arm:
     drafter: str  # "dflash" or "domino"
 
 
-def arms() -> list[Arm]:
+def arms(methods: list[str] = METHODS) -> list[Arm]:
+    """The rows: ``methods`` (method names) and the biased control."""
     rows = []
-    for text in METHODS:
+    for text in methods:
         method = parse_method(text)
         drafter = "domino" if method.policy.startswith("domino") else "dflash"
         rows.append(Arm(text, build_policy(method), registry.create("verifier", method.verifier), drafter))
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--dtype", default="auto", help="the target's dtype (auto: the faster here)")
     parser.add_argument("--datasets", default="gsm8k,humaneval,mt-bench,alpaca")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated methods (the control always runs)")
     args = parser.parse_args()
     if args.prompts < 1 or args.samples < 1 or args.repeats < 1:
         parser.error("--prompts, --samples and --repeats must be at least 1")
@@ -151,7 +154,7 @@ def main() -> None:
     drafters = {kind: load_drafter(embedded_drafter_dir(kind)) for kind in ("dflash", "domino")}
     prompts = [torch.tensor(encode_chat(tokenizer, record.turns[:1])) for name in args.datasets.split(",")
                for record in load_prompts(name, limit=args.prompts)]
-    rows = arms()
+    rows = arms(args.methods.split(","))
     print(f"{len(prompts)} prompts, K = {args.samples} first rounds each; {torch.get_num_threads()} threads, "
           f"target {target.dtype}")
     for temperature in (float(t) for t in args.temperatures.split(",")):
