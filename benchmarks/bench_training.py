@@ -27,7 +27,8 @@ from drafters.training import TRAIN_PRESETS, BlockRecipe, new_drafter
 from treespec.apps.selfdistill import iter_sequences
 from treespec.apps.training.teacher import TeacherCache
 from treespec.apps.training.trainer import DrafterTrainer
-from treespec.apps.training.vocabulary import coverage, draft_vocabulary, response_token_counts
+from treespec.apps.training.vocabulary import coverage, response_token_counts
+from treespec.training import draft_vocabulary
 
 
 def _arms(args) -> dict[str, dict]:

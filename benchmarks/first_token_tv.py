@@ -106,7 +106,6 @@ class FirstRound:
         first = int(fitted.tokens[result.accepted[1]]) if result.accepted.numel() > 1 else result.bonus_token
         return first, target_probs(logits[:1].float(), sampling)[0].double()
 
-
     def _tree(self, arm: Arm, sampling: SamplingParams, generator: torch.Generator):
         """(tree, proposals, the target's logits [N, V]) of one draw of ``arm``'s policy."""
         tree, proposals = policy_tree(arm.policy, self.draft, "torch", sampling, generator)

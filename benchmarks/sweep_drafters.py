@@ -26,7 +26,8 @@ import torch
 from drafters.training import TRAIN_PRESETS, BlockRecipe, TrainConfig, new_drafter
 from treespec.apps.training.teacher import TeacherCache
 from treespec.apps.training.trainer import DrafterTrainer
-from treespec.apps.training.vocabulary import draft_vocabulary, response_token_counts
+from treespec.apps.training.vocabulary import response_token_counts
+from treespec.training import draft_vocabulary
 
 # name -> (preset, overrides): the axes the issue names, one change from the base arm each.
 ARMS: dict[str, tuple[str, dict]] = {

@@ -46,7 +46,7 @@ from drafters.config import DFlashConfig, DominoHeadConfig
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
 from treespec.target import spread_layers
-from treespec.training import StepLoss, TeacherRecord, TrainingRecipe
+from treespec.training import StepLoss, TeacherRecord, TrainingRecipe, draft_vocabulary
 
 __all__ = ["TRAIN_PRESETS", "BlockRecipe", "TrainConfig", "decay_weights", "draft_config_for", "grow_layers",
            "init_from_target", "new_drafter", "warm_start"]
@@ -386,10 +386,7 @@ def grow_vocab(drafter: DFlashDrafter, size: int, token_counts: torch.Tensor) ->
     saved = drafter.draft_token_ids
     if saved is None:
         raise ValueError("cannot grow the head of a drafter whose head covers the whole vocabulary")
-    counts = token_counts.to(torch.float64).clone()
-    counts[saved.cpu()] = float("inf")  # the saved tokens first, whatever their counts
-    order = torch.sort(counts, descending=True, stable=True).indices
-    ids = order[:size].sort().values
+    ids = draft_vocabulary(token_counts, size, keep=saved.cpu())
     config = attrs.evolve(drafter.config, draft_vocab_size=size)
     device = next(drafter.model.parameters()).device
     grown = type(drafter).random(config, dtype=torch.float32, device=device)

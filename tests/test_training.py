@@ -249,7 +249,7 @@ def test_training_from_the_cache_equals_training_live(target, tmp_path, kind):
 
 
 def test_a_reduced_vocabulary_covering_every_token_trains_like_the_full_head(target, tmp_path):
-    from treespec.apps.training.vocabulary import draft_vocabulary
+    from treespec.training import draft_vocabulary
 
     data = sequences(2, target=target)
     full = make(target, tmp_path / "full", steps=3, autocast_bf16=False)
@@ -263,7 +263,8 @@ def test_a_reduced_vocabulary_covering_every_token_trains_like_the_full_head(tar
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path, kind):
-    from treespec.apps.training.vocabulary import coverage, draft_vocabulary, response_token_counts
+    from treespec.apps.training.vocabulary import coverage, response_token_counts
+    from treespec.training import draft_vocabulary
 
     data = sequences(3, target=target)
     counts = response_token_counts(data, 64)
@@ -272,6 +273,9 @@ def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path
     assert coverage(draft_vocabulary(counts, 64), counts) == 1.0
     ties = torch.tensor([0, 3, 3, 1, 0, 1])
     assert draft_vocabulary(ties, 3).tolist() == [1, 2, 3] and draft_vocabulary(ties, 5).tolist() == [0, 1, 2, 3, 5]
+    assert draft_vocabulary(ties, 3, keep=torch.tensor([4])).tolist() == [1, 2, 4]  # kept first, then by count
+    with pytest.raises(ValueError, match="cannot keep 2 tokens"):
+        draft_vocabulary(ties, 1, keep=torch.tensor([0, 4]))
     cfg = TrainConfig(kind=kind, block_size=4, num_layers=1, anchors_per_sequence=6, steps=4, warmup_steps=1,
                       gru_hidden_dim=16, emb_dim=8, top_m=8, draft_vocab_size=24, save_every=2)
     with pytest.raises(ValueError, match="pass the draft vocabulary"):
@@ -358,7 +362,8 @@ def test_the_base_share_decays_to_its_floor(target, tmp_path):
 
 def _trained_start(target, out_dir, kind: str, steps: int):
     """(data, draft vocabulary, one-layer config, its trainer after ``steps`` steps): a saved start."""
-    from treespec.apps.training.vocabulary import draft_vocabulary, response_token_counts
+    from treespec.apps.training.vocabulary import response_token_counts
+    from treespec.training import draft_vocabulary
 
     data = sequences(3, target=target)
     vocab = draft_vocabulary(response_token_counts(data, 64), 24)

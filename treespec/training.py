@@ -31,7 +31,22 @@ import torch
 
 from treespec.interfaces import Drafter
 
-__all__ = ["StepLoss", "TeacherRecord", "TrainingRecipe"]
+__all__ = ["StepLoss", "TeacherRecord", "TrainingRecipe", "draft_vocabulary"]
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """[size] the ``size`` most frequent token ids by ``counts`` [V] (ties and unseen tokens by
+    ascending id), ascending: a reduced head's vocabulary.  ``keep`` [k]: ids taken first whatever
+    their counts (a saved head that grows keeps its tokens)."""
+    if not 1 <= size <= counts.numel():
+        raise ValueError(f"a draft vocabulary of {size} tokens needs 1 <= size <= {counts.numel()}")
+    rank = counts.to(torch.float64)
+    if keep is not None:
+        if keep.numel() > size:
+            raise ValueError(f"cannot keep {keep.numel()} tokens in a draft vocabulary of {size}")
+        rank = rank.index_fill(0, keep.to(rank.device), float("inf"))
+    order = torch.sort(rank, descending=True, stable=True).indices  # ties keep ascending ids
+    return order[:size].sort().values
 
 
 @attrs.frozen(eq=False)

@@ -20,8 +20,8 @@ import torch
 from treespec import registry
 from treespec.apps.commands import CPU_DTYPES, DTYPES
 from treespec.apps.training.teacher import TeacherCache, TeacherCacheError
-from treespec.apps.training.vocabulary import coverage, draft_vocabulary, response_token_counts
-from treespec.training import TrainingRecipe
+from treespec.apps.training.vocabulary import coverage, response_token_counts
+from treespec.training import TrainingRecipe, draft_vocabulary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,7 +166,8 @@ def _start_drafter(args: argparse.Namespace, recipe: type[TrainingRecipe], targe
     """Fresh weights (and a draft vocabulary picked from the data), or the ``--init`` drafter's."""
     if args.init is None:
         return recipe.new_drafter(target, cfg, mask, draft_vocab=_draft_vocab(cfg, data, target.config.vocab_size))
-    counts = _response_counts(data, target.config.vocab_size)
+    # a reduced head needs the counts (to grow it, and for its coverage); a full head cannot have one saved
+    counts = None if cfg.draft_vocab_size is None else _response_counts(data, target.config.vocab_size)
     try:
         drafter = recipe.warm_start(target, cfg, mask, args.init, token_counts=counts)
     except ValueError as exc:
