@@ -12,7 +12,15 @@ by the profile alone and by the curve each round was priced with (the live-corre
 
 ``--hog F`` starts a CPU hog (a busy Python process) once a fraction F of the prompts is done and
 stops it at the end, so the second part of the run is measured on a machine that suddenly got
-slower.  One process, the torch threads as given (``--threads``; default torch's, the demo's).
+slower; the table then gives each method's speed over AR before the hog and under it apart, beside
+the whole run's, and the share of the drafted rounds that built a tree of more than one token
+(a cost-aware method backs off to root-only trees when trees do not pay).  One process, the torch
+threads as given (``--threads``; default torch's, the demo's).
+
+``--root-only-arms`` adds each cost-aware method priced by the profile under the rule it had until
+2026-12-03 (``:root-only``): a round whose best tree does not beat AR with its draft counted
+returns the root-only tree, where the rule now verifies the tree that still gains over an AR step
+once the draft is spent (policies/cost.py); both back drafting off after such a round.
 
     python benchmarks/bench_live_cost.py --profiles 3
     python benchmarks/bench_live_cost.py --profiles 1 --hog 0.5
@@ -36,6 +44,9 @@ from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
 from treespec.decoding import SpeculativeDecoder
 from treespec.live_cost import LiveCost
+from policies.cost import CostAwareStop
+from policies.ddtree import DDTree
+from policies.dominotree import DominoTree
 from treespec.profile import machine_profile
 
 FIXED = ["ar", "ddtree@16", "dominotree@16"]
@@ -50,7 +61,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hog", type=float, default=None, help="start a CPU hog after this fraction of the prompts")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--root-only-arms", action="store_true",
+                        help="also price the cost-aware methods by the profile under the root-only rule of before")
     return parser.parse_args()
+
+
+class RootOnlyStop(CostAwareStop):
+    """The cost rule as it was until 2026-12-03: the root-only tree when the best does not beat AR."""
+
+    def trim(self, draft, scores: torch.Tensor) -> int:
+        theta = self._thetas(draft, scores)  # [k + 1]
+        best = int(theta.argmax())
+        return best if float(theta[best]) > self._ar_rate(draft) else 0
+
+
+def root_only_policy(method: str, model):
+    """The method's tree under `RootOnlyStop`; the decoder's default verdict (any tree past the root
+    paid) is then the rule's own."""
+    stop = RootOnlyStop(model)
+    return DDTree(budget=16, stop=stop) if method.startswith("caddtree") else DominoTree(budget=16, stop=stop)
 
 
 def predicted(model, ctx: int, drafted: bool, n: int) -> float:
@@ -90,7 +119,8 @@ def main() -> None:
         print(f"\n## profile {rep + 1} ({time.perf_counter() - start:.0f} s): verify of 1 / 2 / 5 / 17 tokens = "
               f"{steps} AR steps", flush=True)
         decoders, models = {}, {}
-        for name in FIXED + [f"{m}:{how}" for m in COST_AWARE for how in ("profile", "live")]:
+        hows = ("profile", "live") + (("root-only",) if args.root_only_arms else ())
+        for name in FIXED + [f"{m}:{how}" for m in COST_AWARE for how in hows]:
             method = parse_method(name.partition(":")[0])
             drafter = drafters.get(method.drafter) if method.drafter else None
             pricing = ()
@@ -98,10 +128,14 @@ def main() -> None:
                 model = profile.cost_model(drafter, live=False)
                 models[name] = model
                 pricing = (LiveCost(model) if name.endswith(":live") else model, 1.0)
-            decoders[name] = SpeculativeDecoder(target, drafter, build_policy(method, *pricing))
+            policy = (root_only_policy(name, models[name]) if name.endswith(":root-only")
+                      else build_policy(method, *pricing))
+            decoders[name] = SpeculativeDecoder(target, drafter, policy)
         for decoder in decoders.values():  # warm-up
             decoder.generate(ids[0], max_new_tokens=8)
         times, tokens, taus, errors = defaultdict(float), defaultdict(int), defaultdict(list), defaultdict(list)
+        trees = defaultdict(list)  # per method: whether each drafted round built more than the root
+        seconds = defaultdict(list)  # (phase, what): measured verify / draft + build seconds of rounds
         hog = None
         for i, prompt in enumerate(ids):
             if args.hog is not None and hog is None and i >= args.hog * len(ids):
@@ -110,8 +144,13 @@ def main() -> None:
             for name, decoder in decoders.items():
                 decoder.gate.reset()
                 out = decoder.generate(prompt, max_new_tokens=args.max_new_tokens)
-                times[name] += out.stats.decode_time
-                tokens[name] += out.stats.new_tokens
+                phase = "hog" if hog is not None else "quiet"
+                for key in (name, (name, phase)):
+                    times[key] += out.stats.decode_time
+                    tokens[key] += out.stats.new_tokens
+                trees[name] += [r.tree_size > 1 for r in out.stats.rounds if r.drafted and not r.explored]
+                if name in FIXED:
+                    collect(seconds, phase, name, out.stats.rounds)
                 taus[name] += out.stats.taus
                 if name in models:
                     alone, live = round_errors(out, prompt.numel(), models[name])
@@ -119,18 +158,61 @@ def main() -> None:
                     errors[name, "live"] += live
         if hog is not None:
             hog.kill()
-        ar = times["ar"] / tokens["ar"]
-        print("| method | tau | tok/s | speedup | round-time error: profile alone | priced with |")
-        print("|---|---|---|---|---|---|")
-        for name in decoders:
-            per = times[name] / tokens[name]
-            if name in models:
-                err = (f"{100 * statistics.fmean(errors[name, 'profile']):.0f} % | "
-                       f"{100 * statistics.fmean(errors[name, 'live']):.0f} %")
-            else:
-                err = "- | -"
-            print(f"| {name} | {statistics.fmean(taus[name]):.2f} | {1 / per:.1f} | {ar / per:.2f}x | {err} |",
-                  flush=True)
+        print_table(decoders, times, tokens, taus, errors, trees, models, hogged=hog is not None)
+        print_costs(seconds, {name: d.policy.cost_model for name, d in decoders.items() if name.endswith(":live")},
+                    models, ctx=int(statistics.median(p.numel() for p in ids)))
+
+
+def collect(seconds, phase: str, name: str, rounds) -> None:
+    """The fixed arms' measured stage seconds: AR steps, 17-token verifies, each drafter's draft + build."""
+    for r in rounds:
+        if not r.drafted and r.tree_size == 1:
+            seconds[phase, "verify 1"].append(r.times["verify"])
+        elif r.drafted and r.tree_size == 17:
+            seconds[phase, "verify 17"].append(r.times["verify"])
+            seconds[phase, f"draft {name}"].append(r.times.get("draft", 0.0) + r.times["build"])
+
+
+def print_costs(seconds, live_models, models, ctx: int) -> None:
+    """What the rounds cost, in AR steps of the same phase (mean and median), against the curves priced with."""
+    print(f"\nmeasured, in AR steps of the same phase (mean / median; fixed arms' rounds), and the curves at "
+          f"context {ctx}:")
+    for phase in ("quiet", "hog"):
+        ar = seconds[phase, "verify 1"]
+        if not ar:
+            continue
+        mean, median = statistics.fmean(ar), statistics.median(ar)
+        cells = [f"AR step {1000 * mean:.1f} / {1000 * median:.1f} ms"]
+        for what in sorted({w for p, w in seconds if p == phase and w != "verify 1"}):
+            xs = seconds[phase, what]
+            cells.append(f"{what} {statistics.fmean(xs) / mean:.2f} / {statistics.median(xs) / median:.2f}")
+        print(f"- {phase}: " + "; ".join(cells))
+    for name, model in list(models.items()) + [(f"{n} (end)", m) for n, m in live_models.items()]:
+        if name.endswith(":live"):
+            continue
+        costs = model.verify_costs(17, ctx)
+        print(f"- {name}: verify 17 {float(costs[17] / costs[1]):.2f}, draft + build "
+              f"{model.draft_cost / float(costs[1]):.2f} AR steps")
+
+def speedup(times, tokens, key, ar_key) -> float:
+    """Seconds per token of AR over the method's, on the same prompts."""
+    return (times[ar_key] / tokens[ar_key]) / (times[key] / tokens[key])
+
+
+def print_table(decoders, times, tokens, taus, errors, trees, models, hogged: bool) -> None:
+    phases = " | before the hog | under the hog" if hogged else ""
+    print(f"| method | tau | tok/s | speedup{phases} | trees of > 1 token | round-time error: profile alone "
+          "| priced with |")
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if hogged else ""))
+    for name in decoders:
+        cells = [f"{statistics.fmean(taus[name]):.2f}", f"{tokens[name] / times[name]:.1f}",
+                 f"{speedup(times, tokens, name, 'ar'):.2f}x"]
+        if hogged:
+            cells += [f"{speedup(times, tokens, (name, p), ('ar', p)):.2f}x" for p in ("quiet", "hog")]
+        cells.append(f"{100 * statistics.fmean(trees[name]):.0f} %" if trees[name] else "-")
+        cells += [f"{100 * statistics.fmean(errors[name, how]):.0f} %" if errors[name, how] else "-"
+                  for how in ("profile", "live")]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

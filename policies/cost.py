@@ -14,11 +14,17 @@ ctx = ``draft.position``:
 Two conventions:
 
 * ``"treespec"`` (default): n_j = j + 1, the tokens the verify forward really covers (the root is
-  one of them).  The build keeps the first argmax of θ_j over every j up to the budget (a measured
-  C_v need not be convex: on CPUs a one-token forward runs another kernel than a many-token one),
-  and keeps a tree only when its θ beats autoregressive decoding, 1 / C_v(1; ctx); otherwise it
-  returns the root-only tree, which tells the decoder that drafting does not pay at this context on
-  this machine (`treespec.decoding.DraftGate` then drafts less often).
+  one of them).  The build keeps the first argmax j* of θ_j over every j up to the budget (a measured
+  C_v need not be convex: on CPUs a one-token forward runs another kernel than a many-token one)
+  when θ_j* beats autoregressive decoding, 1 / C_v(1; ctx): the round paid for its draft.
+  Otherwise the draft and the build are spent by the time the tree is cut, and only the verify is
+  still to pay, so the rule keeps the tree that gains most over an AR step for its verify alone,
+
+      j° = argmax_j  Φ_j - (C_v(n_j; ctx) / C_v(1; ctx) - 1)     (expected tokens over one, in AR steps),
+
+  and the root-only tree when no j gains (the first argmax; j = 0 gains 0).  Either way the round
+  did not pay for its draft, and `CostAware.pays_for_draft` says so, so the decoder drafts less
+  often (`treespec.decoding.DraftGate`): the draft already made is used, the next ones are saved.
 * ``"published"``: CaDDTree's released ``build_caddtree_tree``: n_j = j (its C_v is indexed by the
   drafted nodes, the root not counted), candidates kept up to the first j with θ_j <= θ_{j-1}
   (scores never rise along the pop order, so with a convex C_v the ratio is unimodal and this is
@@ -50,6 +56,7 @@ from treespec.cost import (  # re-exported: the cost models' home is treespec.co
     load_cost_model,
 )
 from treespec.interfaces import DraftOutput
+from treespec.tree import DraftTree
 
 __all__ = [
     "COST_PRESETS", "CONVENTIONS", "ConvexCost", "CostAwareStop", "CostAware", "CostModel", "check_convention", "check_cost_model", "LinearCost", "fit_convex_curve",
@@ -136,14 +143,34 @@ class CostAwareStop(StopRule):
         return torch.where(drop, torch.arange(m, device=scores.device), m).min()
 
     def trim(self, draft: DraftOutput, scores: torch.Tensor) -> int:
-        """Treespec convention: the first argmax of θ over the kept nodes (scores [k]), or 0 when
-        that tree does not beat AR."""
+        """Treespec convention: the first argmax j* of θ over the kept nodes (scores [k]) when that
+        tree beats AR; otherwise the tree that gains most over an AR step for its verify alone (the
+        draft is spent), 0 when none gains."""
         if self.convention == "published" or scores.numel() == 0:
             return scores.numel()
         theta = self._thetas(draft, scores)  # [k + 1]
         best = int(theta.argmax())  # the first maximum
-        ar = 1.0 / float(self.cost.verify_costs(1, draft.position)[1])
-        return best if float(theta[best]) > ar else 0
+        if float(theta[best]) > self._ar_rate(draft):
+            return best
+        verify = self.cost.verify_costs(scores.numel() + 1, draft.position)[1:].to(scores.device)  # [k + 1] C_v(n_j)
+        phi = torch.cat([torch.zeros(1, dtype=torch.float64, device=scores.device), self._deltas(scores).cumsum(0)])
+        gain = phi - (verify / verify[0] - 1.0)  # [k + 1] expected tokens over one, less the verify's extra AR steps
+        spent = int(gain.argmax())  # the first maximum; gain[0] = 0
+        return spent if float(gain[spent]) > 0.0 else 0
+
+    def _ar_rate(self, draft: DraftOutput) -> float:
+        """1 / C_v(1; ctx): the tokens per second of autoregressive decoding at this context."""
+        return 1.0 / float(self.cost.verify_costs(1, draft.position)[1])
+
+    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
+        """Treespec convention: whether ``tree`` (this rule's, or any with path log-prob scores) beats
+        AR with its draft counted, (1 + Φ) / (C_d + C_v(len(tree); ctx)) > 1 / C_v(1; ctx), Φ the sum
+        of its nodes' δ; the published rule never compares with AR, so any tree past the root pays."""
+        if self.convention == "published" or len(tree) == 1:
+            return len(tree) > 1
+        phi = float(self._deltas(tree.scores[1:]).sum())
+        cost = self.cost.draft_cost + float(self.cost.verify_costs(len(tree), draft.position)[len(tree)])
+        return (1.0 + phi) / cost > self._ar_rate(draft)
 
 
 @attrs.frozen
@@ -157,6 +184,10 @@ class CostAware:
     convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention,
                                                                kw_only=True)  # tree-size accounting (above)
     calibration: float = attrs.field(default=1.0, validator=check_calibration, kw_only=True)  # κ of the drafter
+
+    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
+        """Whether the round's tree paid for its draft, by the cost rule (`CostAwareStop.pays_for_draft`)."""
+        return self.stop.pays_for_draft(draft, tree)
 
     @property
     def stop(self) -> CostAwareStop:

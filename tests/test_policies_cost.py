@@ -41,19 +41,29 @@ def draft_at(position: int, depth: int, vocab: int, seed: int, scale: float, qua
     return MarginalDrafter.random(depth, vocab, scale=scale, quantum=quantum, seed=seed).draft(ctx)
 
 
-def brute_force_best_size(scores: list[float], cost, ctx: int) -> int:
-    """argmax over n = 0..len(scores) of θ(n), the first maximiser (every θ computed from scratch)."""
+def brute_force_best_size(scores: list[float], cost, ctx: int) -> tuple[int, bool]:
+    """(size, paid): argmax over n = 0..len(scores) of θ(n), the first maximiser, when it beats AR
+    (paid); otherwise the first argmax of the gain over an AR step for the verify alone,
+    Φ(n) - (C_v(n + 1) / C_v(1) - 1), or 0 when no n gains.  Every value computed from scratch."""
     deltas = [float(torch.tensor(s, dtype=torch.float64).exp()) for s in scores]
-    best_n, best_theta = 0, -math.inf
+
+    def verify(n: int) -> float:
+        return float(cost.verify_cost(torch.tensor(float(n)), ctx))
+
+    best_n, best_theta, best_gain, gain_n = 0, -math.inf, 0.0, 0
     for n in range(len(scores) + 1):
-        gain = 1.0
+        phi = 0.0
         for delta in deltas[:n]:
-            gain += delta
-        theta = gain / (cost.draft_cost + float(cost.verify_cost(torch.tensor(float(n + 1)), ctx)))
+            phi += delta
+        theta = (1.0 + phi) / (cost.draft_cost + verify(n + 1))
         if theta > best_theta:
             best_n, best_theta = n, theta
-    ar = 1.0 / float(cost.verify_cost(torch.tensor(1.0), ctx))
-    return best_n if best_theta > ar else 0
+        gain = phi - (verify(n + 1) / verify(1) - 1.0)
+        if gain > best_gain:
+            gain_n, best_gain = n, gain
+    if best_theta > 1.0 / verify(1):
+        return best_n, True
+    return gain_n, False
 
 
 def convex_samples(rng: np.random.Generator, contexts: list[int]) -> list[tuple[float, int, float]]:
@@ -84,11 +94,12 @@ def cost_models(draw):
 def test_caddtree_stops_at_the_brute_force_argmax(cost, depth, vocab, budget, scale, quantum, position, seed):
     draft = draft_at(position, depth, vocab, seed, scale, quantum)
     order = DDTree(budget=budget).build(draft, backend="networkx")
-    expected = brute_force_best_size(order.scores[1:].tolist(), cost, position)
+    expected, paid = brute_force_best_size(order.scores[1:].tolist(), cost, position)
     policy = CaDDTree(budget=budget, cost_model=cost)
     for tree in (policy.build(draft), policy.build(draft, backend="networkx")):
         assert tree.budget == expected
         assert tree.equal(DDTree(budget=max(expected, 1)).build(draft)) or expected == 0
+        assert policy.pays_for_draft(draft, tree) == paid
 
 
 def test_stop_rule_reaches_interior_optima():
@@ -107,6 +118,20 @@ def test_cost_aware_policies_choose_the_root_only_tree_when_no_tree_pays():
         assert len(CaDDTree(budget=64, cost_model=cost).build(draft, backend=backend)) == 1
     cheap = LinearCost(draft=0.001, base=0.07, per_token=1e-4)  # a GPU-like curve: trees pay
     assert len(CaDDTree(budget=64, cost_model=cheap).build(draft)) > 1
+
+
+def test_a_spent_draft_is_still_verified_when_a_tree_gains_over_an_ar_step():
+    """A drafter dearer than the trees it makes are worth: no tree pays for its draft, but once the
+    draft is made a cheap verify still gains, so the tree is kept and the round says it did not pay."""
+    draft = draft_at(300, 8, 200, 0, 4.0)
+    dear = LinearCost(draft=1.0, base=0.07, per_token=1e-4)
+    for policy in (CaDDTree(budget=64, cost_model=dear),
+                   CaDDTree(budget=64, cost_model=dear, convention="published")):
+        tree = policy.build(draft)
+        assert len(tree) > 1
+        assert policy.pays_for_draft(draft, tree) == (policy.convention == "published")
+    cheap = CaDDTree(budget=64, cost_model=LinearCost(draft=0.001, base=0.07, per_token=1e-4))
+    assert cheap.pays_for_draft(draft, cheap.build(draft))
 
 
 def published_caddtree_sizes(logprobs: torch.Tensor, cost, ctx: int, max_budget: int) -> list[tuple]:
@@ -152,8 +177,8 @@ def test_cost_aware_stop_composes_with_dominotree():
     cost = LinearCost(draft=0.005, base=0.02, per_token=0.002)
     full = DominoTree(budget=64).build(draft, backend="networkx")
     tree = DominoTree(budget=64, stop=CostAwareStop(cost)).build(draft)
-    expected = brute_force_best_size(full.scores[1:].tolist(), cost, draft.position)
-    assert tree.budget == expected and 0 < expected < 64
+    expected, paid = brute_force_best_size(full.scores[1:].tolist(), cost, draft.position)
+    assert tree.budget == expected and 0 < expected < 64 and paid
     assert tree.equal(DominoTree(budget=64, stop=CostAwareStop(cost)).build(draft, backend="networkx"))
 
 
@@ -313,3 +338,28 @@ def test_a_calibration_scales_the_promise_and_the_backends_still_agree():
     assert any(small < big for big, small in sizes)  # the calibration changed some decisions
     with pytest.raises(ValueError, match="calibration must be a finite number > 0"):
         CaDDTree(cost_model=cost, calibration=0.0)
+
+
+def test_the_decoder_backs_off_after_a_verified_tree_that_did_not_pay_for_its_draft():
+    """The gate follows the policy's verdict, not the tree's size: with a drafter dearer than its trees
+    are worth, each drafted round still verifies a tree (the draft is made), and the next rounds are
+    AR steps, the back-off doubling; with a cheap drafter every round drafts."""
+    from test_target import hf_greedy, tiny_target
+
+    from drafters.oracle import ORACLE_PRESETS, OracleDrafter
+    from treespec.decoding import SpeculativeDecoder
+
+    target = tiny_target("qwen3")
+    drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))
+    prompt = torch.tensor([5, 9, 2, 7])
+    for draft_cost, pays in ((1.0, False), (0.001, True)):
+        policy = CaDDTree(budget=16, cost_model=LinearCost(draft=draft_cost, base=0.05, per_token=1e-4))
+        out = SpeculativeDecoder(target, drafter, policy).generate(prompt, max_new_tokens=40)
+        assert out.tokens.tolist() == hf_greedy(target.model, prompt, 40)
+        rounds = out.stats.rounds[:-3]  # the last ones are cut to what is left
+        drafted = [i for i, r in enumerate(rounds) if r.drafted]
+        assert all(rounds[i].tree_size > 1 for i in drafted)  # a made draft is verified when a tree gains
+        if pays:
+            assert len(drafted) == len(rounds)
+        else:
+            assert [b - a - 1 for a, b in zip(drafted, drafted[1:])][:3] == [1, 2, 4]  # AR steps between drafts

@@ -63,6 +63,9 @@ class Capturing(TreePolicy):
         self.trees.append((draft.position, tree))
         return tree
 
+    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
+        return self.inner.pays_for_draft(draft, tree)
+
     @property
     def cost_model(self):
         """The inner policy's, so that the loop feeds a live one (`treespec.live_cost.live_cost_of`)."""

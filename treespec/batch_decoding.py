@@ -200,7 +200,7 @@ class BatchDecoder:
         for row in rows:
             row.tree = DraftTree.root_only(row.seq.anchor, device=self.target.device)
         for row, tree in zip(drafted, built, strict=True):
-            row.gate.record(len(tree))
+            row.gate.record(self.policy.pays_for_draft(row.draft, tree))
             row.tree = fitted_tree(tree, row.seq, self.target)
 
     def _commit(self, row: _Row, result: VerifyResult, features: torch.Tensor | None) -> None:

@@ -14,11 +14,12 @@ KV cache; the round commits the accepted draft tokens plus the bonus (tau tokens
 its previous draft, so ``feature_start + len(features) == anchor position`` always: the prompt's
 taps (all but the anchor) in the first round, the accepted nodes' taps (root first) afterwards.
 
-Drafting that does not pay is backed off: when a round's policy returns the root-only tree (a
-cost-aware policy's way of saying that no tree beats autoregressive decoding here), the next
-round drafts nothing and runs one AR step, and each further root-only answer doubles the AR
-rounds before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off).
-Any larger tree resets the back-off.  The gate belongs to the decoder and carries over between its
+Drafting that does not pay is backed off: when a round's policy says its tree did not pay for its
+draft (`TreePolicy.pays_for_draft`: by default, a root-only tree; a cost-aware policy's cost rule
+judges any tree, and may still have returned one worth verifying now that the draft is made), the
+next round drafts nothing and runs one AR step, and each further such round doubles the AR rounds
+before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off).  A
+round that paid resets the back-off.  The gate belongs to the decoder and carries over between its
 ``generate`` calls: whether trees pay is a property of the machine and the drafter, so a new
 prompt does not pay for probing again.  Harnesses that measure prompts independently (the bench,
 whose records must not depend on sharding, resumption or prompt order, and replay, which mirrors
@@ -143,9 +144,9 @@ class DraftGate:
             return False
         return True
 
-    def record(self, tree_size: int) -> None:
-        """After a drafted round: the size of the tree the policy built, root included."""
-        if tree_size > 1 or self.max_backoff == 0:
+    def record(self, paid: bool) -> None:
+        """After a drafted round: whether its tree paid for the draft (`TreePolicy.pays_for_draft`)."""
+        if paid or self.max_backoff == 0:
             self.wait = 0
             return
         self.wait = min(max(1, 2 * self.wait), self.max_backoff)
@@ -299,7 +300,7 @@ class SpeculativeDecoder:
             return DraftTree.root_only(seq.anchor, device=self.target.device), None
         tree, proposals = policy_tree(self.policy, draft, backend, sampling, generator)
         if not explore:  # an exploring round's tree says nothing about whether trees pay
-            self.gate.record(len(tree))  # the policy's answer, before the window and the length cut it
+            self.gate.record(self.policy.pays_for_draft(draft, tree))  # before the window and the length cut
         fitted = fitted_tree(tree, seq, self.target)
         return fitted, cut_proposals(proposals, tree, fitted)
 

@@ -277,6 +277,13 @@ class TreePolicy(ABC):
         build each; a policy may share work across the drafts (policies/best_first.py does)."""
         return [self.build(draft, backend=backend) for draft in drafts]
 
+    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
+        """Whether the round that built ``tree`` from ``draft`` paid for drafting: the decoder backs
+        drafting off after rounds that did not (`treespec.decoding.DraftGate`).  Default: any tree
+        past the root; a policy that prices its trees may say no while still returning a tree worth
+        verifying now that the draft is made (policies/cost.py)."""
+        return len(tree) > 1
+
 
 # ---------------------------------------------------------------------------- verification
 @attrs.frozen

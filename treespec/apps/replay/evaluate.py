@@ -69,7 +69,7 @@ def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
             built = policy.build(draft, backend=backend)
-            gate.record(len(built))  # the policy's answer, before the length cut, as the live loop
+            gate.record(policy.pays_for_draft(draft, built))  # before the length cut, as the live loop
             tree = limit_depth(built, min(total - done - 1, room - 1 - anchor))
             _check_recorded(tree)
             tau = accepted_length(tree, seq[anchor + 1:])
