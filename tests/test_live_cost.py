@@ -15,7 +15,7 @@ from drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec import registry
 from treespec.cost import ConvexCost, LinearCost
 from treespec.decoding import SpeculativeDecoder
-from treespec.live_cost import LiveCost, LiveSettings, Observation, live_cost_of
+from treespec.live_cost import LiveCost, LiveSettings, Observation, live_cost_of, trimmed_mean
 
 SIZES, CONTEXTS = (1, 2, 3, 5, 9, 17, 33), (128, 512)
 
@@ -200,3 +200,18 @@ def test_a_change_of_regime_seen_on_trees_rescales_the_ar_step_until_it_is_obser
     for _ in range(8):
         live.observe(17, 300, 0.25, 0.02)
     assert at(live, 1) == pytest.approx(0.05, rel=0.05)  # its own measurement, not the scaled estimate
+
+
+def test_a_persistent_tail_counts_as_throughput_pays_it_while_outliers_do_not():
+    """A busy machine: one AR step in four takes three times as long.  The estimate follows the
+    tail (a median would ignore it) and lies nearer the mean a run pays than the typical round."""
+    live = LiveCost(profile(step=0.05))
+    for i in range(64):
+        live.begin_round()
+        live.observe(1, 300, 0.15 if i % 4 == 0 else 0.05)
+    mean = 0.075
+    assert abs(at(live, 1) - mean) < abs(0.05 - mean) / 2
+    assert trimmed_mean([1.0] * 14 + [40.0, 0.001]) == 1.0  # one stall and one glitch: left out
+    assert trimmed_mean([2.0, 3.0]) == 2.5 and trimmed_mean([1.0, 9.0, 2.0]) == 2.0
+    with pytest.raises(ValueError, match="no values"):
+        trimmed_mean([])
