@@ -35,18 +35,20 @@ import sys
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
+from policies.cost import CostAwareStop
+from policies.ddtree import DDTree
+from policies.dominotree import DominoTree
 from treespec.apps.bench import load_harness
+from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
 from treespec.decoding import SpeculativeDecoder
 from treespec.live_cost import LiveCost
-from policies.cost import CostAwareStop
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
 from treespec.profile import machine_profile
 
 FIXED = ["ar", "ddtree@16", "dominotree@16"]
@@ -136,6 +138,7 @@ def main() -> None:
         times, tokens, taus, errors = defaultdict(float), defaultdict(int), defaultdict(list), defaultdict(list)
         trees = defaultdict(list)  # per method: whether each drafted round built more than the root
         seconds = defaultdict(list)  # (phase, what): measured verify / draft + build seconds of rounds
+        per_prompt = defaultdict(list)  # per method: (seconds, tokens) of each prompt, in prompt order
         hog = None
         for i, prompt in enumerate(ids):
             if args.hog is not None and hog is None and i >= args.hog * len(ids):
@@ -148,6 +151,7 @@ def main() -> None:
                 for key in (name, (name, phase)):
                     times[key] += out.stats.decode_time
                     tokens[key] += out.stats.new_tokens
+                per_prompt[name].append((out.stats.decode_time, out.stats.new_tokens))
                 trees[name] += [r.tree_size > 1 for r in out.stats.rounds if r.drafted and not r.explored]
                 if name in FIXED:
                     collect(seconds, phase, name, out.stats.rounds)
@@ -158,7 +162,7 @@ def main() -> None:
                     errors[name, "live"] += live
         if hog is not None:
             hog.kill()
-        print_table(decoders, times, tokens, taus, errors, trees, models, hogged=hog is not None)
+        print_table(decoders, times, tokens, taus, errors, trees, models, per_prompt, hogged=hog is not None)
         print_costs(seconds, {name: d.policy.cost_model for name, d in decoders.items() if name.endswith(":live")},
                     models, ctx=int(statistics.median(p.numel() for p in ids)))
 
@@ -199,14 +203,25 @@ def speedup(times, tokens, key, ar_key) -> float:
     return (times[ar_key] / tokens[ar_key]) / (times[key] / tokens[key])
 
 
-def print_table(decoders, times, tokens, taus, errors, trees, models, hogged: bool) -> None:
+def paired_interval(arm: list[tuple[float, int]], ar: list[tuple[float, int]], resamples: int = 2000) -> str:
+    """95 % bootstrap interval of the whole run's speedup over AR, prompts resampled in pairs."""
+    a, b = np.array(arm), np.array(ar)  # [P, 2] (seconds, tokens)
+
+    def ratio(idx) -> float:
+        return float((b[idx, 0].sum() / b[idx, 1].sum()) / (a[idx, 0].sum() / a[idx, 1].sum()))
+
+    lo, hi = bootstrap_interval(ratio, len(a), resamples, seed=0)
+    return f"[{lo:.2f}, {hi:.2f}]"
+
+
+def print_table(decoders, times, tokens, taus, errors, trees, models, per_prompt, hogged: bool) -> None:
     phases = " | before the hog | under the hog" if hogged else ""
-    print(f"| method | tau | tok/s | speedup{phases} | trees of > 1 token | round-time error: profile alone "
-          "| priced with |")
+    print(f"| method | tau | tok/s | speedup [95 % CI over prompts]{phases} | trees of > 1 token "
+          "| round-time error: profile alone | priced with |")
     print("|---|---|---|---|---|---|---|" + ("---|---|" if hogged else ""))
     for name in decoders:
         cells = [f"{statistics.fmean(taus[name]):.2f}", f"{tokens[name] / times[name]:.1f}",
-                 f"{speedup(times, tokens, name, 'ar'):.2f}x"]
+                 f"{speedup(times, tokens, name, 'ar'):.2f}x {paired_interval(per_prompt[name], per_prompt['ar'])}"]
         if hogged:
             cells += [f"{speedup(times, tokens, (name, p), ('ar', p)):.2f}x" for p in ("quiet", "hog")]
         cells.append(f"{100 * statistics.fmean(trees[name]):.0f} %" if trees[name] else "-")
