@@ -72,7 +72,7 @@ class RootOnlyStop(CostAwareStop):
     """The cost rule as it was until 2026-12-03: the root-only tree when the best does not beat AR."""
 
     def trim(self, draft, scores: torch.Tensor) -> int:
-        theta = self._thetas(draft, scores)  # [k + 1]
+        theta = self._thetas(self._verify_table(draft, scores.numel()), self._phis(scores))  # [k + 1]
         best = int(theta.argmax())
         return best if float(theta[best]) > self._ar_rate(draft) else 0
 
@@ -197,6 +197,7 @@ def print_costs(seconds, live_models, models, ctx: int) -> None:
         costs = model.verify_costs(17, ctx)
         print(f"- {name}: verify 17 {float(costs[17] / costs[1]):.2f}, draft + build "
               f"{model.draft_cost / float(costs[1]):.2f} AR steps")
+
 
 def speedup(times, tokens, key, ar_key) -> float:
     """Seconds per token of AR over the method's, on the same prompts."""

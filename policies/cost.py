@@ -102,19 +102,27 @@ class CostAwareStop(StopRule):
         deltas = scores.double().exp()
         return deltas if self.calibration == 1.0 else (self.calibration * deltas).clamp(max=1.0)
 
-    def _costs(self, draft: DraftOutput, count: int) -> torch.Tensor:
-        """[count + 1] float64: C_d + C_v(n_j; ctx) for j = 0..count."""
+    def _verify_table(self, draft: DraftOutput, count: int) -> torch.Tensor:
+        """[count + 1] float64: C_v(n_j; ctx) for j = 0..count, n_j as the convention counts."""
         offset = 1 if self.convention == "treespec" else 0
-        table = self.cost.verify_costs(count + 1, draft.position)[offset:offset + count + 1]
-        costs = self.cost.draft_cost + table
+        return self.cost.verify_costs(count + 1, draft.position)[offset:offset + count + 1]
+
+    def _costs(self, verify: torch.Tensor) -> torch.Tensor:
+        """C_d + C_v(n_j; ctx), elementwise over a `_verify_table`."""
+        costs = self.cost.draft_cost + verify
         if not bool((costs > 0).all()):
             raise ValueError("cost model must give C_d + C_v(n) > 0 for every tree size")
         return costs
 
+    def _phis(self, scores: torch.Tensor) -> torch.Tensor:
+        """[m + 1] float64 Φ_0..Φ_m of the first candidates (scores [m], pop order; Φ_0 = 0)."""
+        zero = torch.zeros(1, dtype=torch.float64, device=scores.device)
+        return torch.cat([zero, self._deltas(scores).cumsum(0)])
+
     def reference(self, draft: DraftOutput, budget: int) -> Callable[[float], bool]:
         if self.convention == "treespec":
             return lambda score: False  # the whole pop order up to the budget; `trim` takes the argmax
-        costs = self._costs(draft, budget).tolist()
+        costs = self._costs(self._verify_table(draft, budget)).tolist()
         state = {"j": 0, "phi": 0.0, "theta": 1.0 / costs[0]}
 
         def should_stop(score: float) -> bool:
@@ -128,17 +136,15 @@ class CostAwareStop(StopRule):
 
         return should_stop
 
-    def _thetas(self, draft: DraftOutput, scores: torch.Tensor) -> torch.Tensor:
-        """[m + 1] float64 θ_0..θ_m of the first candidates (scores [m], pop order)."""
-        costs = self._costs(draft, scores.numel()).to(scores.device)
-        phi = self._deltas(scores).cumsum(0)  # [m] Φ_j
-        return torch.cat([1.0 / costs[:1], (1.0 + phi) / costs[1:]])
+    def _thetas(self, verify: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+        """[m + 1] float64 θ_0..θ_m from the verify table and Φ_0..Φ_m (`_verify_table`, `_phis`)."""
+        return (1.0 + phi) / self._costs(verify)
 
     def keep(self, draft: DraftOutput, scores: torch.Tensor) -> torch.Tensor:
         m = scores.numel()
         if self.convention == "treespec" or m == 0:
             return torch.tensor(m, dtype=torch.int64, device=scores.device)
-        theta = self._thetas(draft, scores)
+        theta = self._thetas(self._verify_table(draft, m).to(scores.device), self._phis(scores))
         drop = theta[1:] <= theta[:-1]  # [m] candidate j+1 does not raise θ
         return torch.where(drop, torch.arange(m, device=scores.device), m).min()
 
@@ -148,12 +154,12 @@ class CostAwareStop(StopRule):
         draft is spent), 0 when none gains."""
         if self.convention == "published" or scores.numel() == 0:
             return scores.numel()
-        theta = self._thetas(draft, scores)  # [k + 1]
+        verify = self._verify_table(draft, scores.numel()).to(scores.device)  # [k + 1] C_v(j + 1); C_v(1) first
+        phi = self._phis(scores)  # [k + 1]
+        theta = self._thetas(verify, phi)  # [k + 1]
         best = int(theta.argmax())  # the first maximum
-        if float(theta[best]) > self._ar_rate(draft):
+        if float(theta[best]) > 1.0 / float(verify[0]):  # beats AR, 1 / C_v(1; ctx)
             return best
-        verify = self.cost.verify_costs(scores.numel() + 1, draft.position)[1:].to(scores.device)  # [k + 1] C_v(n_j)
-        phi = torch.cat([torch.zeros(1, dtype=torch.float64, device=scores.device), self._deltas(scores).cumsum(0)])
         gain = phi - (verify / verify[0] - 1.0)  # [k + 1] expected tokens over one, less the verify's extra AR steps
         spent = int(gain.argmax())  # the first maximum; gain[0] = 0
         return spent if float(gain[spent]) > 0.0 else 0
