@@ -30,9 +30,10 @@ Two conventions:
   (scores never rise along the pop order, so with a convex C_v the ratio is unimodal and this is
   its first argmax), no comparison against AR.  For the same curve it builds the released tree.
 
-``calibration`` κ (default 1) corrects a drafter whose probabilities promise more (κ < 1) or less
-than the target accepts: δ_j = min(1, κ exp(s_j)).  `treespec.profile.fit_calibration` fits it from
-recorded rounds (accepted draft tokens over promised ones), and the machine profile stores it.
+``calibration`` (default: none) corrects a drafter whose probabilities promise more or less than the
+target accepts, by confidence: δ_j = min(1, κ exp(s_j)^β) (`treespec.calibration.Calibration`; a
+bare number is κ with β = 1).  `treespec.calibration.fit_calibration` fits κ and β from recorded
+nodes, and the machine profile stores them per drafter.
 
 The rule keeps no state between builds; `keep` (torch) and `reference` + `trim` (networkx) read one
 float64 cost table and agree bit for bit.
@@ -47,6 +48,7 @@ import attrs
 import torch
 
 from policies.stop import StopRule
+from treespec.calibration import Calibration, to_calibration
 from treespec.cost import (  # re-exported: the cost models' home is treespec.cost
     COST_PRESETS,
     ConvexCost,
@@ -59,8 +61,8 @@ from treespec.interfaces import DraftOutput
 from treespec.tree import DraftTree
 
 __all__ = [
-    "COST_PRESETS", "CONVENTIONS", "ConvexCost", "CostAwareStop", "CostAware", "CostModel", "check_convention", "check_cost_model", "LinearCost", "fit_convex_curve",
-    "load_cost_model",
+    "COST_PRESETS", "CONVENTIONS", "Calibration", "ConvexCost", "CostAwareStop", "CostAware", "CostModel",
+    "check_convention", "check_cost_model", "LinearCost", "fit_convex_curve", "load_cost_model",
 ]
 
 CONVENTIONS = ("treespec", "published")
@@ -77,12 +79,6 @@ def _is_cost_model(instance, attribute, value) -> None:
         raise TypeError(f"{attribute.name} must be a CostModel, got {type(value).__name__}")
 
 
-def check_calibration(instance, attribute, value) -> None:
-    """attrs validator: a calibration factor κ > 0 (finite)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value < float("inf"):
-        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
-
 def check_cost_model(instance, attribute, value) -> None:
     """attrs validator of a policy's ``cost_model`` field: a `CostModel`, or None until one is given."""
     if value is not None:
@@ -95,12 +91,11 @@ class CostAwareStop(StopRule):
 
     cost: CostModel = attrs.field(validator=_is_cost_model)  # C_d and C_v(n; ctx) of this machine
     convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention)
-    calibration: float = attrs.field(default=1.0, validator=check_calibration)  # κ: δ_j = min(1, κ exp(s_j))
+    calibration: Calibration = attrs.field(default=Calibration(), converter=to_calibration)  # δ_j = min(1, κ δ^β)
 
     def _deltas(self, scores: torch.Tensor) -> torch.Tensor:
-        """[m] float64 acceptance chances of the candidates: exp(score), calibrated by κ, at most 1."""
-        deltas = scores.double().exp()
-        return deltas if self.calibration == 1.0 else (self.calibration * deltas).clamp(max=1.0)
+        """[m] float64 acceptance chances of the candidates: exp(score), calibrated, at most 1."""
+        return self.calibration.deltas(scores)
 
     def _verify_table(self, draft: DraftOutput, count: int) -> torch.Tensor:
         """[count + 1] float64: C_v(n_j; ctx) for j = 0..count, n_j as the convention counts."""
@@ -189,7 +184,8 @@ class CostAware:
     cost_model: CostModel | None = attrs.field(default=None, validator=check_cost_model, kw_only=True)  # C_d, C_v
     convention: Literal["treespec", "published"] = attrs.field(default="treespec", validator=check_convention,
                                                                kw_only=True)  # tree-size accounting (above)
-    calibration: float = attrs.field(default=1.0, validator=check_calibration, kw_only=True)  # κ of the drafter
+    calibration: Calibration = attrs.field(default=Calibration(), converter=to_calibration,
+                                           kw_only=True)  # the drafter's (κ, β)
 
     def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
         """Whether the round's tree paid for its draft, by the cost rule (`CostAwareStop.pays_for_draft`)."""

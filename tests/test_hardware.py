@@ -134,18 +134,27 @@ def test_the_one_token_point_is_kept_as_measured():
 
 
 def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_path):
-    from treespec.profile import fit_calibration, save_profile
+    from treespec.calibration import Calibration
+    from treespec.profile import save_profile
 
-    assert fit_calibration([(0.5, 0), (1.5, 1), (2.0, 1)]) == 0.5  # 2 accepted of 4 promised
-    assert fit_calibration([]) == 1.0 and fit_calibration([(0.7, 0)]) == 1.0
     target = _tiny_target()
 
     class Named:
+        def __init__(self, weights: str = "w1") -> None:
+            self.weights = weights
+
         def identity(self) -> str:
             return "a-drafter"
 
+        def weights_digest(self) -> str:
+            return self.weights
+
     profile = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
-    assert profile.calibration(Named()) == 1.0
-    save_profile(target, profile.with_calibration(Named(), 0.8), sizes=(1, 2), contexts=(8,), cache_dir=tmp_path)
+    assert profile.calibration(Named()).identity
+    fitted = Calibration(0.8, 0.7)
+    save_profile(target, profile.with_calibration(Named(), fitted), sizes=(1, 2), contexts=(8,), cache_dir=tmp_path)
     again = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
-    assert again.calibration(Named()) == 0.8 and again.calibration("other") == 1.0
+    assert again.calibration(Named()) == fitted and again.calibration("other").identity
+    assert again.calibration(Named("w2")).identity  # the same drafter trained further starts uncalibrated
+    record = again.to_record() | {"calibrations": {"a-drafter@w1": 0.9}}  # a profile written before the power
+    assert type(again).from_record(record).calibration(Named()) == Calibration(0.9, 1.0)

@@ -31,6 +31,7 @@ from policies.cost import (
 )
 from policies.ddtree import DDTree
 from policies.dominotree import DominoTree
+from treespec.calibration import Calibration
 from treespec.interfaces import DraftContext
 
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
@@ -329,7 +330,7 @@ def test_a_calibration_scales_the_promise_and_the_backends_still_agree():
         draft = draft_at(300, 8, 200, seed, 4.0)
         plain = CaDDTree(budget=64, cost_model=cost).build(draft)
         assert plain.equal(CaDDTree(budget=64, cost_model=cost, calibration=1.0).build(draft))
-        for kappa in (0.3, 0.7):
+        for kappa in (0.3, 0.7, Calibration(0.7, 1.5)):
             policy = CaDDTree(budget=64, cost_model=cost, calibration=kappa)
             tree = policy.build(draft)
             assert tree.equal(policy.build(draft, backend="networkx"))
@@ -338,6 +339,24 @@ def test_a_calibration_scales_the_promise_and_the_backends_still_agree():
     assert any(small < big for big, small in sizes)  # the calibration changed some decisions
     with pytest.raises(ValueError, match="calibration must be a finite number > 0"):
         CaDDTree(cost_model=cost, calibration=0.0)
+
+
+def test_a_power_below_one_lifts_the_small_promises_and_the_backends_still_agree():
+    """β < 1 raises every promise below 1 (κ = 1), so the rule never keeps fewer nodes; the trees of both
+    backends agree, and the verdict on the draft is read with the same calibration."""
+    cost = LinearCost(draft=0.01, base=0.02, per_token=1e-3)
+    grew = 0
+    for seed in range(6):
+        draft = draft_at(300, 8, 200, seed, 2.0)
+        plain = CaDDTree(budget=64, cost_model=cost).build(draft)
+        policy = CaDDTree(budget=64, cost_model=cost, calibration=Calibration(1.0, 0.6))
+        tree = policy.build(draft)
+        assert tree.equal(policy.build(draft, backend="networkx"))
+        assert tree.budget >= plain.budget
+        grew += tree.budget > plain.budget
+        lifted = Calibration(1.0, 0.6).deltas(tree.scores[1:])
+        assert bool((lifted >= tree.scores[1:].double().exp()).all())
+    assert grew > 0
 
 
 def test_the_decoder_backs_off_after_a_verified_tree_that_did_not_pay_for_its_draft():

@@ -29,6 +29,7 @@ with ``Drafter.draft_batch`` and for all trees with ``TreePolicy.build_batch``, 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 from abc import ABC, abstractmethod
@@ -249,6 +250,20 @@ class Drafter(ABC):
         config = getattr(self, "config", None)
         described = attrs.asdict(config) if attrs.has(type(config)) else repr(config)
         return f"{type(self).__name__}:{json.dumps(described, sort_keys=True, default=str)}"
+
+    def weights_digest(self) -> str:
+        """sha256 over the drafter's tensors (names, shapes, dtypes and bytes) when it keeps them in a
+        ``model`` module, else its class name: what its promises depend on beyond `identity`
+        (calibrations and recorded traces are keyed by it)."""
+        model = getattr(self, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            return type(self).__name__
+        digest = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            t = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- policies

@@ -27,19 +27,20 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import torch
 
+from treespec.calibration import Calibration, to_calibration
 from treespec.cost import ConvexCost, fit_verify_curve
 from treespec.hardware import digest, machine_file, machine_identity, read_cached, write_cached
 from treespec.interfaces import DraftContext, Drafter
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
 
-__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "fit_calibration", "machine_profile", "save_profile",
+__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "calibration_key", "machine_profile", "save_profile",
            "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
 
 PROFILE_SIZES = (1, 2, 3, 5, 9, 17, 33)  # tree tokens n (root included) of the verify samples
@@ -117,23 +118,25 @@ class CostProfile:
 
     verify: tuple[tuple[int, int, float], ...]  # (n tokens, context length, median seconds)
     drafts: Mapping[str, float] = attrs.field(factory=dict)  # drafter identity -> median seconds per round
-    calibrations: Mapping[str, float] = attrs.field(factory=dict)  # drafter identity -> κ (`fit_calibration`)
+    calibrations: Mapping[str, Calibration] = attrs.field(factory=dict)  # `calibration_key` -> the drafter's (κ, β)
     # the live-corrected curve decoding runs left (`with_live`): (n, context, seconds, rounds it rests on)
     live_verify: tuple[tuple[int, int, float, int], ...] = ()
     live_drafts: Mapping[str, tuple[float, int]] = attrs.field(factory=dict)  # identity -> (draft + build s, rounds)
 
-    def calibration(self, drafter: Drafter | str | None) -> float:
-        """The drafter's fitted κ, 1.0 (its probabilities taken as they are) when none was fitted."""
+    def calibration(self, drafter: Drafter | str | None) -> Calibration:
+        """The drafter's fitted calibration (`treespec.calibration`), the identity (its probabilities
+        taken as they are) when none was fitted."""
         if drafter is None:
-            return 1.0
-        return float(self.calibrations.get(drafter if isinstance(drafter, str) else drafter.identity(), 1.0))
+            return Calibration()
+        return self.calibrations.get(drafter if isinstance(drafter, str) else calibration_key(drafter), Calibration())
 
-    def pricing(self, drafter: Drafter) -> tuple[ConvexCost, float]:
-        """(cost model, calibration κ) a cost-aware policy over ``drafter`` prices its trees with."""
+    def pricing(self, drafter: Drafter) -> tuple[ConvexCost, Calibration]:
+        """(cost model, calibration) a cost-aware policy over ``drafter`` prices its trees with."""
         return self.cost_model(drafter), self.calibration(drafter)
 
-    def with_calibration(self, drafter: Drafter, kappa: float) -> CostProfile:
-        return attrs.evolve(self, calibrations={**self.calibrations, drafter.identity(): float(kappa)})
+    def with_calibration(self, drafter: Drafter | str, calibration: Calibration | float) -> CostProfile:
+        key = drafter if isinstance(drafter, str) else calibration_key(drafter)
+        return attrs.evolve(self, calibrations={**self.calibrations, key: to_calibration(calibration)})
 
     def cost_model(self, drafter: Drafter | str | None = None, *, live: bool = True) -> ConvexCost:
         """The fitted C_v with this drafter's C_d (0 without a drafter); ``live``: corrected by what
@@ -188,7 +191,8 @@ class CostProfile:
 
     def to_record(self) -> dict:
         return {"format": _FORMAT, "verify": [list(s) for s in self.verify], "drafts": dict(self.drafts),
-                "calibrations": dict(self.calibrations), "live_verify": [list(s) for s in self.live_verify],
+                "calibrations": {k: c.to_record() for k, c in self.calibrations.items()},
+                "live_verify": [list(s) for s in self.live_verify],
                 "live_drafts": {k: list(v) for k, v in self.live_drafts.items()}}
 
     @classmethod
@@ -196,20 +200,17 @@ class CostProfile:
         if record.get("format") != _FORMAT:
             raise ValueError(f"profile format {record.get('format')!r}, expected {_FORMAT}")
         verify = tuple((int(n), int(c), float(s)) for n, c, s in record["verify"])
-        calibrations = {str(k): float(v) for k, v in dict(record.get("calibrations", {})).items()}
+        calibrations = {str(k): Calibration.from_record(v) for k, v in dict(record.get("calibrations", {})).items()}
         live = tuple((int(n), int(c), float(s), int(r)) for n, c, s, r in record.get("live_verify", []))
         live_drafts = {str(k): (float(s), int(r)) for k, (s, r) in dict(record.get("live_drafts", {})).items()}
         return cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations, live,
                    live_drafts)
 
 
-def fit_calibration(rounds: Iterable[tuple[float, int]]) -> float:
-    """κ from recorded rounds (Φ promised by the tree, draft tokens the target accepted): the ratio of
-    their sums, the least-squares-free estimate of one factor on every δ (1.0 with no promise)."""
-    promised, accepted = 0.0, 0
-    for phi, kept in rounds:
-        promised, accepted = promised + float(phi), accepted + int(kept)
-    return accepted / promised if promised > 0 and accepted > 0 else 1.0
+def calibration_key(drafter: Drafter) -> str:
+    """What a drafter's calibration is stored under: its `Drafter.identity` and its weights (a drafter
+    trained further promises differently, and starts uncalibrated)."""
+    return f"{drafter.identity()}@{drafter.weights_digest()}"
 
 
 def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,

@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 
 from treespec import registry
+from treespec.calibration import Calibration
 from treespec.cost import CostModel
 from treespec.interfaces import Drafter, TreePolicy
 
@@ -240,7 +241,7 @@ def policy_class(name: str) -> type[TreePolicy]:
 
 
 def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
-                 calibration: float = 1.0) -> TreePolicy | None:
+                 calibration: Calibration | None = None) -> TreePolicy | None:
     """The method's policy instance (None for AR); ``cost_model`` and the drafter's ``calibration``
     go to a policy that uses a cost model."""
     if method.autoregressive:
@@ -250,7 +251,7 @@ def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
         kwargs["budget"] = method.budget
     if method.priced and "cost_model" not in kwargs:
         kwargs["cost_model"] = cost_model
-        if calibration != 1.0:
+        if calibration is not None and not calibration.identity:
             kwargs.setdefault("calibration", calibration)
     return registry.create("policy", method.policy, **kwargs)
 

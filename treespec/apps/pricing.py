@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from treespec.apps.methods import MethodSpec, build_policy
+from treespec.calibration import Calibration
 from treespec.cost import CostModel, resolve_cost_model
 from treespec.interfaces import Drafter, TreePolicy
 from treespec.live_cost import LiveCost, LiveSettings
@@ -51,10 +52,10 @@ class CostSource:
         """Whether pricing needs this machine's measured profile."""
         return self.fixed is None
 
-    def price(self, profile_pricing: Callable[[], tuple[CostModel, float]]) -> tuple[CostModel, float]:
-        """(cost model, calibration κ) for one policy; ``profile_pricing`` gives the profile's."""
-        cost, kappa = (self.fixed, 1.0) if self.fixed is not None else profile_pricing()
-        return (LiveCost(cost, self.settings) if self.live else cost), kappa
+    def price(self, profile_pricing: Callable[[], tuple[CostModel, Calibration]]) -> tuple[CostModel, Calibration]:
+        """(cost model, calibration) for one policy; ``profile_pricing`` gives the profile's."""
+        cost, calibration = (self.fixed, Calibration()) if self.fixed is not None else profile_pricing()
+        return (LiveCost(cost, self.settings) if self.live else cost), calibration
 
     def describe(self) -> str:
         return {"live": "this machine's profile, corrected live", "profile": "this machine's profile"}.get(
@@ -70,8 +71,8 @@ def method_policy(method: MethodSpec, drafter: Drafter | None, costs: CostSource
         return None, None
     if not method.priced or "cost_model" in method.options:  # fixed-size, or given its model
         return build_policy(method), None
-    cost, kappa = costs.price(lambda: profile().pricing(drafter))
-    return build_policy(method, cost, kappa), cost
+    cost, calibration = costs.price(lambda: profile().pricing(drafter))
+    return build_policy(method, cost, calibration), cost
 
 
 def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | None]], *, sizes=None,

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from treespec.apps.commands import CPU_DTYPES, DTYPES
-from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, fit_calibration, time_draft, time_verify
+from treespec.calibration import Calibration, fit_calibration, node_outcomes, promise_by_quartile
+from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, time_draft, time_verify
 
 __all__ = ["add_arguments", "run", "time_draft", "time_verify"]
 
@@ -46,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fresh", action="store_true", help="measure again even if this machine's profile is cached "
                         "(the live correction earlier runs left is dropped with it)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="also fit each drafter's calibration κ (accepted draft tokens over the Φ its 16-node trees "
-                             "promised, on the demo's six prompts) and store it with the profile")
+                        help="also fit each drafter's calibration by confidence (κ, β: the promise of a path of "
+                             "probability p taken as min(1, κ p^β)) from the nodes of 16-node trees on 12 benchmark "
+                             "prompts the demo and the held-out sets do not use, and store it with the profile")
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once)")
 
@@ -74,11 +76,14 @@ def run(args: argparse.Namespace) -> int:
 
         tokenizer = load_tokenizer(args.model or embedded_model_dir())
         for drafter, name in zip(drafters, paths):
-            phi, accepted, rounds = calibration_rounds(target, tokenizer, drafter)
-            kappa = fit_calibration(zip(phi, accepted))
-            print(f"calibration {name}: {len(rounds)} rounds, trees promised {sum(phi) / len(rounds):.2f} draft tokens "
-                  f"a round, the target accepted {sum(accepted) / len(rounds):.2f}: kappa {kappa:.3f}")
-            profile = profile.with_calibration(drafter, kappa)
+            rounds = calibration_rounds(target, tokenizer, drafter)
+            outcomes = [node_outcomes(tree, result) for tree, result in rounds]
+            calibration = fit_calibration(outcomes)
+            print(f"calibration {name}: {len(rounds)} rounds of 16-node trees, {calibration.describe()}")
+            for label, used in (("as drafted", Calibration()), ("calibrated", calibration)):
+                rows = ", ".join(f"{p:.2f} -> {a:.2f}" for p, a in promise_by_quartile(outcomes, used))
+                print(f"  draft tokens promised -> accepted by quartile of the promise, {label}: {rows}")
+            profile = profile.with_calibration(drafter, calibration)
         save_profile(target, profile, sizes=args.sizes, contexts=args.contexts)
     print(describe_profile(profile, drafters, [str(p) for p in paths]))
     if args.out is not None:
@@ -87,11 +92,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibration_rounds(target, tokenizer, drafter, tokens: int = 24):
-    """(Φ promised, draft tokens accepted, rounds) of 16-node trees (DominoTree over a Domino drafter,
-    DDTree otherwise) over the demo's chat, math and code prompts, drafting every round."""
+# The calibration prompts: of each benchmark, those after the first CALIBRATION_SKIP (which the
+# held-out sets, the replay traces and the demo read), so a drafter is never calibrated on the
+# prompts it is then measured on.
+CALIBRATION_SETS = ("gsm8k", "mt-bench", "humaneval", "alpaca")
+CALIBRATION_SKIP = 16
+
+
+def calibration_rounds(target, tokenizer, drafter, *, prompts: int = 3, tokens: int = 64):
+    """(tree, `VerifyResult`) of each round of 16-node trees (DominoTree over a Domino drafter, DDTree
+    otherwise), drafting every round, over ``prompts`` prompts of each `CALIBRATION_SETS` benchmark."""
     from treespec import registry
-    from treespec.apps.commands.demo import _DATASETS
     from treespec.apps.datasets import encode_chat, load_prompts
     from treespec.decoding import SpeculativeDecoder
 
@@ -100,10 +111,10 @@ def calibration_rounds(target, tokenizer, drafter, tokens: int = 24):
     rounds = []
     decoder = SpeculativeDecoder(target, drafter, policy, draft_backoff=0,
                                  on_round=lambda tree, result: rounds.append((tree, result)))
-    for prompt in (p for name in _DATASETS for p in load_prompts(name, limit=2)):
-        decoder.generate(torch.tensor(encode_chat(tokenizer, prompt.turns[:1])), max_new_tokens=tokens)
-    phi = [float(tree.scores[1:].double().exp().sum()) for tree, _ in rounds]
-    return phi, [result.tau - 1 for _, result in rounds], rounds
+    for name in CALIBRATION_SETS:
+        for prompt in load_prompts(name, limit=CALIBRATION_SKIP + prompts)[CALIBRATION_SKIP:]:
+            decoder.generate(torch.tensor(encode_chat(tokenizer, prompt.turns[:1])), max_new_tokens=tokens)
+    return rounds
 
 
 def describe_profile(profile, drafters, names) -> str:
@@ -128,5 +139,5 @@ def describe_profile(profile, drafters, names) -> str:
         if live or ident in profile.live_drafts:
             even += f", {profile.break_even_tau(drafter, 16):.2f} live-corrected"
         lines.append(f"draft {name}: {1e3 * profile.drafts[ident]:.2f} ms per round{drafted}; a 16-node tree "
-                     f"breaks even with AR at tau {even}; calibration kappa {profile.calibration(drafter):.3f}")
+                     f"breaks even with AR at tau {even}; calibration {profile.calibration(drafter).describe()}")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from treespec.analysis import accepted_length
 from treespec.apps.methods import MethodSpec, build_policy, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
+from treespec.calibration import Calibration
 from treespec.cost import CostModel, cost_model_from_dict
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
 from treespec.interfaces import TreePolicy
@@ -81,7 +82,8 @@ def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
 
 
 def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt: int,
-                  schedule: Sequence[dict | None], *, calibration: float = 1.0, backend: str = "torch") -> list[int]:
+                  schedule: Sequence[dict | None], *, calibration: Calibration | None = None,
+                  backend: str = "torch") -> list[int]:
     """Per-round tau of a cost-aware ``method`` on one recorded prompt, each round priced with the cost
     model a live run priced it with: ``schedule`` has one entry per live round, the model's
     `CostModel.to_dict` form, or None for a round that drafted nothing (`BenchRecord.priced_rounds`).
@@ -138,13 +140,17 @@ def _drafts_for(trace: Trace, method: MethodSpec, cache: dict[str, ReplayDrafts]
     return cache[method.drafter]
 
 
-def _pricing(trace: Trace, method: MethodSpec, given: CostModel | None) -> tuple[CostModel | None, float]:
+def _pricing(trace: Trace, method: MethodSpec, given: CostModel | None) -> tuple[CostModel | None, Calibration]:
     """(cost model, calibration): the one given, else those measured when the trace was recorded."""
     if given is not None or method.drafter is None:
-        return given, 1.0
+        return given, Calibration()
     recorded = trace.meta.get("cost_models", {}).get(method.drafter)
-    kappa = float(trace.meta.get("calibrations", {}).get(method.drafter, 1.0))
-    return (None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")), kappa
+    calibration = trace.meta.get("calibrations", {}).get(method.drafter)
+    try:
+        calibration = Calibration() if calibration is None else Calibration.from_record(calibration)
+    except ValueError as exc:
+        raise TraceError(f"the trace's calibration of {method.drafter}: {exc}") from None
+    return (None if recorded is None else cost_model_from_dict(recorded, "the trace's cost model")), calibration
 
 
 def policy_for(trace: Trace, method: MethodSpec, cache: dict[str, ReplayDrafts] | None = None,

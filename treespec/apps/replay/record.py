@@ -28,7 +28,6 @@ from pathlib import Path
 
 import attrs
 import torch
-from torch import nn
 
 from treespec import registry
 from treespec.apps.replay.trace import FORMAT, VERSION, DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces, scorer_class
@@ -213,14 +212,14 @@ def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: 
     if parts_dir is None:
         trace = _record_prompts(target, drafters, items, config, target_meta, progress)
     else:
-        identity = {kind: _weights_digest(d) for kind, d in drafters.items()}
+        identity = {kind: d.weights_digest() for kind, d in drafters.items()}
         parts = [_part(target, drafters, item, config, target_meta, Path(parts_dir), i, identity)
                  for i, item in enumerate(_progress(items, progress, "record"))]
         trace = merge_traces(parts)
     # what cost-aware policies replay with: read from the cache, or measured now (about 20 s, with a bar)
     profile = machine_profile(target, list(drafters.values()), progress=progress)
     meta = trace.meta | {"cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()},
-                         "calibrations": {kind: profile.calibration(d) for kind, d in drafters.items()}}
+                         "calibrations": {kind: profile.calibration(d).to_record() for kind, d in drafters.items()}}
     return attrs.evolve(trace, meta=meta)
 
 
@@ -236,21 +235,6 @@ def _record_prompts(target: TargetModel, drafters: Mapping[str, Drafter], items:
             "prompts": [{"id": pid, "prompt_len": int(p.numel())} for pid, p in items],
             "drafters": {kind: meta for kind, (_, meta) in records.items()}}
     return Trace(meta, tuple(sequences), {kind: rec for kind, (rec, _) in records.items()})
-
-
-def _weights_digest(drafter: Drafter) -> str:
-    """sha256 over a drafter's tensors (names, shapes, dtypes and bytes), or its class name."""
-    import hashlib
-
-    model = getattr(drafter, "model", None)
-    if not isinstance(model, nn.Module):
-        return type(drafter).__name__
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
 
 
 def _part(target, drafters, item: tuple[str, torch.Tensor], config: RecordConfig, target_meta: dict,

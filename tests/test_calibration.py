@@ -1,0 +1,93 @@
+"""The calibration by confidence: the map, its maximum-likelihood fit, and what it is fitted from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treespec.calibration import Calibration, fit_calibration, node_outcomes, promise_by_quartile, to_calibration
+from treespec.interfaces import VerifyResult
+from treespec.tree import DraftTree
+
+
+def synthetic_rounds(truth: Calibration, rounds: int, seed: int, nodes: int = 16):
+    """Rounds of ``nodes`` path log-probabilities each, accepted with the chance ``truth`` gives them; the
+    rounds differ in confidence (their best node's δ from e^-3 to 1), as a drafter's do."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rounds):
+        top = -3.0 * float(torch.rand(1, generator=g, dtype=torch.float64))
+        scores = top - torch.rand(nodes, generator=g, dtype=torch.float64) * 4.0  # [nodes] log δ
+        out.append((scores, torch.rand(nodes, generator=g, dtype=torch.float64) < truth.deltas(scores)))
+    return out
+
+
+@given(st.floats(0.2, 3.0), st.floats(0.2, 3.0), st.lists(st.floats(-30.0, 0.0), min_size=1, max_size=20))
+@settings(deadline=None, max_examples=60)
+def test_the_map_is_a_clamped_power_law_increasing_in_the_score(scale, power, scores):
+    s = torch.tensor(sorted(scores), dtype=torch.float64)
+    out = Calibration(scale, power).deltas(s)
+    expected = torch.tensor([min(1.0, scale * math.exp(v) ** power) for v in sorted(scores)], dtype=torch.float64)
+    assert torch.allclose(out, expected, rtol=1e-9, atol=1e-300)
+    assert bool((out.diff() >= 0).all()) and bool((out <= 1).all())  # the pop order's ranking is kept
+
+
+def test_the_identity_takes_the_promises_as_they_are_and_records_round_trip():
+    s = torch.tensor([-3.0, -0.5, 0.0])
+    assert Calibration().identity and torch.equal(Calibration().deltas(s), s.double().exp())
+    assert Calibration.from_record(Calibration(0.8, 0.6).to_record()) == Calibration(0.8, 0.6)
+    assert Calibration.from_record(0.9) == Calibration(0.9, 1.0)  # a scale alone, as older profiles kept
+    assert to_calibration(0.7) == Calibration(0.7) and to_calibration(Calibration(1, 2)) == Calibration(1, 2)
+    with pytest.raises(ValueError, match="power must be a finite number > 0"):
+        Calibration(1.0, -1.0)
+    with pytest.raises(ValueError, match="scale, power"):
+        Calibration.from_record("high")
+    with pytest.raises(ValueError, match="finite number > 0"):
+        to_calibration(float("nan"))
+
+
+@pytest.mark.parametrize("truth", [Calibration(0.8, 0.6), Calibration(1.0, 1.0), Calibration(1.3, 1.4),
+                                   Calibration(0.5, 1.0)])
+def test_the_fit_recovers_the_calibration_the_outcomes_were_drawn_with(truth):
+    rounds = synthetic_rounds(truth, 4000, seed=1)  # 64,000 nodes
+    fitted = fit_calibration(rounds)
+    assert fitted.scale == pytest.approx(truth.scale, rel=0.08) and fitted.power == pytest.approx(truth.power, abs=0.05)
+    if truth.power == 1.0:  # the scale alone, when the power is right
+        assert fit_calibration(rounds, fit_power=False).scale == pytest.approx(truth.scale, rel=0.06)
+
+
+def test_a_scale_alone_cannot_fit_a_drafter_unsure_when_low_and_sure_when_high():
+    """The case the power is for: with one factor the groups by promise stay far off what was accepted;
+    the fitted power brings every group's promise to within a tenth of a token of it."""
+    rounds = synthetic_rounds(Calibration(0.9, 0.6), 2000, seed=2)
+    scale_only = promise_by_quartile(rounds, fit_calibration(rounds, fit_power=False))
+    assert max(abs(promised - accepted) for promised, accepted in scale_only) > 0.5
+    for promised, accepted in promise_by_quartile(rounds, fit_calibration(rounds)):
+        assert promised == pytest.approx(accepted, abs=0.1)
+
+
+def test_too_little_or_one_sided_evidence_keeps_the_identity():
+    few = synthetic_rounds(Calibration(0.5, 0.5), 2, seed=3)  # 32 nodes
+    assert fit_calibration(few).identity and fit_calibration([]).identity
+    scores = -torch.rand(200, dtype=torch.float64)
+    assert fit_calibration([(scores, torch.zeros(200, dtype=torch.bool))]).identity
+    assert fit_calibration([(scores, torch.ones(200, dtype=torch.bool))]).identity
+
+
+def test_a_rejected_node_promised_certainty_stays_finite():
+    rounds = synthetic_rounds(Calibration(0.7, 1.0), 300, seed=4)
+    rounds.append((torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.bool)))  # δ = 1, rejected
+    fitted = fit_calibration(rounds)
+    assert math.isfinite(fitted.scale) and fitted.scale < 1.0
+
+
+def test_node_outcomes_mark_the_accepted_path():
+    #   0 -> 1 -> 3
+    #     -> 2
+    tree = DraftTree.build([9, 4, 5, 6], [-1, 0, 0, 1], scores=[0.0, -0.1, -2.0, -0.7])
+    scores, accepted = node_outcomes(tree, VerifyResult(accepted=torch.tensor([0, 1]), bonus_token=3))
+    assert scores.tolist() == pytest.approx([-0.1, -2.0, -0.7]) and accepted.tolist() == [True, False, False]

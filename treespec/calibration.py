@@ -1,0 +1,159 @@
+"""How far a drafter's path probabilities can be trusted: a calibration by confidence.
+
+Contract
+--------
+A tree node's score s is its path log-probability under the drafter, and δ = exp(s) is what the
+drafter promises: the chance the target accepts the node's whole path.  Cost rules add these
+promises up (Φ = Σ δ, the draft tokens a tree is expected to yield), so a drafter that promises
+more than the target accepts, or less, makes them build trees of the wrong size.  `Calibration`
+maps each promise to a calibrated one,
+
+    δ' = min(1, κ δ^β) = exp(min(0, log κ + β s)),
+
+a power law in the promise: κ (``scale``) is one factor on every promise, β (``power``) bends the
+map, β < 1 raising the small promises relative to the large ones (a drafter that under-promises
+when unsure and over-promises when sure) and β > 1 the reverse.  κ = β = 1 is the identity; β = 1
+alone is one factor for all (the earlier scalar κ).  The map is increasing in s, so it never
+changes which candidate a best-first build takes next, only how much each is worth.
+
+`fit_calibration(scores, accepted)` fits (κ, β) by maximum likelihood from recorded nodes: a node
+is accepted when it lies on the round's accepted path (`node_outcomes`), with probability δ' by
+the model.  The log-likelihood Σ y log δ' + (1 - y) log(1 - δ') is concave in (log κ, β) (the
+first term is the minimum of two linear functions, the second the concave log(1 - e^z) of a
+linear one), so a damped Newton ascent from the identity finds its maximum.  Nodes of one tree
+are not independent (siblings exclude each other), which leaves the estimate consistent: every
+node's marginal chance is what a cost rule sums.  Too little evidence (fewer than
+``MIN_NODES`` nodes, or none accepted, or none rejected) gives the identity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+__all__ = ["MIN_NODES", "Calibration", "fit_calibration", "node_outcomes", "promise_by_quartile", "to_calibration"]
+
+MIN_NODES = 50  # recorded nodes below which a fit is not attempted (the identity is kept)
+_POWER_RANGE = (0.05, 5.0)  # the powers a fit may return: outside them the data are degenerate
+_EDGE = 1e-9  # promises are kept below 1 - _EDGE in the fit, so a rejected sure node stays finite
+
+
+def _positive(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value < math.inf:
+        raise ValueError(f"calibration {attribute.name} must be a finite number > 0, got {value!r}")
+
+
+@attrs.frozen
+class Calibration:
+    """δ' = min(1, scale · δ^power) (module docstring); the default is the identity."""
+
+    scale: float = attrs.field(default=1.0, validator=_positive, converter=float)  # κ: one factor on every promise
+    power: float = attrs.field(default=1.0, validator=_positive, converter=float)  # β: < 1 lifts small promises
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.power == 1.0
+
+    def deltas(self, scores: torch.Tensor) -> torch.Tensor:
+        """Calibrated promises δ' of path log-probabilities ``scores`` (any shape), float64, in (0, 1]."""
+        s = scores.double()
+        if self.identity:
+            return s.exp()
+        return (math.log(self.scale) + self.power * s).clamp(max=0.0).exp()
+
+    def to_record(self) -> list[float]:
+        return [self.scale, self.power]
+
+    @classmethod
+    def from_record(cls, record) -> Calibration:
+        """From `to_record`'s [scale, power], or a bare number (a scale alone, as older profiles stored)."""
+        if isinstance(record, int | float) and not isinstance(record, bool):
+            return cls(record)
+        try:
+            scale, power = record
+        except (TypeError, ValueError):
+            raise ValueError(f"a calibration is [scale, power] or a number, got {record!r}") from None
+        return cls(scale, power)
+
+    def describe(self) -> str:
+        return f"kappa {self.scale:.3f}, power {self.power:.3f}"
+
+
+def to_calibration(value: Calibration | float | int) -> Calibration:
+    """attrs converter of a policy's ``calibration`` field: a `Calibration`, or a number κ (power 1)."""
+    if isinstance(value, Calibration):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"calibration must be a Calibration or a finite number > 0, got {value!r}")
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"calibration must be a finite number > 0, got {value!r}")
+    return Calibration(value)
+
+
+def node_outcomes(tree, result) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n - 1] float64 scores, [n - 1] bool accepted) of a verified tree's non-root nodes: whether each
+    lies on the accepted path (``result.accepted``, node indices from the root)."""
+    on_path = torch.zeros(len(tree), dtype=torch.bool)
+    on_path[result.accepted.cpu()] = True
+    return tree.scores[1:].detach().cpu().double(), on_path[1:]
+
+
+def promise_by_quartile(rounds: Iterable[tuple[torch.Tensor, torch.Tensor]], calibration: Calibration = Calibration(),
+                        groups: int = 4) -> list[tuple[float, float]]:
+    """(mean draft tokens promised, mean accepted) of the rounds in each of ``groups`` equal groups by
+    promise (Φ = Σ δ' of a round's nodes under ``calibration``), least promising first: a calibrated
+    drafter's two columns agree in every group.  ``rounds``: (scores, accepted) pairs, `node_outcomes`."""
+    rows = sorted((float(calibration.deltas(s).sum()), int(a.sum())) for s, a in rounds)
+    if len(rows) < groups:
+        return []
+    cuts = [round(i * len(rows) / groups) for i in range(groups + 1)]
+    parts = [rows[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+    return [(sum(p for p, _ in part) / len(part), sum(a for _, a in part) / len(part)) for part in parts]
+
+
+def _log_likelihood(z: torch.Tensor, y: torch.Tensor) -> float:
+    """Σ y min(z, 0) + (1 - y) log(1 - e^z): -inf where a rejected node is promised certainty."""
+    if bool((z[~y] >= 0).any()):
+        return -math.inf
+    return float(z[y].clamp(max=0.0).sum() + torch.log(-torch.expm1(z[~y])).sum())
+
+
+def fit_calibration(rounds: Iterable[tuple[torch.Tensor, torch.Tensor]], *, fit_power: bool = True,
+                    iterations: int = 100) -> Calibration:
+    """The maximum-likelihood (κ, β) of recorded nodes: ``rounds`` yields (scores, accepted) pairs
+    (`node_outcomes` of each verified tree).  ``fit_power=False`` fits κ alone (β = 1)."""
+    pairs = [(s.double().reshape(-1), a.bool().reshape(-1)) for s, a in rounds]
+    if not pairs:
+        return Calibration()
+    x = torch.cat([s for s, _ in pairs]).clamp(max=math.log1p(-_EDGE))  # [N] log δ, kept below 0
+    y = torch.cat([a for _, a in pairs])  # [N]
+    if x.numel() < MIN_NODES or bool(y.all()) or not bool(y.any()):
+        return Calibration()
+    design = torch.stack([torch.ones_like(x), x], dim=1) if fit_power else torch.ones_like(x)[:, None]  # [N, p]
+    theta = torch.tensor([0.0, 1.0] if fit_power else [0.0], dtype=torch.float64)  # (log κ, β)
+    z_of = lambda t: design @ t + (0.0 if fit_power else x)  # noqa: E731  z = log κ + β log δ
+    best = _log_likelihood(z_of(theta), y)
+    for _ in range(iterations):
+        z = z_of(theta)
+        ez = torch.exp(z.clamp(max=0.0))
+        slope = torch.where(y, (z < 0).double(), -ez / (-torch.expm1(z.clamp(max=-_EDGE))))  # dLL/dz
+        curve = torch.where(y, torch.zeros_like(z), -ez / torch.expm1(z.clamp(max=-_EDGE)).square())  # d²LL/dz²
+        grad = design.T @ slope  # [p]
+        hess = design.T @ (curve[:, None] * design) - 1e-9 * torch.eye(design.shape[1], dtype=torch.float64)
+        step = -torch.linalg.solve(hess, grad)
+        t, improved = 1.0, False
+        while t > 1e-6:  # backtracking: stay where every rejected node keeps a promise below 1
+            candidate = theta + t * step
+            value = _log_likelihood(z_of(candidate), y)
+            if value > best:
+                theta, best, improved = candidate, value, True
+                break
+            t /= 2
+        if not improved or float(step.abs().max()) * t < 1e-10:
+            break
+    scale, power = math.exp(float(theta[0])), float(theta[1]) if fit_power else 1.0
+    power = min(max(power, _POWER_RANGE[0]), _POWER_RANGE[1])
+    return Calibration(scale, power)
