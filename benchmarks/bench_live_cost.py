@@ -1,8 +1,8 @@
 """Live-corrected against profile-only pricing of the cost-aware methods, side by side, on this CPU.
 
 For each of ``--profiles`` fresh cost profiles of the embedded SmolLM2 (measured anew, never read from
-the cache), every method runs over the demo's prompts (chat, math and code; prompt-major, so a
-slow moment of the machine hits every method alike): AR, the fixed 16-node trees, and CaDDTree and
+the cache), every method runs over the demo's prompts (chat, math and code; or ``--dataset``'s),
+prompt-major, so a slow moment of the machine hits every method alike: AR, the fixed 16-node trees, and CaDDTree and
 the cost-aware DominoTree priced twice -- by the profile alone (``:profile``) and by their own live
 cost model over it (``:live``).  Printed per profile and method: τ, tokens/s, speedup over AR, and for
 the cost-aware ones the mean absolute error of the predicted round time of their drafted rounds
@@ -58,7 +58,9 @@ COST_AWARE = ["caddtree@16", "cost-aware-dominotree@16"]
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", type=int, default=3, help="fresh cost profiles, each with a full run")
-    parser.add_argument("--prompts", type=int, default=2, help="prompts per domain (chat, math, code)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
+    parser.add_argument("--dataset", action="append", default=None,
+                        help="benchmark name or prompt file (repeatable; default: the demo's chat, math and code)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--hog", type=float, default=None, help="start a CPU hog after this fraction of the prompts")
     parser.add_argument("--threads", type=int, default=None)
@@ -111,9 +113,12 @@ def main() -> None:
     harness = load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")},
                            dtype=args.dtype)
     target, drafters = harness.target, harness.drafters
-    prompts = [p for name in _DATASETS for p in load_prompts(name, limit=args.prompts)]
+    prompts = [p for name in args.dataset or _DATASETS for p in load_prompts(name, limit=args.prompts)]
     ids = [harness.chat.encode(p.turns[:1], []) for p in prompts]
     print(f"{torch.get_num_threads()} threads, {target.dtype}, {len(ids)} prompts x {args.max_new_tokens} tokens")
+    cached = machine_profile(target, list(drafters.values()))  # only for the calibrations stored with it
+    calibrations = {kind: cached.calibration(d) for kind, d in drafters.items()}
+    print("calibrations (profile-cost --calibrate): " + ", ".join(f"{k} {c.describe()}" for k, c in calibrations.items()))
     for rep in range(args.profiles):
         start = time.perf_counter()
         profile = machine_profile(target, list(drafters.values()), repeats=9, cache=False)
@@ -129,7 +134,7 @@ def main() -> None:
             if name.partition(":")[2]:
                 model = profile.cost_model(drafter, live=False)
                 models[name] = model
-                pricing = (LiveCost(model) if name.endswith(":live") else model, 1.0)
+                pricing = (LiveCost(model) if name.endswith(":live") else model, calibrations[method.drafter])
             policy = (root_only_policy(name, models[name]) if name.endswith(":root-only")
                       else build_policy(method, *pricing))
             decoders[name] = SpeculativeDecoder(target, drafter, policy)

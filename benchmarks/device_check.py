@@ -231,7 +231,7 @@ def check_decoding(device: str, dry: bool, new_tokens: int) -> None:
         drafter = drafters.get(method.drafter) if method.drafter else None
         pricing = ()
         if drafter is not None and getattr(registry.resolve("policy", method.policy), "uses_cost_model", False):
-            pricing = (LiveCost(profile.cost_model(drafter)), 1.0)
+            pricing = (LiveCost(profile.cost_model(drafter)),)
             lives[name] = pricing[0]
         decoder = SpeculativeDecoder(target, drafter, build_policy(method, *pricing))
         outs = [decoder.generate(p, max_new_tokens=new_tokens) for p in prompts]

@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 
 from treespec import registry
-from treespec.calibration import Calibration
+from treespec.calibration import Calibration, to_calibration
 from treespec.cost import CostModel
 from treespec.interfaces import Drafter, TreePolicy
 
@@ -241,7 +241,7 @@ def policy_class(name: str) -> type[TreePolicy]:
 
 
 def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
-                 calibration: Calibration | None = None) -> TreePolicy | None:
+                 calibration: Calibration | float | None = None) -> TreePolicy | None:
     """The method's policy instance (None for AR); ``cost_model`` and the drafter's ``calibration``
     go to a policy that uses a cost model."""
     if method.autoregressive:
@@ -251,8 +251,8 @@ def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
         kwargs["budget"] = method.budget
     if method.priced and "cost_model" not in kwargs:
         kwargs["cost_model"] = cost_model
-        if calibration is not None and not calibration.identity:
-            kwargs.setdefault("calibration", calibration)
+        if calibration is not None and not to_calibration(calibration).identity:
+            kwargs.setdefault("calibration", to_calibration(calibration))
     return registry.create("policy", method.policy, **kwargs)
 
 
