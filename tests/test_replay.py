@@ -35,8 +35,9 @@ from treespec.apps.replay import (
     evaluate,
     record_trace,
     replay_prompt,
+    replay_rounds,
 )
-from treespec.cost import COST_PRESETS, cost_model_from_dict
+from treespec.cost import COST_PRESETS, LinearCost, cost_model_from_dict
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.target import TargetModel
@@ -168,6 +169,49 @@ def test_stop_tokens_end_responses_as_live(small, method):
 def test_autoregressive_replay_is_one_token_per_round(small):
     result = evaluate(small.trace, ["ar"], cost_model=COST)[0]
     assert result.taus == ((1,) * N_TOKENS,) * len(small.prompts)
+
+
+@pytest.mark.parametrize("method", ["ddtree@8", "caddtree@48"])
+def test_replayed_rounds_are_the_live_rounds(small, method):
+    """Each replayed round's tau, verified tree size and whether it drafted are the live loop's, the
+    back-off's AR steps included (caddtree@48 priced with a drafter dearer than its trees are worth)."""
+    parsed = parse_method(method)
+    dear = attrs.evolve(COST, draft=3 * float(COST.verify_costs(1, COST.contexts[0])[1]))
+    decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], build_policy(parsed, dear))
+    drafts, policy = ReplayDrafts.of(small.trace, parsed.drafter), build_policy(parsed, dear)
+    skipped = 0
+    for i, prompt in enumerate(small.prompts):
+        decoder.gate.reset()
+        live = decoder.generate(prompt, max_new_tokens=small.trace.max_new_tokens).stats.rounds
+        replayed = replay_rounds(small.trace, drafts, policy, i)
+        assert [(r.tau, r.tree_size, r.drafted) for r in replayed] == [(r.tau, r.tree_size, r.drafted) for r in live]
+        skipped += sum(not r.drafted for r in replayed)
+    assert (skipped > 0) == (method == "caddtree@48")
+
+
+def test_the_modelled_speed_bench_charges_rounds_by_the_cost_model(small, tmp_path):
+    """benchmarks/bench_modelled_rules.py: AR is 1.000x by construction, every method gets a row, and C_d
+    in AR steps needs a fitted curve (refused by name otherwise)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    small.trace.save(tmp_path / "trace.safetensors")
+    COST.save(tmp_path / "cost.json")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_modelled_rules.py"
+    run = lambda *extra: subprocess.run([sys.executable, str(script), str(tmp_path / "trace.safetensors"),  # noqa: E731
+                                         "--methods", "ar", "ddtree@8", "caddtree@48", "--resamples", "50",
+                                         "--cost-model", str(tmp_path / "cost.json"), *extra],
+                                        capture_output=True, text=True, timeout=300)
+    done = run()
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "×" in line]
+    assert len(rows) == 3 and rows[0].startswith("| ar | 1.00 | 0 % |") and "1.000× [1.000, 1.000]" in rows[0]
+    steps = run("--draft-steps", "dflash=0.3")
+    assert steps.returncode == 0 and "C_d dflash 0.30 AR steps" in steps.stdout
+    LinearCost(draft=0.002, base=0.02, per_token=4e-4).save(tmp_path / "cost.json")
+    refused = run("--draft-steps", "0.3")
+    assert refused.returncode != 0 and "needs a fitted cost model" in refused.stderr
 
 
 # ---------------------------------------------------------------------------- pieces

@@ -21,12 +21,21 @@ nearly always (benchmarks/bench_replay.py reports the agreement).
 
 from treespec.apps.replay.acceptance import Acceptance, fit_acceptance, load_acceptance
 from treespec.apps.replay.compare import ComparisonRow, compare, expand_sweep
-from treespec.apps.replay.evaluate import ReplayResult, check_replayable, evaluate, replay_priced, replay_prompt
+from treespec.apps.replay.evaluate import (
+    ReplayResult,
+    ReplayRound,
+    check_replayable,
+    evaluate,
+    replay_priced,
+    replay_prompt,
+    replay_rounds,
+)
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.record import RECORD_PRESETS, RecordConfig, record_trace
 from treespec.apps.replay.trace import DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces
 
 __all__ = [
-    "RECORD_PRESETS", "Acceptance", "ComparisonRow", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ScorerRecord", "Trace",
-    "TraceError", "check_replayable", "compare", "evaluate", "expand_sweep", "fit_acceptance", "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
+    "RECORD_PRESETS", "Acceptance", "ComparisonRow", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ReplayRound",
+    "ScorerRecord", "Trace", "TraceError", "check_replayable", "compare", "evaluate", "expand_sweep", "fit_acceptance",
+    "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt", "replay_rounds",
 ]

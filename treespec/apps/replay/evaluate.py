@@ -30,7 +30,8 @@ from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
 from treespec.interfaces import TreePolicy
 from treespec.tree import DraftTree
 
-__all__ = ["ReplayResult", "check_replayable", "evaluate", "policy_for", "replay_priced", "replay_prompt"]
+__all__ = ["ReplayResult", "ReplayRound", "check_replayable", "evaluate", "policy_for", "replay_priced", "replay_prompt",
+           "replay_rounds"]
 
 
 def check_replayable(policy: TreePolicy | None, meta: dict) -> None:
@@ -54,31 +55,48 @@ def _check_recorded(tree: DraftTree) -> None:
                          "it reads beyond the recorded top tokens (raise --min-k or --max-budget when recording)")
 
 
-def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
+@attrs.frozen
+class ReplayRound:
+    """One replayed round: what the live loop would have verified and committed."""
+
+    tau: int  # tokens committed (accepted draft tokens + the bonus)
+    tree_size: int  # tokens of the verified tree, root included (1: an AR step or a root-only tree)
+    drafted: bool  # whether the round asked the drafter (False: the back-off's AR step)
+
+
+def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
                   backend: str = "torch", stop_token_ids: Iterable[int] = (),
-                  gate: DraftGate | None = None) -> list[int]:
-    """Per-round tau of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop
-    counts; ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
+                  gate: DraftGate | None = None) -> list[ReplayRound]:
+    """The rounds of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop runs
+    them; ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
     conversation; pass one across prompts to mirror a decoder used for several generations)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
-    taus, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
+    rounds, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
     while done < total:
         anchor = start + done  # absolute position of the round's root
         if policy is None or not gate.drafts_now():
-            tau = 1
+            tau, size, drafted = 1, 1, False
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
             built = policy.build(draft, backend=backend)
             gate.record(policy.pays_for_draft(draft, built))  # before the length cut, as the live loop
             tree = limit_depth(built, min(total - done - 1, room - 1 - anchor))
             _check_recorded(tree)
-            tau = accepted_length(tree, seq[anchor + 1:])
-        taus.append(tau)
+            tau, size, drafted = accepted_length(tree, seq[anchor + 1:]), len(tree), True
+        rounds.append(ReplayRound(tau, size, drafted))
         if stops.intersection(seq[anchor + 1:anchor + 1 + tau]):
             break
         done += tau
-    return taus
+    return rounds
+
+
+def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
+                  backend: str = "torch", stop_token_ids: Iterable[int] = (),
+                  gate: DraftGate | None = None) -> list[int]:
+    """Per-round tau of ``policy`` on one recorded prompt (`replay_rounds`)."""
+    return [r.tau for r in replay_rounds(trace, drafts, policy, prompt, backend=backend,
+                                         stop_token_ids=stop_token_ids, gate=gate)]
 
 
 def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt: int,
