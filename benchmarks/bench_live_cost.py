@@ -142,6 +142,7 @@ def main() -> None:
             decoder.generate(ids[0], max_new_tokens=8)
         times, tokens, taus, errors = defaultdict(float), defaultdict(int), defaultdict(list), defaultdict(list)
         trees = defaultdict(list)  # per method: whether each drafted round built more than the root
+        stages = defaultdict(lambda: defaultdict(float))  # per method: seconds by where the decode time went
         seconds = defaultdict(list)  # (phase, what): measured verify / draft + build seconds of rounds
         per_prompt = defaultdict(list)  # per method: (seconds, tokens) of each prompt, in prompt order
         hog = None
@@ -157,6 +158,7 @@ def main() -> None:
                     times[key] += out.stats.decode_time
                     tokens[key] += out.stats.new_tokens
                 per_prompt[name].append((out.stats.decode_time, out.stats.new_tokens))
+                account(stages[name], out.stats)
                 trees[name] += [r.tree_size > 1 for r in out.stats.rounds if r.drafted and not r.explored]
                 if name in FIXED:
                     collect(seconds, phase, name, out.stats.rounds)
@@ -170,6 +172,7 @@ def main() -> None:
         print_table(decoders, times, tokens, taus, errors, trees, models, per_prompt, hogged=hog is not None)
         print_costs(seconds, {name: d.policy.cost_model for name, d in decoders.items() if name.endswith(":live")},
                     models, ctx=int(statistics.median(p.numel() for p in ids)))
+        print_stages(stages)
 
 
 def collect(seconds, phase: str, name: str, rounds) -> None:
@@ -202,6 +205,32 @@ def print_costs(seconds, live_models, models, ctx: int) -> None:
         costs = model.verify_costs(17, ctx)
         print(f"- {name}: verify 17 {float(costs[17] / costs[1]):.2f}, draft + build "
               f"{model.draft_cost / float(costs[1]):.2f} AR steps")
+
+
+def account(into, stats) -> None:
+    """Add one generation's decode time to ``into`` by where it went: the verify of trees and of AR
+    steps (one-token forwards), draft + build, and the rest of the loop (commit, bookkeeping)."""
+    staged = 0.0
+    for r in stats.rounds:
+        kind = "verify, trees" if r.tree_size > 1 else "verify, AR steps"
+        into[kind] += r.times["verify"]
+        into["draft + build"] += r.times.get("draft", 0.0) + r.times["build"]
+        staged += sum(r.times.values())
+        into["rounds"] += 1
+    into["the rest"] += stats.decode_time - staged + sum(r.times.get("commit", 0.0) for r in stats.rounds)
+    into["tokens"] += stats.new_tokens
+
+
+def print_stages(stages) -> None:
+    """Milliseconds per generated token, by stage, per method: where a method's time goes."""
+    kinds = ("verify, trees", "verify, AR steps", "draft + build", "the rest")
+    print("\n| method | rounds per token | " + " | ".join(f"{k} (ms/token)" for k in kinds) + " | total |")
+    print("|---|---|" + "---|" * (len(kinds) + 1))
+    for name, s in stages.items():
+        cells = [f"{1000 * s[k] / s['tokens']:.1f}" for k in kinds]
+        total = sum(s[k] for k in kinds)
+        print(f"| {name} | {s['rounds'] / s['tokens']:.2f} | " + " | ".join(cells)
+              + f" | {1000 * total / s['tokens']:.1f} |")
 
 
 def speedup(times, tokens, key, ar_key) -> float:
