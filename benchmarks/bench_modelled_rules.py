@@ -14,7 +14,10 @@ live round also pays the build, so ``--draft-steps KIND=S`` (or one number for e
 sets C_d to S AR steps (C_v(1) at the profile's shortest context): the live rounds of
 `benchmarks/bench_live_cost.py` measure it.  Cost-aware methods price their trees with the same
 model, so the figure is what their rule gains by its own account, free of the machine's noise
-and exactly as right as the model (docs/decoding.md measures the model's error live).  Printed per
+and exactly as right as the model (docs/decoding.md measures the model's error live).
+``--charge-with FILE`` charges the rounds by another model than the one the policies price with
+(say, the verify time measured at every tree size against a profile's fitted curve): what a
+rule loses to the curve it prices with.  Printed per
 method: τ, the share of rounds that drafted, the mean verified tree size, the modelled speed over
 AR with a 95 % bootstrap interval over prompts, and the paired interval of its ratio to the first
 method's.
@@ -47,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
     parser.add_argument("--cost-model", type=Path, default=None,
                         help="cost model JSON for every method (default: the trace's, one per drafter)")
+    parser.add_argument("--charge-with", type=Path, default=None,
+                        help="charge the rounds by this cost model JSON instead of the one the policies price with "
+                             "(e.g. verify times measured at every tree size): what a rule's pricing costs it")
     parser.add_argument("--draft-steps", action="append", default=[],
                         help="C_d in AR steps: KIND=S for one drafter, or S for all (repeatable)")
     parser.add_argument("--resamples", type=int, default=2000)
@@ -100,6 +106,7 @@ def main() -> None:
     try:
         trace = Trace.load(args.trace)
         given = load_cost_model(args.cost_model) if args.cost_model else None
+        charged = load_cost_model(args.charge_with) if args.charge_with else None
         methods = [parse_method(m) for m in args.methods]
     except (OSError, ValueError, TraceError) as exc:
         sys.exit(f"bench_modelled_rules: {exc}")
@@ -113,7 +120,9 @@ def main() -> None:
         drafts, policy = policy_for(trace, method, cache, given)
         model = model_of(trace, method.drafter, given, steps) if method.drafter else None
         if model is not None and getattr(policy, "uses_cost_model", False):
-            policy = attrs.evolve(policy, cost_model=model)  # priced with the model it is charged by
+            policy = attrs.evolve(policy, cost_model=model)  # priced with the model given (C_d as set)
+        if model is not None and charged is not None:
+            model = model_of(trace, method.drafter, charged, steps)
         rows, rounds_all = [], []
         for p in range(trace.num_prompts):
             rounds = replay_rounds(trace, drafts, policy, p)

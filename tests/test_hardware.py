@@ -122,15 +122,23 @@ def test_profile_is_cached_keyed_and_round_trips(tmp_path, capsys):
     assert "measuring again" in capsys.readouterr().err and len(again.verify) == 6
 
 
-def test_the_one_token_point_is_kept_as_measured():
-    """CPU curves are not convex at n = 1 (a matrix-vector kernel): the fit covers n >= 2 only."""
+def test_the_profile_prices_every_size_as_measured_and_the_convex_fit_on_request():
+    """Measured verify times are not monotone (a 3-token forward slower than a 5-token one, as CPU kernels
+    make them): the default curve keeps every sample, linear between; ``shape="convex"`` is CaDDTree's fit
+    of n >= 2 with the one-token point as measured (a matrix-vector kernel of its own)."""
     samples = [(1, 128, 0.064), (2, 128, 0.150), (3, 128, 0.170), (5, 128, 0.140), (9, 128, 0.150),
                (17, 128, 0.160), (33, 128, 0.190)]
     profile = CostProfile(tuple(samples))
     costs = profile.cost_model().verify_costs(33, 128)
-    assert float(costs[1]) == 0.064
-    assert bool((costs[2:] >= 0.14).all()) and bool((costs[1:].diff() >= 0).all())
-    assert profile.verify_in_steps(1) == 1.0 and profile.verify_in_steps(17) > 2.0
+    assert [float(costs[n]) for n, _, _ in samples] == [s for _, _, s in samples]
+    assert float(costs[4]) == pytest.approx(0.155) and float(costs[3]) > float(costs[5])  # the slow size stays slow
+    convex = profile.cost_model(shape="convex").verify_costs(33, 128)
+    assert float(convex[1]) == 0.064
+    assert bool((convex[2:] >= 0.14).all()) and bool((convex[1:].diff() >= 0).all())
+    assert bool((convex[2:-1].diff().diff() >= -1e-12).all())  # convex from n = 2 on
+    assert profile.verify_in_steps(1) == 1.0 and profile.verify_in_steps(17) == pytest.approx(0.160 / 0.064)
+    with pytest.raises(ValueError, match="curve shape"):
+        profile.cost_model(shape="smooth")
 
 
 def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_path):

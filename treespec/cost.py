@@ -8,12 +8,14 @@ target forward over n tokens (a tree's nodes, root included) on top of ctx cache
 uses that table, so decisions taken from it are bit-identical between policy backends.
 
 * `LinearCost`: C_v = base + per_token * n + per_context * ctx.
-* `ConvexCost`: for each profiled context length a non-decreasing convex piecewise-linear C_v(n)
-  with knots at the profiled n; between profiled context lengths the two neighbouring curves are
-  interpolated linearly (a convex combination of non-decreasing convex functions is one), outside
-  them the nearest curve is used.  Beyond its end knots a curve continues with its end slopes.
-  ``ConvexCost.fit`` is the exact weighted least-squares fit under monotonicity and convexity
-  (`fit_convex_curve`), the regression CaDDTree's method prescribes, solved without a QP solver.
+* `ConvexCost`: for each profiled context length a piecewise-linear C_v(n) with knots at the
+  profiled n; between profiled context lengths the two neighbouring curves are interpolated
+  linearly, outside them the nearest curve is used.  Beyond its end knots a curve continues with
+  its end slopes.  ``ConvexCost.fit`` makes it non-decreasing and convex: the exact weighted
+  least-squares fit under monotonicity and convexity (`fit_convex_curve`), the regression
+  CaDDTree's method prescribes, solved without a QP solver.  A machine's profile keeps its
+  measured value at every profiled size instead (`fit_verify_curve`), since measured verify times
+  are neither (the class keeps its name: files and records say ``"convex"``).
 
 ``save`` writes JSON; `load_cost_model` reads it back and names the file and the field in every
 error.  Cost models hold no policy logic: cost-aware stop rules live in ``policies/cost.py``, and
@@ -35,7 +37,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "COST_PRESETS", "ConvexCost", "CostModel", "CostModelError", "LinearCost", "cost_model_from_dict",
+    "COST_PRESETS", "CURVE_SHAPES", "ConvexCost", "CostModel", "CostModelError", "LinearCost", "cost_model_from_dict",
     "fit_convex_curve", "fit_verify_curve", "load_cost_model", "nnls", "resolve_cost_model",
 ]
 
@@ -164,16 +166,28 @@ def fit_convex_curve(points: Iterable[tuple[float, float]], weights: Iterable[fl
     return tuple(float(k) for k in knots), tuple(float(v) for v in values)
 
 
-def fit_verify_curve(points: Iterable[tuple[float, float]], weights: Iterable[float] | None = None,
-                     ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Knots and values of one context's C_v from (n, seconds) samples: the convex fit
-    (`fit_convex_curve`) of the samples with n >= 2, and the one-token forward as measured (its median,
-    capped by the fit at the first knot so the curve stays non-decreasing).  A CPU runs a one-token
-    forward through another kernel (matrix-vector) than a many-token one, so a convex fit through
-    both would price an AR step far above its cost.  ``weights``: as in `fit_convex_curve`; a
-    weighted one-token point takes the weighted mean instead of the median."""
+CURVE_SHAPES = ("measured", "convex")
+
+
+def fit_verify_curve(points: Iterable[tuple[float, float]], weights: Iterable[float] | None = None, *,
+                     shape: str = "measured") -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Knots and values of one context's C_v from (n, seconds) samples.
+
+    ``"measured"`` (default): a knot at every sampled n, valued at its samples' median (weighted:
+    their weighted mean), the curve linear between them.  Measured verify times need not be
+    monotone or convex in n: on a 2-core Zen 5 in bf16, forwards of 3, 7 and 11 tokens took 25 %
+    longer than forwards of 4, 8 and 12, so a policy priced by a smoothed curve builds trees of the
+    slow sizes believing them cheap.  ``"convex"``: the convex fit (`fit_convex_curve`) of the
+    samples with n >= 2, and the one-token forward as measured (its median, capped by the fit at the
+    first knot so the curve stays non-decreasing) -- a CPU runs a one-token forward through another
+    kernel (matrix-vector), so a convex fit through both would price an AR step far above its cost;
+    the shape CaDDTree's published method regresses.  ``weights``: as in `fit_convex_curve`."""
+    if shape not in CURVE_SHAPES:
+        raise CostModelError(f"curve shape must be one of {CURVE_SHAPES}, got {shape!r}")
     points = [(float(n), float(s)) for n, s in points]
     w = [1.0] * len(points) if weights is None else [float(x) for x in weights]
+    if shape == "measured":
+        return _per_size(points, w, weighted=weights is not None)
     single = [(s, x) for (n, s), x in zip(points, w) if n == 1]
     many = [(p, x) for p, x in zip(points, w) if p[0] >= 2]
     if not single or not many:
@@ -185,14 +199,33 @@ def fit_verify_curve(points: Iterable[tuple[float, float]], weights: Iterable[fl
     return (1.0, *knots), (min(float(np.median([s for s, _ in single])), values[0]), *values)
 
 
+def _per_size(points: list[tuple[float, float]], weights: list[float], *,
+              weighted: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """One knot per distinct n: the median of its samples (their weighted mean when ``weighted``)."""
+    if not points:
+        raise CostModelError("cannot fit a verify curve to zero samples")
+    by_size: dict[float, list[tuple[float, float]]] = defaultdict(list)
+    for (n, s), x in zip(points, weights):
+        by_size[n].append((s, x))
+    knots = tuple(sorted(by_size))
+    if weighted:
+        values = tuple(sum(s * x for s, x in by_size[n]) / sum(x for _, x in by_size[n]) for n in knots)
+    else:
+        values = tuple(float(np.median([s for s, _ in by_size[n]])) for n in knots)
+    return knots, values
+
+
 def _interp_curve(n: torch.Tensor, knots: tuple[float, ...], values: tuple[float, ...]) -> torch.Tensor:
-    """Piecewise-linear curve at ``n``, continued with its end slopes (flat for a single knot)."""
+    """Piecewise-linear curve at ``n``, continued with its end slopes (flat for a single knot); past
+    the last knot never falling (a measured curve may end on a cheaper size than the one before it,
+    which says nothing about larger trees)."""
     if len(knots) == 1:
         return torch.full_like(n, values[0])
     x = torch.tensor(knots, dtype=torch.float64)
     y = torch.tensor(values, dtype=torch.float64)
     seg = (torch.searchsorted(x, n, right=True) - 1).clamp(0, len(knots) - 2)  # segment of each n
     slope = (y[seg + 1] - y[seg]) / (x[seg + 1] - x[seg])
+    slope = torch.where(n > x[-1], slope.clamp_min(0.0), slope)
     return (y[seg] + slope * (n - x[seg])).clamp_min(0.0)
 
 

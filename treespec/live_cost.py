@@ -29,8 +29,9 @@ The estimator (all of it deterministic in the observations, so a recorded run ca
   weighted by a pseudo-count w_0 (1 - m / window), and the corrected value prior(k, c) * r_k,
   weighted by the m observations in the bucket's window: the prior counts while a bucket has few
   observations and not at all once its window is full.  The knots so valued and weighted are fitted
-  by `treespec.cost.fit_verify_curve` (the exact weighted least-squares non-decreasing convex fit for
-  n >= 2, the one-token point apart), as the profile fits its own samples.  C_d: the trimmed mean of
+  by `treespec.cost.fit_verify_curve` as the profile fits its own samples: each knot keeps its own
+  value (measured verify times are not monotone in n; a CPU's 3-token forward can be dearer than its
+  4-token one), linear between knots.  C_d: the trimmed mean of
   the last ``window`` draft + build times against the prior's C_d, weighted the same way.  Build time
   counts because a tree round pays it and an AR round does not.
 * **Re-fit** every ``refit_every`` observations, and at once on a change of regime: when the median

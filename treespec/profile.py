@@ -14,12 +14,14 @@ not match, and it is measured again; a corrupt cache file is measured again with
 warning.  Drafters missing from a cached profile are measured and added.
 
 ``profile.cost_model(drafter)`` is what cost-aware policies price trees with: per context, the
-exact least-squares monotone convex fit (`treespec.cost.fit_convex_curve`) of the samples with
-n >= 2, and the one-token forward as measured (capped by the fit at n = 2, so the curve stays
-non-decreasing), with that drafter's C_d.  The one-token point is kept apart because a CPU runs it
-through another kernel (matrix-vector): on a 2-core EPYC it took 64 ms against a fitted 150 ms
-at n = 2, and a convex fit through both would price an AR step at twice its cost.  ``profile.verify_in_steps(n)`` is C_v(n) / C_v(1) at the shortest profiled context,
-the figure the demo prints.
+measured median at every profiled size, linear between them (`treespec.cost.fit_verify_curve`),
+with that drafter's C_d.  The sizes are every tree of up to 17 tokens (a 16-node tree and all the
+trims a cost rule may choose) and two beyond, because measured verify times are neither smooth nor
+monotone: on a 2-core Zen 5 in bf16, forwards of 3, 7 and 11 tokens took 25 % longer than forwards
+of 4, 8 and 12, and an earlier profile at 1, 2, 3, 5, 9, 17, 33 with a convex fit through them
+priced those slow sizes as cheap.  ``shape="convex"`` gives that fit (CaDDTree's regression).
+``profile.verify_in_steps(n)`` is C_v(n) / C_v(1) at the shortest profiled context, the figure
+the demo prints.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from treespec.tree import DraftTree
 __all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "calibration_key", "machine_profile", "save_profile",
            "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
 
-PROFILE_SIZES = (1, 2, 3, 5, 9, 17, 33)  # tree tokens n (root included) of the verify samples
+PROFILE_SIZES = (*range(1, 18), 24, 33)  # tree tokens n (root included) of the verify samples
 PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
 _FORMAT = 1  # version of the cached JSON
 
@@ -138,9 +140,11 @@ class CostProfile:
         key = drafter if isinstance(drafter, str) else calibration_key(drafter)
         return attrs.evolve(self, calibrations={**self.calibrations, key: to_calibration(calibration)})
 
-    def cost_model(self, drafter: Drafter | str | None = None, *, live: bool = True) -> ConvexCost:
-        """The fitted C_v with this drafter's C_d (0 without a drafter); ``live``: corrected by what
-        earlier decoding runs measured (`with_live`) where they left a correction."""
+    def cost_model(self, drafter: Drafter | str | None = None, *, live: bool = True,
+                   shape: str = "measured") -> ConvexCost:
+        """C_v with this drafter's C_d (0 without a drafter); ``live``: corrected by what earlier
+        decoding runs measured (`with_live`) where they left a correction; ``shape``: the measured
+        value at every profiled size, or ``"convex"``, CaDDTree's fit (`fit_verify_curve`)."""
         draft = 0.0
         if drafter is not None:
             ident = drafter if isinstance(drafter, str) else drafter.identity()
@@ -149,7 +153,7 @@ class CostProfile:
             draft = self.live_drafts[ident][0] if live and ident in self.live_drafts else self.drafts[ident]
         verify = [(n, c, s) for n, c, s, _ in self.live_verify] if live and self.live_verify else self.verify
         contexts = sorted({c for _, c, _ in verify})
-        curves = [fit_verify_curve([(n, s) for n, c, s in verify if c == ctx]) for ctx in contexts]
+        curves = [fit_verify_curve([(n, s) for n, c, s in verify if c == ctx], shape=shape) for ctx in contexts]
         return ConvexCost(draft, tuple(contexts), tuple(k for k, _ in curves), tuple(v for _, v in curves))
 
     @property
