@@ -238,27 +238,32 @@ def speedup(times, tokens, key, ar_key) -> float:
     return (times[ar_key] / tokens[ar_key]) / (times[key] / tokens[key])
 
 
-def paired_interval(arm: list[tuple[float, int]], ar: list[tuple[float, int]], resamples: int = 2000) -> str:
-    """95 % bootstrap interval of the whole run's speedup over AR, prompts resampled in pairs."""
+def paired_interval(arm: list[tuple[float, int]], ar: list[tuple[float, int]], resamples: int = 2000,
+                    digits: int = 2) -> str:
+    """95 % bootstrap interval of the whole run's speedup over ``ar`` (AR, or another arm), prompts
+    resampled in pairs."""
     a, b = np.array(arm), np.array(ar)  # [P, 2] (seconds, tokens)
 
     def ratio(idx) -> float:
         return float((b[idx, 0].sum() / b[idx, 1].sum()) / (a[idx, 0].sum() / a[idx, 1].sum()))
 
     lo, hi = bootstrap_interval(ratio, len(a), resamples, seed=0)
-    return f"[{lo:.2f}, {hi:.2f}]"
+    return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def print_table(decoders, times, tokens, taus, errors, trees, models, per_prompt, hogged: bool) -> None:
     phases = " | before the hog | under the hog" if hogged else ""
-    print(f"| method | tau | tok/s | speedup [95 % CI over prompts]{phases} | trees of > 1 token "
-          "| round-time error: profile alone | priced with |")
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if hogged else ""))
+    best = max((n for n in FIXED if n != "ar"), key=lambda n: speedup(times, tokens, n, "ar"))  # fastest fixed tree
+    print(f"| method | tau | tok/s | speedup [95 % CI over prompts]{phases} | over {best} (paired) "
+          "| trees of > 1 token | round-time error: profile alone | priced with |")
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if hogged else ""))
     for name in decoders:
         cells = [f"{statistics.fmean(taus[name]):.2f}", f"{tokens[name] / times[name]:.1f}",
                  f"{speedup(times, tokens, name, 'ar'):.2f}x {paired_interval(per_prompt[name], per_prompt['ar'])}"]
         if hogged:
             cells += [f"{speedup(times, tokens, (name, p), ('ar', p)):.2f}x" for p in ("quiet", "hog")]
+        over = paired_interval(per_prompt[name], per_prompt[best], digits=3)
+        cells.append(f"{speedup(times, tokens, name, best):.3f} {over}")
         cells.append(f"{100 * statistics.fmean(trees[name]):.0f} %" if trees[name] else "-")
         cells += [f"{100 * statistics.fmean(errors[name, how]):.0f} %" if errors[name, how] else "-"
                   for how in ("profile", "live")]
