@@ -40,6 +40,7 @@ from treespec.apps.methods import parse_method
 from treespec.apps.replay.evaluate import policy_for, replay_rounds
 from treespec.apps.replay.trace import Trace, TraceError
 from treespec.cost import ConvexCost, CostModel, cost_model_from_dict, load_cost_model
+from treespec.decoding import DRAFT_BACKOFF, DraftGate
 
 DEFAULT_METHODS = ("ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
 
@@ -55,6 +56,8 @@ def parse_args() -> argparse.Namespace:
                              "(e.g. verify times measured at every tree size): what a rule's pricing costs it")
     parser.add_argument("--draft-steps", action="append", default=[],
                         help="C_d in AR steps: KIND=S for one drafter, or S for all (repeatable)")
+    parser.add_argument("--backoff", type=int, default=DRAFT_BACKOFF,
+                        help="the decoder's draft back-off (most AR rounds between drafts; 0: draft every round)")
     parser.add_argument("--resamples", type=int, default=2000)
     return parser.parse_args()
 
@@ -111,7 +114,7 @@ def main() -> None:
     except (OSError, ValueError, TraceError) as exc:
         sys.exit(f"bench_modelled_rules: {exc}")
     steps = draft_steps(args.draft_steps)
-    print(f"{args.trace}: {trace.num_prompts} prompts x {trace.max_new_tokens} tokens; C_d "
+    print(f"{args.trace}: {trace.num_prompts} prompts x {trace.max_new_tokens} tokens; back-off {args.backoff}; C_d "
           + (", ".join(f"{k or 'all'} {v:.2f} AR steps" for k, v in steps.items()) or "as the profile measured"))
     print("\n| method | τ | drafted rounds | mean tree (tokens, root included) | modelled speed over AR | ratio to the first |")
     print("|---|---|---|---|---|---|")
@@ -125,7 +128,7 @@ def main() -> None:
             model = model_of(trace, method.drafter, charged, steps)
         rows, rounds_all = [], []
         for p in range(trace.num_prompts):
-            rounds = replay_rounds(trace, drafts, policy, p)
+            rounds = replay_rounds(trace, drafts, policy, p, gate=DraftGate(args.backoff))
             rounds_all += rounds
             rows.append(prompt_seconds(trace, p, rounds, model) if model is not None else (1.0, 1.0, 1))
         spent, ar = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
