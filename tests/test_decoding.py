@@ -13,7 +13,7 @@ from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 import treespec
 from drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec.apps.cli import main
-from treespec.decoding import SpeculativeDecoder, limit_depth
+from treespec.decoding import DraftGate, SpeculativeDecoder, limit_depth
 from treespec.interfaces import Drafter, DraftOutput, TreePolicy
 from treespec.target import ContextOverflowError
 from treespec.tree import DraftTree
@@ -334,3 +334,28 @@ def test_the_length_cut_of_a_last_round_does_not_back_drafting_off():
         decoder.generate(torch.tensor([4, 8, 1]), max_new_tokens=1)
     out = decoder.generate(torch.tensor([4, 8, 1]), max_new_tokens=20)
     assert all("draft" in r.times for r in out.stats.rounds) and decoder.gate.skip == 0
+
+
+def test_the_draft_gate_backs_off_after_its_patience_and_doubles_up_to_its_cap():
+    """Drafted rounds that do not pay: after ``patience`` of them in a row the gate skips 1, then 2, 4, ...
+    rounds up to ``max_backoff``; a round that pays ends the back-off and the count; ``max_backoff`` 0
+    drafts every round."""
+    def skipped_between_drafts(gate: DraftGate, verdicts: list[bool]) -> list[int]:
+        out = []
+        for paid in verdicts:
+            gate.record(paid)
+            skipped = 0
+            while not gate.drafts_now():
+                skipped += 1
+            out.append(skipped)
+        return out
+
+    assert skipped_between_drafts(DraftGate(8), [False] * 5) == [1, 2, 4, 8, 8]
+    assert skipped_between_drafts(DraftGate(8, patience=3), [False] * 5) == [0, 0, 1, 2, 4]
+    assert skipped_between_drafts(DraftGate(8, patience=3), [False, False, True, False, False, False]) == [
+        0, 0, 0, 0, 0, 1]
+    assert skipped_between_drafts(DraftGate(0, patience=3), [False] * 4) == [0, 0, 0, 0]
+    gate = DraftGate(8, patience=2)
+    skipped_between_drafts(gate, [False, False])
+    gate.reset()
+    assert skipped_between_drafts(gate, [False]) == [0]  # a new conversation counts afresh

@@ -19,7 +19,9 @@ draft (`TreePolicy.pays_for_draft`: by default, a root-only tree; a cost-aware p
 judges any tree, and may still have returned one worth verifying now that the draft is made), the
 next round drafts nothing and runs one AR step, and each further such round doubles the AR rounds
 before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off).  A
-round that paid resets the back-off.  The gate belongs to the decoder and carries over between its
+round that paid resets the back-off.  ``DraftGate.patience`` (default 1: the first such round
+backs off) lets several rounds in a row fail to pay before the first back-off, for measuring
+whether one round that did not pay says anything about the next (docs/decoding.md).  The gate belongs to the decoder and carries over between its
 ``generate`` calls: whether trees pay is a property of the machine and the drafter, so a new
 prompt does not pay for probing again.  Harnesses that measure prompts independently (the bench,
 whose records must not depend on sharding, resumption or prompt order, and replay, which mirrors
@@ -134,8 +136,10 @@ class DraftGate:
     """Backs drafting off while the policy keeps answering with the root-only tree (module docstring)."""
 
     max_backoff: int  # most AR rounds between two drafts (0: draft every round)
+    patience: int = 1  # drafted rounds in a row that did not pay before the first back-off
     skip: int = 0  # AR rounds left before the next draft
     wait: int = 0  # the current back-off length
+    misses: int = 0  # drafted rounds in a row that did not pay
 
     def drafts_now(self) -> bool:
         """Whether this round drafts (consumes one skipped round otherwise)."""
@@ -147,14 +151,17 @@ class DraftGate:
     def record(self, paid: bool) -> None:
         """After a drafted round: whether its tree paid for the draft (`TreePolicy.pays_for_draft`)."""
         if paid or self.max_backoff == 0:
-            self.wait = 0
+            self.wait = self.misses = 0
+            return
+        self.misses += 1
+        if self.misses < self.patience:  # one round that did not pay says little about the next
             return
         self.wait = min(max(1, 2 * self.wait), self.max_backoff)
         self.skip = self.wait
 
     def reset(self) -> None:
         """Forget the back-off: the next round drafts (a harness measuring prompts independently)."""
-        self.skip = self.wait = 0
+        self.skip = self.wait = self.misses = 0
 
 
 class Stopwatch:
