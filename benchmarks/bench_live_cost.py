@@ -1,14 +1,14 @@
 """Live-corrected against profile-only pricing of the cost-aware methods, side by side, on this CPU.
 
-For each of ``--profiles`` fresh cost profiles of the embedded SmolLM2 (measured anew, never read from
-the cache), every method runs over the demo's prompts (chat, math and code; or ``--dataset``'s),
-prompt-major, so a slow moment of the machine hits every method alike: AR, the fixed 16-node trees, and CaDDTree and
-the cost-aware DominoTree priced twice -- by the profile alone (``:profile``) and by their own live
-cost model over it (``:live``).  Printed per profile and method: τ, tokens/s, speedup over AR, and for
-the cost-aware ones the mean absolute error of the predicted round time of their drafted rounds
-(C_d + C_v(n; ctx) against the measured draft + build + verify seconds; exploring rounds left out),
-by the profile alone and by the curve each round was priced with (the live-corrected one for
-``:live``).
+For each of ``--profiles`` fresh cost profiles of the embedded SmolLM2 (measured anew, never read
+from the cache), every method runs over the demo's prompts (chat, math and code; or
+``--dataset``'s), prompt-major, so a slow moment of the machine hits every method alike: AR, the
+fixed 16-node trees, and CaDDTree and the cost-aware DominoTree priced twice -- by the profile alone
+(``:profile``) and by their own live cost model over it (``:live``). Printed per profile and method:
+τ, tokens/s, speedup over AR, and for the cost-aware ones the mean absolute error of the predicted
+round time of their drafted rounds (C_d + C_v(n; ctx) against the measured draft + build + verify
+seconds; exploring rounds left out), by the profile alone and by the curve each round was priced
+with (the live-corrected one for ``:live``).
 
 ``--hog F`` starts a CPU hog (a busy Python process) once a fraction F of the prompts is done and
 stops it at the end, so the second part of the run is measured on a machine that suddenly got
@@ -118,7 +118,8 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads, {target.dtype}, {len(ids)} prompts x {args.max_new_tokens} tokens")
     cached = machine_profile(target, list(drafters.values()))  # only for the calibrations stored with it
     calibrations = {kind: cached.calibration(d) for kind, d in drafters.items()}
-    print("calibrations (profile-cost --calibrate): " + ", ".join(f"{k} {c.describe()}" for k, c in calibrations.items()))
+    print("calibrations (profile-cost --calibrate): "
+          + ", ".join(f"{k} {c.describe()}" for k, c in calibrations.items()))
     for rep in range(args.profiles):
         start = time.perf_counter()
         profile = machine_profile(target, list(drafters.values()), repeats=9, cache=False)
@@ -210,14 +211,14 @@ def print_costs(seconds, live_models, models, ctx: int) -> None:
 def account(into, stats) -> None:
     """Add one generation's decode time to ``into`` by where it went: the verify of trees and of AR
     steps (one-token forwards), draft + build, and the rest of the loop (commit, bookkeeping)."""
-    staged = 0.0
+    staged = 0.0  # seconds of the verify, draft and build stages
     for r in stats.rounds:
-        kind = "verify, trees" if r.tree_size > 1 else "verify, AR steps"
-        into[kind] += r.times["verify"]
-        into["draft + build"] += r.times.get("draft", 0.0) + r.times["build"]
-        staged += sum(r.times.values())
+        drafting = r.times.get("draft", 0.0) + r.times["build"]
+        into["verify, trees" if r.tree_size > 1 else "verify, AR steps"] += r.times["verify"]
+        into["draft + build"] += drafting
+        staged += r.times["verify"] + drafting
         into["rounds"] += 1
-    into["the rest"] += stats.decode_time - staged + sum(r.times.get("commit", 0.0) for r in stats.rounds)
+    into["the rest"] += stats.decode_time - staged
     into["tokens"] += stats.new_tokens
 
 

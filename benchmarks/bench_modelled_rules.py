@@ -116,7 +116,8 @@ def main() -> None:
     steps = draft_steps(args.draft_steps)
     print(f"{args.trace}: {trace.num_prompts} prompts x {trace.max_new_tokens} tokens; back-off {args.backoff}; C_d "
           + (", ".join(f"{k or 'all'} {v:.2f} AR steps" for k, v in steps.items()) or "as the profile measured"))
-    print("\n| method | τ | drafted rounds | mean tree (tokens, root included) | modelled speed over AR | ratio to the first |")
+    print("\n| method | τ | drafted rounds | mean tree (tokens, root included) | modelled speed over AR "
+          "| ratio to the first |")
     print("|---|---|---|---|---|---|")
     cache, first = {}, None
     for method in methods:

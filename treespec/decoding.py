@@ -18,16 +18,16 @@ Drafting that does not pay is backed off: when a round's policy says its tree di
 draft (`TreePolicy.pays_for_draft`: by default, a root-only tree; a cost-aware policy's cost rule
 judges any tree, and may still have returned one worth verifying now that the draft is made), the
 next round drafts nothing and runs one AR step, and each further such round doubles the AR rounds
-before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off).  A
-round that paid resets the back-off.  ``DraftGate.patience`` (default 1: the first such round
-backs off) lets several rounds in a row fail to pay before the first back-off, for measuring
-whether one round that did not pay says anything about the next (docs/decoding.md).  The gate belongs to the decoder and carries over between its
-``generate`` calls: whether trees pay is a property of the machine and the drafter, so a new
-prompt does not pay for probing again.  Harnesses that measure prompts independently (the bench,
-whose records must not depend on sharding, resumption or prompt order, and replay, which mirrors
-it) call ``gate.reset()`` at each conversation's start.  AR rounds commit exactly what the target chooses, so the
-output is unchanged; the drafter receives the taps of every token committed meanwhile at its
-next draft.
+before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off). A round
+that paid resets the back-off. ``DraftGate.patience`` (default 1: the first such round backs off)
+lets several rounds in a row fail to pay before the first back-off, for measuring whether one round
+that did not pay says anything about the next (docs/decoding.md). The gate belongs to the decoder
+and carries over between its ``generate`` calls: whether trees pay is a property of the machine and
+the drafter, so a new prompt does not pay for probing again. Harnesses that measure prompts
+independently (the bench, whose records must not depend on sharding, resumption or prompt order, and
+replay, which mirrors it) call ``gate.reset()`` at each conversation's start. AR rounds commit
+exactly what the target chooses, so the output is unchanged; the drafter receives the taps of every
+token committed meanwhile at its next draft.
 
 A policy that prices its trees with a `treespec.live_cost.LiveCost` (its ``cost_model``) has it fed
 by this loop: before each round ``begin_round`` says whether the round explores (it then drafts

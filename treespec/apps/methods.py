@@ -251,8 +251,9 @@ def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
         kwargs["budget"] = method.budget
     if method.priced and "cost_model" not in kwargs:
         kwargs["cost_model"] = cost_model
-        if calibration is not None and not to_calibration(calibration).identity:
-            kwargs.setdefault("calibration", to_calibration(calibration))
+        calibration = None if calibration is None else to_calibration(calibration)
+        if calibration is not None and not calibration.identity:
+            kwargs.setdefault("calibration", calibration)
     return registry.create("policy", method.policy, **kwargs)
 
 

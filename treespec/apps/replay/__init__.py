@@ -35,7 +35,8 @@ from treespec.apps.replay.record import RECORD_PRESETS, RecordConfig, record_tra
 from treespec.apps.replay.trace import DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces
 
 __all__ = [
-    "RECORD_PRESETS", "Acceptance", "ComparisonRow", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult", "ReplayRound",
-    "ScorerRecord", "Trace", "TraceError", "check_replayable", "compare", "evaluate", "expand_sweep", "fit_acceptance",
-    "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt", "replay_rounds",
+    "RECORD_PRESETS", "Acceptance", "ComparisonRow", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult",
+    "ReplayRound", "ScorerRecord", "Trace", "TraceError", "check_replayable", "compare", "evaluate", "expand_sweep",
+    "fit_acceptance", "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
+    "replay_rounds",
 ]

@@ -30,8 +30,8 @@ from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
 from treespec.interfaces import TreePolicy
 from treespec.tree import DraftTree
 
-__all__ = ["ReplayResult", "ReplayRound", "check_replayable", "evaluate", "policy_for", "replay_priced", "replay_prompt",
-           "replay_rounds"]
+__all__ = ["ReplayResult", "ReplayRound", "check_replayable", "evaluate", "policy_for", "replay_priced",
+           "replay_prompt", "replay_rounds"]
 
 
 def check_replayable(policy: TreePolicy | None, meta: dict) -> None:
