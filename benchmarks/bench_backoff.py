@@ -48,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--draft-steps", type=float, default=0.33, help="C_d of the true-cd pricing, in AR steps")
     parser.add_argument("--threads", type=int, default=None)
+    for kind in ("dflash", "domino"):
+        parser.add_argument(f"--{kind}", default=None, metavar="DIR",
+                            help=f"a {kind} drafter directory (default: the embedded one)")
     return parser.parse_args()
 
 
@@ -87,7 +90,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     arms = [parse_arm(a) for a in args.arms]
-    harness = load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")})
+    dirs = {k: getattr(args, k) or embedded_drafter_dir(k) for k in ("dflash", "domino")}
+    harness = load_harness(embedded_model_dir(), dirs)
     ids = [harness.chat.encode(p.turns[:1], []) for name in args.dataset or _DATASETS
            for p in load_prompts(name, limit=args.prompts)]
     profile = machine_profile(harness.target, list(harness.drafters.values()))
