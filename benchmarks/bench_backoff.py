@@ -2,13 +2,15 @@
 
 Every arm runs over the same prompts in one process, prompt-major (a slow moment of the machine hits
 every arm alike): AR, the fixed DominoTree@16, and each cost-aware method of ``--methods`` once per
-``--arms`` item ``PRICING:BACKOFF:PATIENCE`` -- PRICING ``profile`` (this machine's cached profile,
-fixed), ``live`` (a `treespec.live_cost.LiveCost` over it, the CLI's default) or ``true-cd`` (the
-profile with C_d set to ``--draft-steps`` AR steps: draft + build, what a drafted round really pays);
+``--arms`` item ``PRICING:BACKOFF:PATIENCE`` -- PRICING ``profile`` (this machine's cached profile
+and calibration, fixed), ``live`` (a `treespec.live_cost.LiveCost` over it and a
+`treespec.calibration.LiveCalibration` from the profile's calibration: the CLI's default),
+``live-cost`` (the live cost model, the profile's calibration fixed) or ``true-cd`` (the profile with
+C_d set to ``--draft-steps`` AR steps: draft + build, what a drafted round really pays);
 BACKOFF the most AR rounds between drafts (`treespec.decoding.DraftGate`, 0: draft every round);
 PATIENCE the drafted rounds in a row that may fail to pay before the first back-off.  Each drafter
-uses the calibration stored with the profile.  Printed per arm: speed over AR (whole run) and the
-rounds that did not draft.  docs/decoding.md reports its figures.
+starts from the calibration stored with the profile.  Printed per arm: speed over AR (whole run),
+the rounds that did not draft, and the calibration the arm ended with.  docs/decoding.md reports its figures.
 
     python benchmarks/bench_backoff.py --arms live:32:1 live:0:1 profile:32:1 true-cd:32:1 true-cd:0:1
     python benchmarks/bench_backoff.py --dataset gsm8k --dataset mt-bench --dataset humaneval \\
@@ -29,11 +31,12 @@ from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
+from treespec.calibration import LiveCalibration
 from treespec.decoding import SpeculativeDecoder
 from treespec.live_cost import LiveCost
 from treespec.profile import machine_profile
 
-PRICINGS = ("profile", "live", "true-cd")
+PRICINGS = ("profile", "live", "live-cost", "true-cd")
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,9 +79,11 @@ def decoders(harness, profile, methods, arms, draft_steps: float) -> dict[str, S
         drafter = harness.drafters[method.drafter]
         model = profile.cost_model(drafter, live=False)
         true_cd = attrs.evolve(model, draft=draft_steps * float(model.verify_costs(1, model.contexts[0])[1]))
+        calibration = profile.calibration(drafter)
         for pricing, backoff, patience in arms:
-            cost = {"profile": model, "live": LiveCost(model), "true-cd": true_cd}[pricing]
-            decoder = SpeculativeDecoder(target, drafter, build_policy(method, cost, profile.calibration(drafter)),
+            cost = {"profile": model, "true-cd": true_cd}.get(pricing) or LiveCost(model)
+            calibrated = LiveCalibration(calibration) if pricing == "live" else calibration
+            decoder = SpeculativeDecoder(target, drafter, build_policy(method, cost, calibrated),
                                          draft_backoff=backoff)
             decoder.gate.patience = patience
             out[f"{method.name} {pricing} back-off {backoff} patience {patience}"] = decoder
@@ -110,9 +115,11 @@ def main() -> None:
                 tokens[name] += out.stats.new_tokens
                 undrafted[name] += sum(not r.drafted for r in out.stats.rounds)
     ar = seconds["ar"] / tokens["ar"]
-    print("\n| arm | speed over AR | rounds that did not draft |\n|---|---|---|")
-    for name in runs:
-        print(f"| {name} | {ar / (seconds[name] / tokens[name]):.3f}× | {undrafted[name]} |")
+    print("\n| arm | speed over AR | rounds that did not draft | calibration at the end |\n|---|---|---|---|")
+    for name, decoder in runs.items():
+        calibration = getattr(decoder.policy, "calibration", None)
+        described = "" if calibration is None else calibration.describe()
+        print(f"| {name} | {ar / (seconds[name] / tokens[name]):.3f}× | {undrafted[name]} | {described} |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treespec.calibration import Calibration, fit_calibration, node_outcomes, promise_by_quartile, to_calibration
+from treespec.calibration import (
+    Calibration,
+    LiveCalibration,
+    LiveCalibrationSettings,
+    fit_calibration,
+    node_outcomes,
+    promise_by_quartile,
+    to_calibration,
+)
 from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
 
@@ -91,3 +99,55 @@ def test_node_outcomes_mark_the_accepted_path():
     tree = DraftTree.build([9, 4, 5, 6], [-1, 0, 0, 1], scores=[0.0, -0.1, -2.0, -0.7])
     scores, accepted = node_outcomes(tree, VerifyResult(accepted=torch.tensor([0, 1]), bonus_token=3))
     assert scores.tolist() == pytest.approx([-0.1, -2.0, -0.7]) and accepted.tolist() == [True, False, False]
+
+
+# ---------------------------------------------------------------------------- learned while decoding
+def test_a_live_calibration_keeps_its_prior_until_it_has_seen_enough_nodes():
+    prior = Calibration(0.9, 1.1)
+    live = LiveCalibration(prior, LiveCalibrationSettings(min_nodes=160, refit_every=1))
+    for scores, accepted in synthetic_rounds(Calibration(0.4, 1.0), 9, seed=5):  # 144 nodes
+        assert not live.observe(scores, accepted)
+        assert live.current == prior and torch.equal(live.deltas(scores), prior.deltas(scores))
+    assert not live.observe(torch.empty(0), torch.empty(0, dtype=torch.bool))  # a root-only tree tests nothing
+    scores, accepted = synthetic_rounds(Calibration(0.4, 1.0), 1, seed=6)[0]
+    assert live.observe(scores, accepted) and live.fits == 1 and live.current != prior
+    assert "fitted live on 160 nodes" in live.describe()
+
+
+@pytest.mark.parametrize("truth", [Calibration(0.5, 1.0), Calibration(0.9, 0.6), Calibration(1.3, 1.3)])
+def test_a_live_calibration_converges_to_the_map_its_outcomes_were_drawn_with(truth):
+    live = LiveCalibration(settings=LiveCalibrationSettings(window=16_384, refit_every=50))
+    for scores, accepted in synthetic_rounds(truth, 1500, seed=7):
+        live.observe(scores, accepted)
+    assert live.nodes <= 16_384 + 16 and live.fits == 30
+    assert live.current.scale == pytest.approx(truth.scale, rel=0.12)
+    assert live.current.power == pytest.approx(truth.power, abs=0.08)
+
+
+def test_a_live_calibration_follows_a_drafter_that_gets_worse_within_its_window():
+    """A drafter that was calibrated starts to promise three times what the target accepts: once the
+    window (2,048 nodes: 128 rounds of 16) holds only the new rounds, the live map promises what the
+    target accepts (the tokens promised on fresh rounds within a fifth of the truth's: a window this
+    small fits κ and β jointly only roughly, the tokens they promise closely)."""
+    fresh = [s for s, _ in synthetic_rounds(Calibration(), 500, seed=99)]
+    promised = lambda calibration: sum(float(calibration.deltas(s).sum()) for s in fresh)  # noqa: E731
+    live = LiveCalibration(settings=LiveCalibrationSettings(window=2048, refit_every=8))
+    for scores, accepted in synthetic_rounds(Calibration(), 300, seed=8):
+        live.observe(scores, accepted)
+    assert promised(live.current) == pytest.approx(promised(Calibration()), rel=0.2)
+    for scores, accepted in synthetic_rounds(Calibration(1 / 3, 1.0), 136, seed=9):  # the window and one re-fit
+        live.observe(scores, accepted)
+    assert promised(live.current) == pytest.approx(promised(Calibration(1 / 3)), rel=0.2)
+
+
+def test_a_drafter_the_target_never_follows_gets_a_small_smoothed_scale():
+    live = LiveCalibration(settings=LiveCalibrationSettings(min_nodes=64, refit_every=1))
+    scores = torch.full((16,), -0.5, dtype=torch.float64)  # 16 promises of 0.61 each, all rejected
+    for _ in range(4):
+        live.observe(scores, torch.zeros(16, dtype=torch.bool))
+    assert live.current == Calibration(0.5 / (64 * math.exp(-0.5) + 0.5), 1.0)
+    assert float(live.deltas(scores)[0]) < 0.01  # the identity's fit (no maximum) would have kept 0.61
+    with pytest.raises(ValueError, match="16 scores for 3 outcomes"):
+        live.observe(scores, torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError):
+        LiveCalibrationSettings(min_nodes=10)

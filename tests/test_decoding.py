@@ -13,7 +13,7 @@ from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 import treespec
 from drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec.apps.cli import main
-from treespec.decoding import DraftGate, SpeculativeDecoder, limit_depth
+from treespec.decoding import DRAFT_PATIENCE, DraftGate, SpeculativeDecoder, limit_depth
 from treespec.interfaces import Drafter, DraftOutput, TreePolicy
 from treespec.target import ContextOverflowError
 from treespec.tree import DraftTree
@@ -350,7 +350,8 @@ def test_the_draft_gate_backs_off_after_its_patience_and_doubles_up_to_its_cap()
             out.append(skipped)
         return out
 
-    assert skipped_between_drafts(DraftGate(8), [False] * 5) == [1, 2, 4, 8, 8]
+    assert skipped_between_drafts(DraftGate(8, patience=1), [False] * 5) == [1, 2, 4, 8, 8]
+    assert DraftGate(8).patience == DRAFT_PATIENCE == 3
     assert skipped_between_drafts(DraftGate(8, patience=3), [False] * 5) == [0, 0, 1, 2, 4]
     assert skipped_between_drafts(DraftGate(8, patience=3), [False, False, True, False, False, False]) == [
         0, 0, 0, 0, 0, 1]

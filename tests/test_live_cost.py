@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_target import hf_greedy, tiny_target
 
-from drafters.oracle import ORACLE_PRESETS, OracleDrafter
+from drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
 from treespec import registry
+from treespec.calibration import Calibration, LiveCalibration, LiveCalibrationSettings, live_calibration_of
 from treespec.cost import ConvexCost, LinearCost
 from treespec.decoding import SpeculativeDecoder
 from treespec.live_cost import LiveCost, LiveSettings, Observation, live_cost_of, trimmed_mean
@@ -197,6 +198,34 @@ def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_root_only_an
     first = next(i for i, (_, explored) in enumerate(back) if explored)
     assert first <= 8  # one exploring round saw cheap trees again; the next round measures the AR step
     assert back[first + 1][0] == 1 and all(n >= 9 for n, _ in back[first + 2:])  # then full trees
+
+
+def test_a_live_calibration_stops_trusting_a_drafter_the_target_does_not_follow():
+    """A drafter that looks as sure as a good one and is rarely right (top-1 one time in ten): priced by
+    its own promises, trees of 8 and 9 nodes seem to pay every round; calibrated live, the policy learns within
+    a few hundred nodes that they do not, builds small trees and drafts less.  The output is the
+    target's either way."""
+    prompt, new_tokens = torch.tensor([5, 9, 2, 7]), 90
+    results = {}
+    for name in ("as drafted", "live"):
+        target = tiny_target("qwen3")
+        drafter = OracleDrafter(OracleConfig(top1=0.1, near=0.1), tap_layers=(0, 2))
+        clock = FakeClock()
+        clocked(target, drafter, clock, lambda n: 0.05 + 0.0005 * n)
+        calibration = LiveCalibration(settings=LiveCalibrationSettings(min_nodes=64, refit_every=2))
+        policy = registry.create("policy", "caddtree", budget=16, cost_model=profile(step=0.05, per_token=0.0005),
+                                 **({"calibration": calibration} if name == "live" else {}))
+        assert (live_calibration_of(policy) is calibration) == (name == "live")
+        out = SpeculativeDecoder(target, drafter, policy, clock=clock).generate(prompt, max_new_tokens=new_tokens)
+        assert out.tokens.tolist() == hf_greedy(target.model, prompt, new_tokens)
+        results[name] = out.stats.rounds
+    assert all(r.drafted and r.tree_size >= 8 and r.calibrated_with is None for r in results["as drafted"][:-8])
+    late = results["live"][len(results["live"]) // 2:]
+    assert sum(not r.drafted for r in late) > len(late) // 2  # the back-off drafts less ...
+    assert all(r.tree_size <= 5 for r in late)  # ... and what is drafted builds small trees
+    drafted = [r.calibrated_with for r in results["live"] if r.drafted]
+    assert drafted[0] == Calibration()  # the prior first, then what was learned: a third of the promise or less
+    assert float(drafted[-1].deltas(torch.tensor([-0.5]))[0]) < math.exp(-0.5) / 3
 
 
 def test_a_change_of_regime_seen_on_trees_rescales_the_ar_step_until_it_is_observed():

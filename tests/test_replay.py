@@ -72,6 +72,11 @@ class Capturing(TreePolicy):
         """The inner policy's, so that the loop feeds a live one (`treespec.live_cost.live_cost_of`)."""
         return getattr(self.inner, "cost_model", None)
 
+    @property
+    def calibration(self):
+        """The inner policy's, so that the loop feeds a live one (`treespec.calibration.live_calibration_of`)."""
+        return getattr(self.inner, "calibration", None)
+
 
 class World:
     """A tiny float64 Qwen3 target, random DFlash and Domino drafters, prompts, and their trace."""
@@ -384,15 +389,18 @@ def test_parts_of_other_settings_are_refused(compressed, tmp_path):
 # ---------------------------------------------------------------------------- live-corrected costs
 @pytest.mark.parametrize("method", ["caddtree@16", "cost-aware-dominotree@16"])
 def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
-    """Round by round with the curve its record names, a run whose costs were corrected live (on a clock
-    that makes trees dear, then cheap, so the policy switches and explores) builds the same trees."""
+    """Round by round with the curve and calibration its record names, a run whose costs and
+    calibration were learned live (on a clock that makes trees dear, then cheap, so the policy switches
+    and explores; the calibration re-fitted every other round) builds the same trees."""
     from treespec.apps.bench.records import BenchRecord, cost_schedule
     from treespec.apps.replay import replay_priced
+    from treespec.calibration import Calibration, LiveCalibration, LiveCalibrationSettings
     from treespec.live_cost import LiveCost, LiveSettings
 
     parsed = parse_method(method)
     live = LiveCost(COST, LiveSettings(explore_every=3))
-    policy = Capturing(build_policy(parsed, live))
+    calibration = LiveCalibration(settings=LiveCalibrationSettings(min_nodes=50, refit_every=2))
+    policy = Capturing(build_policy(parsed, live, calibration))
     now = {"t": 0.0, "rounds": 0}
     decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], policy, clock=lambda: now["t"])
     forward = small.target.forward_tree
@@ -405,7 +413,7 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
     small.target.forward_tree = timed
     try:
         drafts = ReplayDrafts.of(small.trace, parsed.drafter)
-        sizes, curves = [], set()
+        sizes, curves, calibrations = [], set(), set()
         for i, prompt in enumerate(small.prompts):
             policy.trees = []
             decoder.gate.reset()
@@ -418,12 +426,15 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
             sizes += [len(t) for _, t in policy.trees]
             curves |= {json.dumps(m, sort_keys=True) for m in models}
             start = prompt.numel() - 1
-            for (position, tree), priced in zip(policy.trees, [p for p in record.priced_rounds() if p]):
-                rebuilt = build_policy(parsed, cost_model_from_dict(priced))
+            for (position, tree), priced in zip(policy.trees, [dict(p) for p in record.priced_rounds() if p]):
+                fitted = Calibration.from_record(priced.pop("calibration"))
+                calibrations.add(fitted)
+                rebuilt = build_policy(parsed, cost_model_from_dict(priced), fitted)
                 draft = drafts.draft(small.trace.anchor_index(i, position - start), int(small.trace.sequences[i][position]),
                                      position)
                 assert rebuilt.build(draft).equal(tree)
         assert 1 in sizes and max(sizes) > 1  # the policy switched between root-only and larger trees
         assert len(curves) >= 3  # priced with several curves: re-fits and exploring rounds
+        assert len(calibrations) >= 3  # and calibrated by several fits
     finally:
         small.target.forward_tree = forward

@@ -24,17 +24,30 @@ linear one), so a damped Newton ascent from the identity finds its maximum.  Nod
 are not independent (siblings exclude each other), which leaves the estimate consistent: every
 node's marginal chance is what a cost rule sums.  Too little evidence (fewer than
 ``MIN_NODES`` nodes, or none accepted, or none rejected) gives the identity.
+
+`LiveCalibration(prior)` learns the map while decoding, as `treespec.live_cost.LiveCost` learns the
+machine: a policy whose ``calibration`` it is reads the current fit through ``deltas`` like any
+`Calibration`, and the decoding loop, after every drafted round, hands it the verified tree's node
+outcomes (``observe``).  It keeps the nodes of the last rounds (the fewest whole rounds that hold
+``window`` nodes) and, every ``refit_every`` observed rounds once it holds ``min_nodes`` nodes, replaces the
+map by `fit_calibration` of them; until then it calibrates as ``prior`` (the profile's fit, or the
+identity).  A window where no node, or every node, was accepted has no maximum-likelihood (κ, β)
+(κ -> 0, or -> inf); it gets the smoothed ratio κ = (A + 1/2) / (Σ δ + 1/2), β = 1 (A accepted
+nodes, Σ δ the drafter's promises), so a drafter the target never follows is priced as one.  Each
+fit reads only the window, so the map follows a drafter whose accuracy changes with the text.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 
 import attrs
 import torch
 
-__all__ = ["MIN_NODES", "Calibration", "fit_calibration", "node_outcomes", "promise_by_quartile", "to_calibration"]
+__all__ = ["MIN_NODES", "Calibration", "LiveCalibration", "LiveCalibrationSettings", "fit_calibration",
+           "live_calibration_of", "node_outcomes", "promise_by_quartile", "to_calibration"]
 
 MIN_NODES = 50  # recorded nodes below which a fit is not attempted (the identity is kept)
 _POWER_RANGE = (0.05, 5.0)  # the powers a fit may return: outside them the data are degenerate
@@ -82,9 +95,10 @@ class Calibration:
         return f"kappa {self.scale:.3f}, power {self.power:.3f}"
 
 
-def to_calibration(value: Calibration | float | int) -> Calibration:
-    """attrs converter of a policy's ``calibration`` field: a `Calibration`, or a number κ (power 1)."""
-    if isinstance(value, Calibration):
+def to_calibration(value: Calibration | LiveCalibration | float | int) -> Calibration | LiveCalibration:
+    """attrs converter of a policy's ``calibration`` field: a `Calibration` or `LiveCalibration`, or a
+    number κ (power 1)."""
+    if isinstance(value, Calibration | LiveCalibration):
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"calibration must be a Calibration or a finite number > 0, got {value!r}")
@@ -157,3 +171,73 @@ def fit_calibration(rounds: Iterable[tuple[torch.Tensor, torch.Tensor]], *, fit_
     scale, power = math.exp(float(theta[0])), float(theta[1]) if fit_power else 1.0
     power = min(max(power, _POWER_RANGE[0]), _POWER_RANGE[1])
     return Calibration(scale, power)
+
+
+@attrs.frozen
+class LiveCalibrationSettings:
+    """The live calibration's window and re-fit cadence (module docstring)."""
+
+    window: int = attrs.field(default=2048, validator=attrs.validators.ge(MIN_NODES))  # most recent nodes a fit reads
+    min_nodes: int = attrs.field(default=256, validator=attrs.validators.ge(MIN_NODES))  # nodes before the first fit
+    refit_every: int = attrs.field(default=8, validator=attrs.validators.ge(1))  # observed rounds between fits
+
+
+class LiveCalibration:
+    """A drafter's calibration learned from the rounds it drafts (module docstring)."""
+
+    def __init__(self, prior: Calibration = Calibration(),
+                 settings: LiveCalibrationSettings = LiveCalibrationSettings()) -> None:
+        self.prior = to_calibration(prior)
+        self.settings = settings
+        self.current = self.prior  # the map policies read now
+        self.fits = 0  # fits made so far (0: still the prior)
+        self._rounds: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # (scores, accepted) per round
+        self._nodes = 0  # nodes in the window
+        self._since_fit = 0  # rounds observed since the last fit
+
+    @property
+    def identity(self) -> bool:
+        return False  # never dropped as a no-op: what it learns may move it
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the window holds now."""
+        return self._nodes
+
+    def deltas(self, scores: torch.Tensor) -> torch.Tensor:
+        return self.current.deltas(scores)
+
+    def describe(self) -> str:
+        source = f"fitted live on {self._nodes} nodes" if self.fits else "the prior, not yet fitted live"
+        return f"{self.current.describe()} ({source})"
+
+    def observe(self, scores: torch.Tensor, accepted: torch.Tensor) -> bool:
+        """One verified tree's non-root nodes (`node_outcomes`); True when it re-fitted the map."""
+        scores, accepted = scores.detach().double().reshape(-1).cpu(), accepted.bool().reshape(-1).cpu()
+        if scores.shape != accepted.shape:
+            raise ValueError(f"observe: {scores.numel()} scores for {accepted.numel()} outcomes")
+        if scores.numel() == 0:
+            return False  # a root-only tree promises nothing and tests nothing
+        self._rounds.append((scores, accepted))
+        self._nodes += scores.numel()
+        while len(self._rounds) > 1 and self._nodes - self._rounds[0][0].numel() >= self.settings.window:
+            self._nodes -= self._rounds.popleft()[0].numel()
+        self._since_fit += 1
+        if self._nodes < self.settings.min_nodes or self._since_fit < self.settings.refit_every:
+            return False
+        self.current, self._since_fit = self._fit(), 0
+        self.fits += 1
+        return True
+
+    def _fit(self) -> Calibration:
+        y = torch.cat([a for _, a in self._rounds])  # [N]
+        if bool(y.any()) and not bool(y.all()):
+            return fit_calibration(self._rounds)
+        promised = float(torch.cat([s for s, _ in self._rounds]).exp().sum())  # Σ δ as drafted
+        return Calibration((int(y.sum()) + 0.5) / (promised + 0.5))  # no maximum: the smoothed ratio
+
+
+def live_calibration_of(policy: object) -> LiveCalibration | None:
+    """The `LiveCalibration` a policy calibrates with (its ``calibration``), which the loop feeds; None otherwise."""
+    calibration = getattr(policy, "calibration", None)
+    return calibration if isinstance(calibration, LiveCalibration) else None

@@ -19,11 +19,11 @@ draft (`TreePolicy.pays_for_draft`: by default, a root-only tree; a cost-aware p
 judges any tree, and may still have returned one worth verifying now that the draft is made), the
 next round drafts nothing and runs one AR step, and each further such round doubles the AR rounds
 before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off). A round
-that paid resets the back-off. ``DraftGate.patience`` (default 1: the first such round backs off)
-lets several rounds in a row fail to pay before the first back-off, for measuring whether one round
-that did not pay says anything about the next (docs/decoding.md). The gate belongs to the decoder
-and carries over between its ``generate`` calls: whether trees pay is a property of the machine and
-the drafter, so a new prompt does not pay for probing again. Harnesses that measure prompts
+that paid resets the back-off. The first back-off waits for ``DraftGate.patience`` such rounds in a
+row (default ``DRAFT_PATIENCE`` = 3; 1 backs off at the first): one round that did not pay says
+little about the next, and measured across regimes (docs/decoding.md) a patience of 3 lost least.
+The gate belongs to the decoder and carries over between its ``generate`` calls: whether trees pay
+is a property of the machine and the drafter, so a new prompt does not pay for probing again. Harnesses that measure prompts
 independently (the bench, whose records must not depend on sharding, resumption or prompt order, and
 replay, which mirrors it) call ``gate.reset()`` at each conversation's start. AR rounds commit
 exactly what the target chooses, so the output is unchanged; the drafter receives the taps of every
@@ -32,10 +32,14 @@ token committed meanwhile at its next draft.
 A policy that prices its trees with a `treespec.live_cost.LiveCost` (its ``cost_model``) has it fed
 by this loop: before each round ``begin_round`` says whether the round explores (it then drafts
 whatever the back-off says, and its tree is not taken as the policy's verdict on whether trees
-pay) and ``wants_ar_step`` whether it should be an AR step instead (no draft), and after it ``observe`` receives the round's tree size, cached context, verify seconds and,
-for a drafted round, draft + build seconds; an exploring round that finds a new speed of the
-machine ends the back-off.  So the cost model learns the machine while it decodes;
-the tokens committed are the same whatever it prices (every tree is verified losslessly).
+pay) and ``wants_ar_step`` whether it should be an AR step instead (no draft), and after it
+``observe`` receives the round's tree size, cached context, verify seconds and, for a drafted
+round, draft + build seconds; an exploring round that finds a new speed of the
+machine ends the back-off.  So the cost model learns the machine while it decodes; likewise a
+policy whose ``calibration`` is a `treespec.calibration.LiveCalibration` has it fed every drafted
+round's verified tree and its accepted path (`node_outcomes`), so the drafter's promises are
+re-calibrated against what the target accepts.  The tokens committed are the same whatever either
+prices (every tree is verified losslessly).
 
 A policy declaring ``samples_from_draft`` samples its tree at T > 0 (`TreePolicy.sample`): each
 round draws a fresh seed from the caller's generator, the tree's `Proposals` go to the verifier
@@ -58,6 +62,7 @@ import attrs
 import torch
 
 from treespec import registry
+from treespec.calibration import live_calibration_of, node_outcomes
 from treespec.interfaces import (
     BACKENDS,
     DraftContext,
@@ -76,12 +81,13 @@ from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["DRAFT_BACKOFF", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder", "check_backend", "check_first_token",
-           "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round", "cut_proposals",
-           "fitted_tree", "limit_depth", "policy_tree"]
+__all__ = ["DRAFT_BACKOFF", "DRAFT_PATIENCE", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder", "check_backend",
+           "check_first_token", "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round",
+           "cut_proposals", "fitted_tree", "limit_depth", "policy_tree"]
 
 FIRST_TOKENS = ("round", "prefill")  # where the first new token comes from (see SpeculativeDecoder.generate)
 DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
+DRAFT_PATIENCE = 3  # drafted rounds in a row that may fail to pay before the first back-off
 
 
 @attrs.define
@@ -136,7 +142,7 @@ class DraftGate:
     """Backs drafting off while the policy keeps answering with the root-only tree (module docstring)."""
 
     max_backoff: int  # most AR rounds between two drafts (0: draft every round)
-    patience: int = 1  # drafted rounds in a row that did not pay before the first back-off
+    patience: int = DRAFT_PATIENCE  # drafted rounds in a row that did not pay before the first back-off
     skip: int = 0  # AR rounds left before the next draft
     wait: int = 0  # the current back-off length
     misses: int = 0  # drafted rounds in a row that did not pay
@@ -210,6 +216,7 @@ class SpeculativeDecoder:
         self.clock = clock  # seconds; stage times are differences of it (a test may inject a fake one)
         self.gate = DraftGate(draft_backoff)  # when the drafter is asked next (kept across generations)
         self.live = live_cost_of(policy)  # the live cost model the policy prices with, fed every round
+        self.live_calibration = live_calibration_of(policy)  # the live calibration, fed every drafted round
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -278,6 +285,7 @@ class SpeculativeDecoder:
         ar_step = self.live is not None and self.live.wants_ar_step  # the live model measures an AR step
         drafted = not self.autoregressive and not ar_step and (explore or self.gate.drafts_now())
         priced = self._priced_with() if drafted else None
+        calibrated = self.live_calibration.current if drafted and self.live_calibration is not None else None
         draft = clock.run("draft", self._draft, seq) if drafted else None
         tree, proposals = clock.run("build", self._build, draft, seq, backend, explore, sampling, generator)
         ctx = seq.anchor_position  # cached tokens under the tree
@@ -289,8 +297,11 @@ class SpeculativeDecoder:
             drafting = clock.times["draft"] + clock.times["build"] if drafted else None
             if self.live.observe(len(tree), ctx, clock.times["verify"], drafting) and explore:
                 self.gate.reset()  # exploring found a new speed: let the policy judge the next round
+        if calibrated is not None:
+            self.live_calibration.observe(*node_outcomes(tree, result))
         return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=explore, drafted=drafted,
-                          priced_with=priced, tree_seed=None if proposals is None else proposals.seed)
+                          priced_with=priced, calibrated_with=calibrated,
+                          tree_seed=None if proposals is None else proposals.seed)
 
     def _priced_with(self):
         """The curve the policy's cost model prices this round with (None without a cost model)."""

@@ -11,6 +11,7 @@ import statistics
 import attrs
 import torch
 
+from treespec.calibration import Calibration
 from treespec.cost import CostModel
 
 __all__ = ["GenerationResult", "GenerationStats", "RoundStats", "STAGES"]
@@ -28,6 +29,7 @@ class RoundStats:
     explored: bool = False  # a live cost model priced this round for exploration (treespec.live_cost)
     drafted: bool = True  # the drafter was asked (False: an AR round of the back-off, or AR decoding)
     priced_with: CostModel | None = None  # the curve the policy's cost model priced this round's tree with
+    calibrated_with: Calibration | None = None  # the map a live calibration gave this round (None: none live)
     tree_seed: int | None = None  # a sampled tree's noise seed (`Proposals.seed`); None: built deterministically
 
 

@@ -4,14 +4,18 @@ Contract
 --------
 `CostSource.parse(text)` reads ``--cost-model``: ``live`` (the default): this machine's profile
 (`treespec.profile`), corrected while decoding by a `treespec.live_cost.LiveCost` of the policy's
-own; ``profile``: the profile as measured, fixed; a JSON file or ``preset:NAME``: that model, fixed.
+own, and the drafter's calibration by confidence, re-fitted while decoding by a
+`treespec.calibration.LiveCalibration` from the profile's; ``profile``: the profile and its
+calibration as measured, fixed; a JSON file or ``preset:NAME``: that model, fixed, uncalibrated.
 ``source.price(profile_pricing)`` turns the (cost model, calibration) of the profile into what one
-policy gets: each call gives a new `LiveCost`, so policies never share one.  `method_policy` builds a
-method's policy and prices it when its policy declares ``uses_cost_model`` (the one place an app
-does both).  `persist_live` writes
-what the live models learned back into this machine's profile cache (`CostProfile.with_live`,
-under the profile's own key), so the next run starts from the corrected curve.  Fixed-size
-policies are never priced (they do not declare ``uses_cost_model``).
+policy gets: each call gives a new `LiveCost` and `LiveCalibration`, so policies never share one.
+`method_policy` builds a method's policy and prices it when its policy declares ``uses_cost_model``
+(the one place an app does both).  `persist_live` writes what the live cost models learned back
+into this machine's profile cache (`CostProfile.with_live`, under the profile's own key), so the
+next run starts from the corrected curve; a live calibration is not written back (it learns from
+the prompts of one run, and re-learns in a few hundred nodes; the profile keeps the calibration
+fitted on its own prompts).  Fixed-size policies are never priced (they do not declare
+``uses_cost_model``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from treespec.apps.methods import MethodSpec, build_policy
-from treespec.calibration import Calibration
+from treespec.calibration import Calibration, LiveCalibration
 from treespec.cost import CostModel, resolve_cost_model
 from treespec.interfaces import Drafter, TreePolicy
 from treespec.live_cost import LiveCost, LiveSettings
@@ -52,10 +56,13 @@ class CostSource:
         """Whether pricing needs this machine's measured profile."""
         return self.fixed is None
 
-    def price(self, profile_pricing: Callable[[], tuple[CostModel, Calibration]]) -> tuple[CostModel, Calibration]:
+    def price(self, profile_pricing: Callable[[], tuple[CostModel, Calibration]]
+              ) -> tuple[CostModel, Calibration | LiveCalibration]:
         """(cost model, calibration) for one policy; ``profile_pricing`` gives the profile's."""
         cost, calibration = (self.fixed, Calibration()) if self.fixed is not None else profile_pricing()
-        return (LiveCost(cost, self.settings) if self.live else cost), calibration
+        if not self.live:
+            return cost, calibration
+        return LiveCost(cost, self.settings), LiveCalibration(calibration)
 
     def describe(self) -> str:
         return {"live": "this machine's profile, corrected live", "profile": "this machine's profile"}.get(

@@ -5,7 +5,8 @@ from them, byte for byte reproducibly.  A record holds the generated tokens and 
 losslessness (equality with the autoregressive output) is checkable offline; the run that measured
 it (``run``), so a report can say when a cell pools runs measured under different conditions; and,
 for a cost-aware method, the cost curve each round was priced with (``cost_models`` and
-``cost_rounds``; `priced_rounds` gives one model per round), so a replay can build its trees again.
+``cost_rounds``; `priced_rounds` gives one model per round; a round calibrated live stores its
+calibration beside the curve, under ``"calibration"``), so a replay can build its trees again.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class BenchRecord:
     options: dict = attrs.field(factory=dict)  # the policy options of the method (``eagle2@16+topk=4``: topk 4)
     verifier: str = "match"  # the verifier that checked the method's trees
     drafter: str | None = None  # the registered drafter it ran over (None: AR, or a record made before it was kept)
-    cost_models: list[dict] = attrs.field(factory=list)  # the distinct curves its cost-aware rounds were priced with
+    cost_models: list[dict] = attrs.field(factory=list)  # the distinct curves (and live calibrations) it priced with
     cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
 
     def __attrs_post_init__(self) -> None:
@@ -92,6 +93,8 @@ def cost_schedule(rounds) -> tuple[list[dict], list[int]]:
             index.append(-1)
             continue
         model = r.priced_with.to_dict()
+        if r.calibrated_with is not None:
+            model["calibration"] = r.calibrated_with.to_record()
         if model not in models:
             models.append(model)
         index.append(models.index(model))

@@ -104,7 +104,8 @@ def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt
                   backend: str = "torch") -> list[int]:
     """Per-round tau of a cost-aware ``method`` on one recorded prompt, each round priced with the cost
     model a live run priced it with: ``schedule`` has one entry per live round, the model's
-    `CostModel.to_dict` form, or None for a round that drafted nothing (`BenchRecord.priced_rounds`).
+    `CostModel.to_dict` form, or None for a round that drafted nothing (`BenchRecord.priced_rounds`);
+    an entry's ``"calibration"`` (a round calibrated live) replaces ``calibration`` for that round.
     So a run whose costs were corrected live builds the same trees again (the drafting decisions
     are the recorded ones: an exploring round drafts past the back-off, `treespec.live_cost`)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
@@ -119,8 +120,7 @@ def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt
         if priced is not None:
             key = json.dumps(priced, sort_keys=True)
             if key not in policies:
-                policies[key] = build_policy(method, cost_model_from_dict(priced, f"round {r}'s cost model"),
-                                             calibration)
+                policies[key] = _round_policy(method, priced, calibration, f"round {r}")
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
             tree = limit_depth(policies[key].build(draft, backend=backend), min(total - done - 1, room - 1 - anchor))
             _check_recorded(tree)
@@ -128,6 +128,18 @@ def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt
         taus.append(tau)
         done += tau
     return taus
+
+
+def _round_policy(method: MethodSpec, priced: dict, calibration: Calibration | None, where: str) -> TreePolicy:
+    """The policy of one scheduled round: its recorded cost model, and its live calibration if recorded."""
+    priced = dict(priced)
+    recorded = priced.pop("calibration", None)
+    if recorded is not None:
+        try:
+            calibration = Calibration.from_record(recorded)
+        except ValueError as exc:
+            raise TraceError(f"{where}'s calibration: {exc}") from None
+    return build_policy(method, cost_model_from_dict(priced, f"{where}'s cost model"), calibration)
 
 
 @attrs.frozen
