@@ -23,9 +23,10 @@ that paid resets the back-off. The first back-off waits for ``DraftGate.patience
 row (default ``DRAFT_PATIENCE`` = 3; 1 backs off at the first): one round that did not pay says
 little about the next, and measured across regimes (docs/decoding.md) a patience of 3 lost least.
 The gate belongs to the decoder and carries over between its ``generate`` calls: whether trees pay
-is a property of the machine and the drafter, so a new prompt does not pay for probing again. Harnesses that measure prompts
-independently (the bench, whose records must not depend on sharding, resumption or prompt order, and
-replay, which mirrors it) call ``gate.reset()`` at each conversation's start. AR rounds commit
+is a property of the machine and the drafter, so a new prompt does not pay for probing again.
+Harnesses that measure prompts independently (the bench, whose records must not depend on sharding,
+resumption or prompt order, and replay, which mirrors it) call ``gate.reset()`` at each
+conversation's start. AR rounds commit
 exactly what the target chooses, so the output is unchanged; the drafter receives the taps of every
 token committed meanwhile at its next draft.
 
