@@ -3,8 +3,9 @@
 For each of ``--profiles`` fresh cost profiles of the embedded SmolLM2 (measured anew, never read
 from the cache), every method runs over the demo's prompts (chat, math and code; or
 ``--dataset``'s), prompt-major, so a slow moment of the machine hits every method alike: AR, the
-fixed 16-node trees, and CaDDTree and the cost-aware DominoTree priced twice -- by the profile alone
-(``:profile``) and by their own live cost model over it (``:live``). Printed per profile and method:
+fixed 16-node trees, and CaDDTree and the cost-aware DominoTree priced twice -- by the profile and
+its calibration alone (``:profile``) and by their own live cost model over it with a calibration
+learned live from the profile's (``:live``, the CLI's default). Printed per profile and method:
 τ, tokens/s, speedup over AR, and for the cost-aware ones the mean absolute error of the predicted
 round time of their drafted rounds (C_d + C_v(n; ctx) against the measured draft + build + verify
 seconds; exploring rounds left out), by the profile alone and by the curve each round was priced
@@ -47,6 +48,7 @@ from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
+from treespec.calibration import LiveCalibration
 from treespec.decoding import SpeculativeDecoder
 from treespec.live_cost import LiveCost
 from treespec.profile import machine_profile
@@ -135,7 +137,9 @@ def main() -> None:
             if name.partition(":")[2]:
                 model = profile.cost_model(drafter, live=False)
                 models[name] = model
-                pricing = (LiveCost(model) if name.endswith(":live") else model, calibrations[method.drafter])
+                calibration = calibrations[method.drafter]
+                pricing = ((LiveCost(model), LiveCalibration(calibration)) if name.endswith(":live")
+                           else (model, calibration))
             policy = (root_only_policy(name, models[name]) if name.endswith(":root-only")
                       else build_policy(method, *pricing))
             decoders[name] = SpeculativeDecoder(target, drafter, policy)
