@@ -29,7 +29,10 @@ step takes one sequence:
    s_i = GRU(s_{i-1}, e(token_{a+i})); corrected logits = base + embed_proj([z ; s]) beyond the
    pure-draft prefix, normalised over the top-M base candidates as DominoTree does at inference
    (a label outside them falls back to the base loss); loss ``(1 - lam) L(corrected) + lam L(base)``
-   with lam decayed linearly from 1 to 0 over the run (or to ``base_share_floor``).
+   with lam decayed linearly from ``base_share_start`` (1) to 0 over the run (or to
+   ``base_share_floor``).  A warm start's correction is already trained, so there lam starts at
+   the floor (``base_share_start`` None: 1 for fresh weights, the floor for ``--init``); restarting
+   the decay at 1 would train the base logits alone for a while and undo part of the correction.
 
 `new_drafter` builds a fresh drafter for a target (top layers copied from it), `warm_start` loads a
 saved one as a run's start (`grow_layers` adds draft layers that draft nothing at first).
@@ -77,6 +80,7 @@ class TrainConfig:
     pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
     top_m: int = 64  # Domino: base candidates the correction is normalised over (as DominoTree's M)
     base_share_floor: float = 0.0  # Domino: lam never falls below this (its base logits pick depth 1 and top-M)
+    base_share_start: float | None = None  # Domino: lam at step 0; None: 1 for fresh weights, the floor for --init
     autocast_bf16: bool | None = None  # bf16 autocast (fp32 master weights); None: on CUDA, or where bf16 is faster
     draft_vocab_size: int | None = None  # N: head over the N most frequent response tokens; None: all V
     teacher_top_k: int = 32  # K: teacher log-probs kept per position (soft labels: top K + the rest)
@@ -184,6 +188,13 @@ class BlockRecipe(TrainingRecipe):
                    token_counts: torch.Tensor | None = None) -> DFlashDrafter:
         return warm_start(target, config, mask_token_id, init_dir, token_counts)
 
+    @classmethod
+    def warm_config(cls, config: TrainConfig) -> TrainConfig:
+        """Domino's lam starts at its floor on a saved drafter, unless the config names a start."""
+        if config.kind != "domino" or config.base_share_start is not None:
+            return config
+        return attrs.evolve(config, base_share_start=config.base_share_floor)
+
     @property
     def trainable(self) -> torch.nn.Module:
         return self.drafter.model
@@ -203,8 +214,10 @@ class BlockRecipe(TrainingRecipe):
         return StepLoss(loss, logs, batch.anchors.numel() * self.drafter.config.num_drafted)
 
     def base_share(self, step: int) -> float:
-        """Domino's lam: the base-logit loss share, decayed linearly from 1 to ``base_share_floor``."""
-        return max(self.config.base_share_floor, 1.0 - step / max(1, self.config.steps))
+        """Domino's lam: the base-logit loss share, decayed linearly from ``base_share_start`` (None: 1)
+        to ``base_share_floor``; `warm_start` sets the start of a run from a saved drafter."""
+        start = 1.0 if self.config.base_share_start is None else self.config.base_share_start
+        return max(self.config.base_share_floor, start - step / max(1, self.config.steps))
 
     # ------------------------------------------------------------------ data
     def make_batch(self, record: TeacherRecord, generator: torch.Generator) -> Batch | None:

@@ -360,6 +360,20 @@ def test_the_base_share_decays_to_its_floor(target, tmp_path):
     assert make(target, tmp_path, kind="domino", steps=10).recipe.base_share(10) == 0.0
 
 
+def test_a_warm_start_keeps_the_base_share_at_its_floor_from_the_first_step(target, tmp_path):
+    """On a saved Domino drafter the decay does not start over at 1 (which would train the base logits
+    alone at first); a start named in the config is kept, and DFlash has no base share to move."""
+    cfg = TrainConfig(kind="domino", steps=10, base_share_floor=0.3)
+    warm = BlockRecipe.warm_config(cfg)
+    assert warm.base_share_start == 0.3 and BlockRecipe.warm_config(attrs_evolve(cfg, base_share_start=0.6)) == (
+        attrs_evolve(cfg, base_share_start=0.6))
+    assert BlockRecipe.warm_config(TrainConfig(kind="dflash")) == TrainConfig(kind="dflash")
+    trainer = make(target, tmp_path, kind="domino", steps=10, base_share_floor=0.3, base_share_start=0.3)
+    assert [trainer.recipe.base_share(s) for s in (0, 5, 10)] == [0.3, 0.3, 0.3]
+    halfway = make(target, tmp_path, kind="domino", steps=10, base_share_floor=0.25, base_share_start=0.75)
+    assert [halfway.recipe.base_share(s) for s in (0, 3, 5, 10)] == [0.75, pytest.approx(0.45), 0.25, 0.25]
+
+
 def _trained_start(target, out_dir, kind: str, steps: int):
     """(data, draft vocabulary, one-layer config, its trainer after ``steps`` steps): a saved start."""
     from treespec.apps.training.vocabulary import response_token_counts

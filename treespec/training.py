@@ -95,6 +95,12 @@ class TrainingRecipe(ABC):
         how often each token occurs in the training responses, for a recipe that grows a saved
         drafter's draft vocabulary."""
 
+    @classmethod
+    def warm_config(cls, config: Any) -> Any:
+        """The config of a run that starts from a saved drafter (``--init``), for a recipe whose
+        schedule should not start over on trained weights; by default ``config`` unchanged."""
+        return config
+
     @property
     @abstractmethod
     def trainable(self) -> torch.nn.Module:

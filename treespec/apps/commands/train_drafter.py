@@ -195,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     recipe = _recipe(args.recipe)
     cfg = _config(args, recipe)
+    if args.init is not None:
+        cfg = recipe.warm_config(cfg)
     _check_data(args.data, args.teacher)
     try:
         target, tokenizer, identity = load_frozen_model(args.target, args.target_dtype, args.device,
