@@ -151,3 +151,11 @@ def test_a_drafter_the_target_never_follows_gets_a_small_smoothed_scale():
         live.observe(scores, torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError):
         LiveCalibrationSettings(min_nodes=10)
+
+
+def test_a_fit_started_near_its_maximum_ends_where_a_cold_one_does():
+    rounds = synthetic_rounds(Calibration(0.8, 0.7), 300, seed=10)
+    cold = fit_calibration(rounds)
+    for start in (Calibration(0.75, 0.72), Calibration(50.0, 0.1)):  # near; and one promising certainty to rejects
+        warm = fit_calibration(rounds, start=start)
+        assert warm.scale == pytest.approx(cold.scale, rel=1e-6) and warm.power == pytest.approx(cold.power, abs=1e-6)

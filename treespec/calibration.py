@@ -136,9 +136,11 @@ def _log_likelihood(z: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def fit_calibration(rounds: Iterable[tuple[torch.Tensor, torch.Tensor]], *, fit_power: bool = True,
-                    iterations: int = 100) -> Calibration:
+                    iterations: int = 100, start: Calibration | None = None) -> Calibration:
     """The maximum-likelihood (κ, β) of recorded nodes: ``rounds`` yields (scores, accepted) pairs
-    (`node_outcomes` of each verified tree).  ``fit_power=False`` fits κ alone (β = 1)."""
+    (`node_outcomes` of each verified tree).  ``fit_power=False`` fits κ alone (β = 1).  The ascent
+    starts from ``start`` (default the identity; a live re-fit starts from its last fit, a few
+    Newton steps away) or from the identity when ``start`` is impossible for these nodes."""
     pairs = [(s.double().reshape(-1), a.bool().reshape(-1)) for s, a in rounds]
     if not pairs:
         return Calibration()
@@ -150,6 +152,10 @@ def fit_calibration(rounds: Iterable[tuple[torch.Tensor, torch.Tensor]], *, fit_
     theta = torch.tensor([0.0, 1.0] if fit_power else [0.0], dtype=torch.float64)  # (log κ, β)
     z_of = lambda t: design @ t + (0.0 if fit_power else x)  # noqa: E731  z = log κ + β log δ
     best = _log_likelihood(z_of(theta), y)
+    if start is not None:
+        given = torch.tensor([math.log(start.scale), start.power][:theta.numel()], dtype=torch.float64)
+        if (value := _log_likelihood(z_of(given), y)) > best:  # -inf where it promises a rejected node certainty
+            theta, best = given, value
     for _ in range(iterations):
         z = z_of(theta)
         ez = torch.exp(z.clamp(max=0.0))
@@ -232,7 +238,7 @@ class LiveCalibration:
     def _fit(self) -> Calibration:
         y = torch.cat([a for _, a in self._rounds])  # [N]
         if bool(y.any()) and not bool(y.all()):
-            return fit_calibration(self._rounds)
+            return fit_calibration(self._rounds, start=self.current)
         promised = float(torch.cat([s for s, _ in self._rounds]).exp().sum())  # Σ δ as drafted
         return Calibration((int(y.sum()) + 0.5) / (promised + 0.5))  # no maximum: the smoothed ratio
 
