@@ -14,7 +14,7 @@
 # from those drafters instead of fresh weights.
 #
 # RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10") picks the data
-# passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default, or cuda) is
+# passes (t07b, a second T = 0.7 pass with another seed, is under way: PASSES=t07b resumes it); THREADS (default 1) sets the threads per command; DEVICE (cpu, the default, or cuda) is
 # where the target and the drafters run; BATCH (default 48) is the rows of the data passes'
 # continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship one
 # by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
@@ -40,7 +40,8 @@ pass_args() {  # the distill-data settings of one pass
     turn2) echo "--second-turn --first-answers $runs/data/greedy" ;;
     t07) echo "--temperature 0.7 --seed 7" ;;
     t10) echo "--temperature 1.0 --seed 10" ;;
-    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10)" >&2; exit 2 ;;
+    t07b) echo "--temperature 0.7 --seed 17" ;;
+    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b)" >&2; exit 2 ;;
   esac
 }
 
