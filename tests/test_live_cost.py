@@ -45,6 +45,22 @@ def test_the_estimate_converges_to_the_injected_curve():
     assert sum(live.support().values()) == 64 and live.support()[17] == 64 // len(SIZES) + (1 if 64 % 7 > 5 else 0)
 
 
+def test_an_unobserved_size_borrows_the_observed_sizes_correction_by_what_each_rests_on():
+    """Sixteen rounds of 5-token trees at 1.2 times the profile and two of 9 at 1.4: a 17-token
+    verify, never observed, is priced at their mean weighed by rounds (1.22), not at the 1.4 of the
+    nearest bucket, seen twice."""
+    prior = profile()
+    live = LiveCost(prior, LiveSettings(refit_every=1))
+    for n, ratio, rounds in ((5, 1.2, 16), (9, 1.4, 2)):
+        for _ in range(rounds):
+            live.begin_round()
+            live.observe(n, 300, ratio * at(prior, n), 0.02)
+    assert live.support().get(17, 0) == 0
+    prior_weight = LiveSettings().prior_weight * (1 - 2 / LiveSettings().window)  # a bucket seen twice keeps some prior
+    assert at(live, 9) / at(prior, 9) == pytest.approx((prior_weight + 2 * 1.4) / (prior_weight + 2), rel=0.02)
+    assert at(live, 17) / at(prior, 17) == pytest.approx((16 * 1.2 + 2 * 1.4) / 18, rel=0.02)
+
+
 def test_one_descheduled_round_does_not_move_the_estimate():
     live = LiveCost(profile())
     for _ in range(15):
