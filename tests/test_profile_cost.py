@@ -54,7 +54,10 @@ def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(t
     prices with it, and profile-cost prints both curves with the rounds each point rests on."""
     from treespec.apps.commands.profile_cost import describe_profile
     from treespec.apps.pricing import persist_live
-    from treespec.profile import machine_profile
+    import attrs
+
+    from treespec.calibration import Calibration
+    from treespec.profile import machine_profile, refresh_profile, save_profile
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     torch.manual_seed(0)
@@ -77,3 +80,8 @@ def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(t
     text = describe_profile(again, [], [])
     assert "live correction: 24 decoding rounds" in text and "(24 rounds)" in text and "live-corrected" in text
     assert "none yet" in describe_profile(profile, [], [])
+    calibrated = attrs.evolve(again, calibrations={"some drafter": Calibration(0.8, 1.1)})
+    save_profile(target, calibrated)
+    fresh = refresh_profile(target, repeats=1)  # `profile-cost --fresh`: new timings, the correction dropped
+    assert machine_profile(target, repeats=1) == fresh and fresh.live_rounds == 0
+    assert fresh.calibrations == {"some drafter": Calibration(0.8, 1.1)}  # keyed by weights: kept

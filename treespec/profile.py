@@ -42,8 +42,8 @@ from treespec.interfaces import DraftContext, Drafter
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
 
-__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "calibration_key", "machine_profile", "save_profile",
-           "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
+__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "calibration_key", "machine_profile", "refresh_profile",
+           "save_profile", "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
 
 PROFILE_SIZES = (*range(1, 18), 24, 33)  # tree tokens n (root included) of the verify samples
 PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
@@ -215,6 +215,21 @@ def calibration_key(drafter: Drafter) -> str:
     """What a drafter's calibration is stored under: its `Drafter.identity` and its weights (a drafter
     trained further promises differently, and starts uncalibrated)."""
     return f"{drafter.identity()}@{drafter.weights_digest()}"
+
+
+def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
+                    contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 9, cache_dir: Path | None = None,
+                    progress: bool = False) -> CostProfile:
+    """Measure this machine's profile anew and replace the cached one with it: the timings and the live
+    correction made over them go; the drafters' calibrations (keyed by their weights) stay."""
+    fresh = machine_profile(target, drafters, sizes=sizes, contexts=contexts, repeats=repeats, cache=False,
+                            cache_dir=cache_dir, progress=progress)
+    path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
+    previous = _cached_profile(path, key)
+    if previous is not None:
+        fresh = attrs.evolve(fresh, calibrations=previous.calibrations)
+    save_profile(target, fresh, sizes=sizes, contexts=contexts, cache_dir=cache_dir)
+    return fresh
 
 
 def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,

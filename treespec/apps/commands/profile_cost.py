@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import load_drafter, load_target
     from treespec.apps.embedded import embedded_model_dir
     from treespec.apps.methods import embedded_drafter_dir
-    from treespec.profile import machine_profile
+    from treespec.profile import machine_profile, refresh_profile, save_profile
 
     try:
         target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype])
@@ -68,11 +68,10 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"treespec profile-cost: {exc}", file=sys.stderr)
         return 1
-    profile = machine_profile(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats,
-                              cache=not args.fresh, progress=True)
+    measure = refresh_profile if args.fresh else machine_profile
+    profile = measure(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats, progress=True)
     if args.calibrate and drafters:
         from treespec.apps.api import load_tokenizer
-        from treespec.profile import save_profile
 
         tokenizer = load_tokenizer(args.model or embedded_model_dir())
         for drafter, name in zip(drafters, paths):
