@@ -116,7 +116,7 @@ def test_a_live_calibration_keeps_its_prior_until_it_has_seen_enough_nodes():
 
 @pytest.mark.parametrize("truth", [Calibration(0.5, 1.0), Calibration(0.9, 0.6), Calibration(1.3, 1.3)])
 def test_a_live_calibration_converges_to_the_map_its_outcomes_were_drawn_with(truth):
-    live = LiveCalibration(settings=LiveCalibrationSettings(window=16_384, refit_every=50))
+    live = LiveCalibration(settings=LiveCalibrationSettings(window=16_384, refit_every=50, fit_power=True))
     for scores, accepted in synthetic_rounds(truth, 1500, seed=7):
         live.observe(scores, accepted)
     assert live.nodes <= 16_384 + 16 and live.fits == 30
@@ -159,3 +159,15 @@ def test_a_fit_started_near_its_maximum_ends_where_a_cold_one_does():
     for start in (Calibration(0.75, 0.72), Calibration(50.0, 0.1)):  # near; and one promising certainty to rejects
         warm = fit_calibration(rounds, start=start)
         assert warm.scale == pytest.approx(cold.scale, rel=1e-6) and warm.power == pytest.approx(cold.power, abs=1e-6)
+
+
+def test_a_live_calibration_refits_the_scale_under_the_priors_power_unless_asked_for_both():
+    truth = Calibration(0.5, 1.3)
+    rounds = synthetic_rounds(truth, 300, seed=11)
+    scale_only, both = (LiveCalibration(Calibration(0.9, 1.3), LiveCalibrationSettings(fit_power=f))
+                        for f in (False, True))
+    for scores, accepted in rounds:
+        scale_only.observe(scores, accepted)
+        both.observe(scores, accepted)
+    assert scale_only.current.power == 1.3 and scale_only.current.scale == pytest.approx(0.5, rel=0.15)
+    assert both.current.power != 1.3 and both.current.power == pytest.approx(1.3, abs=0.3)
