@@ -31,7 +31,7 @@ from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
-from treespec.calibration import LiveCalibration
+from treespec.apps.pricing import CostSource
 from treespec.decoding import SpeculativeDecoder
 from treespec.live_cost import LiveCost
 from treespec.profile import machine_profile
@@ -81,8 +81,10 @@ def decoders(harness, profile, methods, arms, draft_steps: float) -> dict[str, S
         true_cd = attrs.evolve(model, draft=draft_steps * float(model.verify_costs(1, model.contexts[0])[1]))
         calibration = profile.calibration(drafter)
         for pricing, backoff, patience in arms:
-            cost = {"profile": model, "true-cd": true_cd}.get(pricing) or LiveCost(model)
-            calibrated = LiveCalibration(calibration) if pricing == "live" else calibration
+            if pricing == "live":  # the CLI's default rule
+                cost, calibrated = CostSource().price(lambda: (model, calibration))
+            else:
+                cost, calibrated = {"profile": model, "true-cd": true_cd}.get(pricing) or LiveCost(model), calibration
             decoder = SpeculativeDecoder(target, drafter, build_policy(method, cost, calibrated),
                                          draft_backoff=backoff)
             decoder.gate.patience = patience

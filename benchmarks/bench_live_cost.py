@@ -48,9 +48,8 @@ from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
-from treespec.calibration import LiveCalibration
+from treespec.apps.pricing import CostSource
 from treespec.decoding import SpeculativeDecoder
-from treespec.live_cost import LiveCost
 from treespec.profile import machine_profile
 
 FIXED = ["ar", "ddtree@16", "dominotree@16"]
@@ -137,9 +136,8 @@ def main() -> None:
             if name.partition(":")[2]:
                 model = profile.cost_model(drafter, live=False)
                 models[name] = model
-                calibration = calibrations[method.drafter]
-                pricing = ((LiveCost(model), LiveCalibration(calibration)) if name.endswith(":live")
-                           else (model, calibration))
+                priced = (model, calibrations[method.drafter])  # the CLI's rule, live or fixed
+                pricing = CostSource(live=name.endswith(":live")).price(lambda: priced)
             policy = (root_only_policy(name, models[name]) if name.endswith(":root-only")
                       else build_policy(method, *pricing))
             decoders[name] = SpeculativeDecoder(target, drafter, policy)
