@@ -215,7 +215,7 @@ class BlockRecipe(TrainingRecipe):
 
     def base_share(self, step: int) -> float:
         """Domino's lam: the base-logit loss share, decayed linearly from ``base_share_start`` (None: 1)
-        to ``base_share_floor``; `warm_start` sets the start of a run from a saved drafter."""
+        to ``base_share_floor``; `warm_config` sets the start of a run from a saved drafter."""
         start = 1.0 if self.config.base_share_start is None else self.config.base_share_start
         return max(self.config.base_share_floor, start - step / max(1, self.config.steps))
 

@@ -26,17 +26,16 @@ The gate belongs to the decoder and carries over between its ``generate`` calls:
 is a property of the machine and the drafter, so a new prompt does not pay for probing again.
 Harnesses that measure prompts independently (the bench, whose records must not depend on sharding,
 resumption or prompt order, and replay, which mirrors it) call ``gate.reset()`` at each
-conversation's start. AR rounds commit
-exactly what the target chooses, so the output is unchanged; the drafter receives the taps of every
-token committed meanwhile at its next draft.
+conversation's start. AR rounds commit exactly what the target chooses, so the output is unchanged;
+the drafter receives the taps of every token committed meanwhile at its next draft.
 
 A policy that prices its trees with a `treespec.live_cost.LiveCost` (its ``cost_model``) has it fed
 by this loop: before each round ``begin_round`` says whether the round explores (it then drafts
 whatever the back-off says, and its tree is not taken as the policy's verdict on whether trees
 pay) and ``wants_ar_step`` whether it should be an AR step instead (no draft), and after it
 ``observe`` receives the round's tree size, cached context, verify seconds and, for a drafted
-round, draft + build seconds; an exploring round that finds a new speed of the
-machine ends the back-off.  So the cost model learns the machine while it decodes; likewise a
+round, draft + build seconds; an exploring round that finds a new speed of the machine ends the
+back-off.  So the cost model learns the machine while it decodes; likewise a
 policy whose ``calibration`` is a `treespec.calibration.LiveCalibration` has it fed every drafted
 round's verified tree and its accepted path (`node_outcomes`), so the drafter's promises are
 re-calibrated against what the target accepts.  The tokens committed are the same whatever either

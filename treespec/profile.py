@@ -228,7 +228,7 @@ def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     previous = _cached_profile(path, key)
     if previous is not None:
         fresh = attrs.evolve(fresh, calibrations=previous.calibrations)
-    save_profile(target, fresh, sizes=sizes, contexts=contexts, cache_dir=cache_dir)
+    write_cached(path, key, fresh.to_record())
     return fresh
 
 
