@@ -17,9 +17,10 @@
 # committed passes) picks the data passes; THREADS (default 1) sets the threads per command; DEVICE
 # (cpu, the default, or cuda) is where the target and the drafters run; BATCH (default 48) is the
 # rows of the data passes' continuous batch.  The trained drafters are exported to
-# $RUNS/export/{dflash,domino}; ship one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
-# pipeline: PROMPTS (training prompts per pass, default 4498) and TRAIN_SET (extra train-drafter
-# flags, e.g. "--set steps=20 --set eval_every=10").
+# $RUNS/export/{dflash,domino}; ship one by copying it over
+# treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the pipeline: PROMPTS (training
+# prompts per pass, default 4498) and TRAIN_SET (extra train-drafter flags, e.g. "--set steps=20
+# --set eval_every=10").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-runs}
