@@ -29,6 +29,12 @@ The estimator (all of it deterministic in the observations, so a recorded run ca
   step's (a machine slower at AR steps is taken to be slower at trees until a tree says otherwise),
   while an unobserved one-token step keeps the profile's value (it runs another kernel, whose cost
   trees say nothing about); else 1.
+* **Pooled.**  A tree bucket's own correction counts as the m rounds its window holds, against
+  ``pool_weight`` rounds' worth of its kind's pooled correction (the observed tree buckets' trimmed
+  means weighed by their rounds): r_k = (m own_k + w pooled) / (m + w).  A size seen a few times on a
+  noisy machine then does not give the curve a cheap or a dear spot of its own, where the policy's
+  choice of size would follow the noise; the prior's shape stands until a size has the rounds to say
+  otherwise.  (The one-token step is a kind of one bucket: pooling leaves it alone.)
 * **The curve**, per profiled context c: at each knot k the mean of the prior's value prior(k, c),
   weighted by a pseudo-count w_0 (1 - m / window), and the corrected value prior(k, c) * r_k,
   weighted by the m observations in the bucket's window: the prior counts while a bucket has few
@@ -38,22 +44,29 @@ The estimator (all of it deterministic in the observations, so a recorded run ca
   4-token one), linear between knots.  C_d: the trimmed mean of
   the last ``window`` draft + build times against the prior's C_d, weighted the same way.  Build time
   counts because a tree round pays it and an AR round does not.
-* **Re-fit** every ``refit_every`` observations, and at once on a change of regime: when the median
-  |log(measured / predicted)| of the last ``drift_rounds`` observations exceeds ``drift`` (the
-  machine got slower, or faster, for several rounds: one descheduled round is not enough), or when
-  an exploring round is cheaper than predicted by more than 2 ``drift`` in log (noise mostly slows
-  a forward down, and exploring rounds are rare: one that fast is the machine's speed after a busy
-  spell; an ordinary round that fast waits for the drift rule, so one lucky round cannot reset the
-  curve).
-  Drift is judged per kind (one-token steps, trees), and a change of regime empties that kind's
-  windows (trees: with the draft window) of what came before it and drops its prior's
-  pseudo-count, so its estimates follow the new speed at once instead of after half a window: a
-  step change is followed within ``drift_rounds`` rounds of its kind.  The other kind's
-  corrections are scaled by the same factor (new median ratio over old), as an estimate -- a
-  machine that got slower for trees got slower for AR steps too -- and the next round measures
-  that kind: an AR step without drafting (`wants_ar_step`) after the trees' change, an exploring
-  round after the AR step's; that first measurement replaces the scaled values.  Otherwise a busy
-  machine would price trees against the AR step of the quiet one (or the reverse).
+* **Re-fit** every ``refit_every`` observations, and at once on a change of regime.  Each round's
+  error e = log(measured / predicted) is kept per kind (one-token steps, trees), re-expressed
+  against each re-fitted curve (a re-fit is not a change of the machine).  A change of regime is
+  ``drift_rounds`` rounds of a kind in a row that all lie beyond the ordinary range of the earlier
+  ones (their 10th to 90th percentile, over at least half a window of them) by more than ``drift``,
+  on the same side: slower than the slow rounds before, or faster than the fast ones.  On a quiet
+  machine the range is narrow and a step change is seen within ``drift_rounds`` rounds of its kind;
+  one descheduled round is not one.  On a busy machine, where most rounds run at one speed and many
+  at several times it, the range spans both, and a few slow rounds in a row are not a new regime
+  (measured under a CPU hog: the rule before, the median |e| of the last 3 rounds above ``drift``,
+  fired every six rounds and each time rebuilt the curve from three rounds, so a 17-token verify
+  swung between 0.4 and 5.6 AR steps).  An exploring round faster than the trees' ordinary range by
+  more than 2 ``drift`` is one too (noise slows a forward down and does not speed it up, and
+  exploring rounds are rare: one that fast is the machine's speed after a busy spell).
+  A change of regime empties that kind's windows (trees: with the draft window) of what came before
+  it, and its errors, and drops its prior's pseudo-count, so its estimates follow the new speed at
+  once instead of after half a window.  The other kind's corrections are scaled by the same factor
+  (new median ratio over old), as an estimate -- a machine that got slower for trees got slower for
+  AR steps too -- and the next round measures that kind: an AR step without drafting
+  (`wants_ar_step`) after the trees' change, an exploring round after the AR step's.  That first
+  measurement replaces the scaled values when it lies outside the kind's ordinary range around them
+  (widened by ``drift``); inside it, one round cannot tell them wrong and they stand.  Otherwise a
+  busy machine would price trees against the AR step of the quiet one (or the reverse).
 * **Exploration.**  A policy that prices trees as too dear builds root-only trees, and the loop
   then never observes a tree again.  So when ``explore_every`` rounds have passed without a verified
   tree of at least the last explored size, `begin_round` answers True once: that round drafts (past
@@ -79,19 +92,27 @@ import torch
 
 from treespec.cost import ConvexCost, CostModel, fit_verify_curve
 
-__all__ = ["LiveCost", "LiveSettings", "Observation", "live_cost_of", "trimmed_mean"]
+__all__ = ["LiveCost", "LiveSettings", "Observation", "live_cost_of", "ordinary", "shifted", "trimmed_mean"]
 
 
 @attrs.frozen
 class LiveSettings:
     """How the live estimator weighs, re-fits and explores (module docstring)."""
 
-    window: int = attrs.field(default=16, validator=attrs.validators.ge(1))  # observations kept per bucket
-    prior_weight: int = attrs.field(default=2, validator=attrs.validators.ge(0))  # the prior's pseudo-count
-    refit_every: int = attrs.field(default=8, validator=attrs.validators.ge(1))  # observations between re-fits
-    drift: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))  # |log(measured / predicted)|: a new regime
-    drift_rounds: int = attrs.field(default=3, validator=attrs.validators.ge(1))  # observations the drift median covers
-    explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))  # rounds before exploring (0: never)
+    # observations kept per bucket
+    window: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    # the prior's pseudo-count
+    prior_weight: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    # observations between re-fits
+    refit_every: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    # log(measured / predicted) beyond a kind's ordinary range that makes a new regime
+    drift: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))
+    # rounds of a kind in a row that must all lie beyond that range
+    drift_rounds: int = attrs.field(default=5, validator=attrs.validators.ge(1))
+    # rounds before exploring (0: never)
+    explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))
+    # rounds' worth of the kind's pooled correction in each tree size's own (0: none)
+    pool_weight: float = attrs.field(default=4.0, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen
@@ -134,9 +155,10 @@ class LiveCost(CostModel):
         self._counts = [0] * len(self.knots)  # observations ever made per knot
         self._draft_count = 0  # drafted rounds ever observed
         self._drafts: deque[tuple[int, float]] = deque(maxlen=self.settings.window)
-        # per kind (0: the one-token step, 1: trees): the last |log(measured / predicted)|, and whether
-        # the kind has changed regime (its prior then no longer counts)
-        self._errors = [deque(maxlen=self.settings.drift_rounds) for _ in range(2)]
+        # per kind (0: the one-token step, 1: trees): (n, ctx, log(measured / predicted by the current
+        # curve)) of the last rounds, and whether the kind has changed regime (its prior then no longer counts)
+        self._baseline = max(self.settings.drift_rounds, self.settings.window // 2)  # earlier errors a drift needs
+        self._errors = [deque(maxlen=self._baseline + self.settings.window) for _ in range(2)]
         self._changed = [False, False]
         self._stale: int | None = None  # a kind whose corrections were scaled from the other's regime change
         self._since_fit = 0
@@ -194,13 +216,16 @@ class LiveCost(CostModel):
         kind = int(obs.n > 1)
         measured = self._stale == kind  # the first round of a kind whose corrections were only scaled
         if measured:
-            for window in self._windows(kind):
-                _keep_from(window, index)
             self._stale = None
-        predicted = float(self._current.verify_cost(torch.tensor([float(obs.n)]), obs.ctx)[0])
+            if self._contradicts_scaling(obs):
+                for window in self._windows(kind):
+                    _keep_from(window, index)
+                self._errors[kind].clear()  # they were errors against the scaled estimate
+        predicted = _at(self._current, obs.n, obs.ctx)
         error = math.log(obs.verify / predicted) if predicted > 0 else math.inf  # > 0: dearer than priced
-        self._errors[kind].append(abs(error))
-        prior = float(self.prior.verify_cost(torch.tensor([float(obs.n)]), obs.ctx)[0])
+        lo, _ = ordinary([e for _, _, e in self._errors[kind]])  # the ordinary rounds before this one
+        self._errors[kind].append((obs.n, obs.ctx, error))
+        prior = _at(self.prior, obs.n, obs.ctx)
         bucket = self._bucket(obs.n)
         if prior > 0:
             self._ratios[bucket].append((index, obs.verify / prior))
@@ -213,18 +238,35 @@ class LiveCost(CostModel):
         self._since_large = 0 if obs.n >= self._explore_size else self._since_large + 1
         self._exploring = False
         self._since_fit += 1
-        s, errors = self.settings, self._errors[kind]
-        drifted = len(errors) == errors.maxlen and statistics.median(errors) > s.drift
-        cheaper = obs.explored and error < -2 * s.drift  # an exploring round found the machine faster
+        s = self.settings
+        drifted = shifted([e for _, _, e in self._errors[kind]], s.drift_rounds, s.drift, self._baseline)
+        cheaper = obs.explored and error < lo - 2 * s.drift  # an exploring round found the machine faster
         if drifted or cheaper:
             self._new_regime(kind, index - s.drift_rounds + 1 if drifted else index)
+            self._errors[kind].clear()  # errors against the old regime's curve
         if self._since_fit >= s.refit_every or drifted or cheaper or measured:
-            self._current = self._fit()
+            before, self._current = self._current, self._fit()
+            self._rebase_errors(before)
             self._since_fit = 0
-            for e in self._errors:
-                e.clear()
             self.refits += 1
         return drifted or cheaper
+
+    def _contradicts_scaling(self, obs: Observation) -> bool:
+        """Whether the first round of a kind whose corrections were scaled lies outside that kind's
+        ordinary range of errors (widened by ``drift``) around the scaled estimate: then its measurement
+        replaces them, else they stand (one round of a busy machine is a poor estimate of its mean)."""
+        error = math.log(obs.verify / _at(self._current, obs.n, obs.ctx))
+        errors = [e for _, _, e in self._errors[int(obs.n > 1)]]
+        lo, hi = ordinary(errors)
+        mid = statistics.median(errors) if errors else 0.0  # the spread of the kind's rounds, centred on the estimate
+        return not lo - mid - self.settings.drift <= error <= hi - mid + self.settings.drift
+
+    def _rebase_errors(self, before: ConvexCost) -> None:
+        """Re-express the kept errors against the curve just fitted (a re-fit is not a change of the machine)."""
+        for errors in self._errors:
+            rebased = [(n, ctx, e + math.log(_at(before, n, ctx) / _at(self._current, n, ctx))) for n, ctx, e in errors]
+            errors.clear()
+            errors.extend(rebased)
 
     def _new_regime(self, kind: int, index: int) -> None:
         """A change of regime of one kind: its windows (and the drafts', for trees) keep only what was
@@ -266,17 +308,21 @@ class LiveCost(CostModel):
         return min(trees, key=lambda i: abs(math.log(self.knots[i]) - math.log(n)))
 
     def _corrections(self) -> list[float]:
-        """r_k per knot: the trimmed mean of the observed ratios, or the observed buckets' of the same kind."""
+        """r_k per knot: the trimmed mean of its observed ratios shrunk toward its kind's pooled
+        correction, or the pooled correction alone where nothing was observed (module docstring)."""
         own = [trimmed_mean([x for _, x in r]) if r else None for r in self._ratios]
+        seen = [j for j in range(len(self.knots)) if own[j] is not None]
+        w = self.settings.pool_weight
         out = []
         for i, k in enumerate(self.knots):
-            if own[i] is not None:
-                out.append(own[i])
-                continue
-            seen = [j for j in range(len(self.knots)) if own[j] is not None]
             kin = [j for j in seen if (self.knots[j] >= 2) == (k >= 2)] or (seen if k >= 2 else [])
-            counts = [len(self._ratios[j]) for j in kin]  # each borrowed correction weighed by what it rests on
-            out.append(sum(own[j] * m for j, m in zip(kin, counts)) / sum(counts) if kin else 1.0)
+            counts = [len(self._ratios[j]) for j in kin]  # each correction weighed by what it rests on
+            pooled = sum(own[j] * m for j, m in zip(kin, counts)) / sum(counts) if kin else None
+            if own[i] is None:
+                out.append(1.0 if pooled is None else pooled)
+            else:
+                m = len(self._ratios[i])
+                out.append((m * own[i] + w * pooled) / (m + w) if pooled is not None else own[i])
         return out
 
     def _fit(self) -> ConvexCost:
@@ -342,6 +388,33 @@ def trimmed_mean(values: Sequence[float], share: float = 0.125) -> float:
         raise ValueError("no values to average")
     cut = max(1, int(len(xs) * share)) if len(xs) >= 3 else 0
     return statistics.fmean(xs[cut:len(xs) - cut])
+
+
+def ordinary(errors: Sequence[float]) -> tuple[float, float]:
+    """The range of ordinary rounds among ``errors``: from the second smallest to the second largest
+    (one outlier each side left out; all of them with fewer than three; (0, 0) with none)."""
+    xs = sorted(errors)
+    if not xs:
+        return 0.0, 0.0
+    cut = 1 if len(xs) >= 3 else 0
+    return xs[cut], xs[-1 - cut]
+
+
+def shifted(errors: Sequence[float], recent: int, least: float, baseline: int) -> bool:
+    """Whether the last ``recent`` errors all lie beyond the ordinary range of the earlier ones (at least
+    ``baseline`` of them) by more than ``least``, on the same side: a change of regime, which a few
+    slow rounds of a busy machine, or one descheduled round of a quiet one, are not."""
+    errors = list(errors)
+    if len(errors) < recent + max(baseline, 1):
+        return False
+    lo, hi = ordinary(errors[:-recent])
+    new = errors[-recent:]
+    return min(new) > hi + least or max(new) < lo - least
+
+
+def _at(curve: CostModel, n: int, ctx: int) -> float:
+    """The curve's verify seconds of ``n`` tokens on ``ctx`` cached tokens."""
+    return float(curve.verify_cost(torch.tensor([float(n)]), ctx)[0])
 
 
 def _keep_from(window: deque, index: int) -> None:
