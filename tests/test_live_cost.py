@@ -335,3 +335,18 @@ def test_ordinary_range_and_the_shift_rule():
     assert shifted(earlier + [1.5, 1.5, 1.5], 3, 0.2, 8)  # slower than its slow rounds by more than 0.2
     assert shifted(earlier + [-0.3, -0.3, -0.3], 3, 0.2, 8) and not shifted(earlier + [-0.3, 0.0, -0.3], 3, 0.2, 8)
     assert not shifted([0.0] * 7 + [1.0] * 3, 3, 0.2, 8)  # too few earlier rounds to judge against
+
+
+def test_a_scaled_kind_that_its_rounds_confirm_is_not_a_change_of_regime_again():
+    """Trees get 2.5x dearer and the AR step is scaled with them; AR steps that then run at the
+    scaled speed are the new regime, already priced, not another change."""
+    rng, s = random.Random(2), LiveSettings()
+    live = LiveCost(profile(), s)
+    noisy = lambda seconds: seconds * math.exp(rng.gauss(0.0, 0.03))  # noqa: E731
+    for _ in range(12):
+        live.observe(1, 300, noisy(0.05))
+        live.observe(17, 300, noisy(0.1), 0.02)
+    assert any(live.observe(17, 300, noisy(0.25), 0.02) for _ in range(s.drift_rounds))
+    assert live.wants_ar_step
+    assert not any(live.observe(1, 300, noisy(0.125)) for _ in range(3 * s.drift_rounds))
+    assert at(live, 1) == pytest.approx(0.125, rel=0.1) and at(live, 17) == pytest.approx(0.25, rel=0.1)

@@ -284,6 +284,10 @@ class LiveCost(CostModel):
             scaled = [(i, x * factor) for i, x in window]
             window.clear()
             window.extend(scaled)
+        errors = self._errors[1 - kind]  # its rounds as if they had run at the new speed, as its windows now say
+        shifted_errors = [(n, ctx, e + math.log(factor)) for n, ctx, e in errors]
+        errors.clear()
+        errors.extend(shifted_errors)
         if any(other):
             self._stale = 1 - kind
             if self._stale == 1:
