@@ -14,13 +14,13 @@
 # from those drafters instead of fresh weights.
 #
 # RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10 t07b", all five
-# committed passes) picks the data passes; THREADS (default 1) sets the threads per command; DEVICE
-# (cpu, the default, or cuda) is where the target and the drafters run; BATCH (default 48) is the
-# rows of the data passes' continuous batch.  The trained drafters are exported to
-# $RUNS/export/{dflash,domino}; ship one by copying it over
-# treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the pipeline: PROMPTS (training
-# prompts per pass, default 4498) and TRAIN_SET (extra train-drafter flags, e.g. "--set steps=20
-# --set eval_every=10").
+# committed passes; t07c, a third T = 0.7 pass with seed 27, is under way: PASSES=t07c resumes it)
+# picks the data passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default,
+# or cuda) is where the target and the drafters run; BATCH (default 48) is the rows of the data
+# passes' continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
+# one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
+# pipeline: PROMPTS (training prompts per pass, default 4498) and TRAIN_SET (extra train-drafter
+# flags, e.g. "--set steps=20 --set eval_every=10").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-runs}
@@ -42,7 +42,8 @@ pass_args() {  # the distill-data settings of one pass
     t07) echo "--temperature 0.7 --seed 7" ;;
     t10) echo "--temperature 1.0 --seed 10" ;;
     t07b) echo "--temperature 0.7 --seed 17" ;;
-    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b)" >&2; exit 2 ;;
+    t07c) echo "--temperature 0.7 --seed 27" ;;
+    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b, t07c)" >&2; exit 2 ;;
   esac
 }
 
