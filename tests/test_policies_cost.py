@@ -282,6 +282,18 @@ def test_convex_cost_interpolates_between_contexts_and_clamps_outside(tmp_path):
     assert again == cost and torch.equal(again.verify_costs(40, 250), cost.verify_costs(40, 250))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from([64, 128, 512]), st.floats(0.001, 0.2)), min_size=1,
+                max_size=30), st.floats(0.0, 80.0), st.integers(0, 900))
+def test_verify_seconds_is_verify_cost_at_one_size(samples, n, ctx):
+    """The live cost model's scalar path gives the tensor path's value bit for bit, between, at and
+    beyond the knots and the profiled contexts; the base class's default asks the tensor path."""
+    cost = ConvexCost.fit(samples, draft=0.01)
+    assert cost.verify_seconds(n, ctx) == float(cost.verify_cost(torch.tensor([n], dtype=torch.float64), ctx)[0])
+    linear = LinearCost(draft=0.01, base=0.02, per_token=0.001, per_context=1e-5)
+    assert linear.verify_seconds(n, ctx) == float(linear.verify_cost(torch.tensor([n], dtype=torch.float64), ctx)[0])
+
+
 def test_bad_cost_inputs_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="per_token"):
         LinearCost(draft=0.01, base=0.01, per_token=-1.0)

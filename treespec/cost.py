@@ -62,6 +62,10 @@ class CostModel(ABC):
         """[n_max + 1] float64: C_v(n; ctx) for n = 0..n_max."""
         return self.verify_cost(torch.arange(n_max + 1, dtype=torch.float64), ctx)
 
+    def verify_seconds(self, n: float, ctx: int) -> float:
+        """C_v(n; ctx) of one size as a Python float (a model may answer it without a tensor)."""
+        return float(self.verify_cost(torch.tensor([float(n)], dtype=torch.float64), ctx)[0])
+
     @abstractmethod
     def to_dict(self) -> dict:
         """A JSON-ready description (``kind`` names the class)."""
@@ -229,6 +233,17 @@ def _interp_curve(n: torch.Tensor, knots: tuple[float, ...], values: tuple[float
     return (y[seg] + slope * (n - x[seg])).clamp_min(0.0)
 
 
+def _interp_point(n: float, knots: tuple[float, ...], values: tuple[float, ...]) -> float:
+    """`_interp_curve` at one size, in Python floats (the same operations in the same order)."""
+    if len(knots) == 1:
+        return values[0]
+    seg = min(max(bisect.bisect_right(knots, n) - 1, 0), len(knots) - 2)  # the segment of n
+    slope = (values[seg + 1] - values[seg]) / (knots[seg + 1] - knots[seg])
+    if n > knots[-1]:
+        slope = max(slope, 0.0)
+    return max(values[seg] + slope * (n - knots[seg]), 0.0)
+
+
 def _check_curve(ctx: int, knots: tuple[float, ...], values: tuple[float, ...]) -> None:
     if not knots or len(knots) != len(values):
         raise CostModelError(f"context {ctx}: {len(knots)} knots and {len(values)} values; "
@@ -279,14 +294,21 @@ class ConvexCost(CostModel):
 
     def verify_cost(self, n: torch.Tensor, ctx: int) -> torch.Tensor:
         n = torch.as_tensor(n, dtype=torch.float64)
+        return sum(w * _interp_curve(n, self.knots[i], self.values[i]) for i, w in self._blend(ctx))
+
+    def verify_seconds(self, n: float, ctx: int) -> float:
+        """One size without tensors (the live cost model asks a few dozen of these a round): the
+        same curve as `verify_cost`, float for float."""
+        return sum(w * _interp_point(float(n), self.knots[i], self.values[i]) for i, w in self._blend(ctx))
+
+    def _blend(self, ctx: int) -> tuple[tuple[int, float], ...]:
+        """(profiled context, weight) pairs whose curves make the one at ``ctx``: the nearest one outside
+        the profiled range or at a profiled length, else the two around it, linear in ctx."""
         hi = bisect.bisect_left(self.contexts, ctx)
         if hi == 0 or hi == len(self.contexts) or self.contexts[hi] == ctx:  # outside, or profiled
-            i = min(hi, len(self.contexts) - 1)
-            return _interp_curve(n, self.knots[i], self.values[i])
-        lo = hi - 1
-        w = (ctx - self.contexts[lo]) / (self.contexts[hi] - self.contexts[lo])
-        return (1.0 - w) * _interp_curve(n, self.knots[lo], self.values[lo]) + w * _interp_curve(
-            n, self.knots[hi], self.values[hi])
+            return ((min(hi, len(self.contexts) - 1), 1.0),)
+        w = (ctx - self.contexts[hi - 1]) / (self.contexts[hi] - self.contexts[hi - 1])
+        return (hi - 1, 1.0 - w), (hi, w)
 
     def with_draft(self, draft: float) -> ConvexCost:
         """The same verify curves with another C_d (one profile serves several drafters)."""

@@ -418,7 +418,7 @@ def shifted(errors: Sequence[float], recent: int, least: float, baseline: int) -
 
 def _at(curve: CostModel, n: int, ctx: int) -> float:
     """The curve's verify seconds of ``n`` tokens on ``ctx`` cached tokens."""
-    return float(curve.verify_cost(torch.tensor([float(n)]), ctx)[0])
+    return curve.verify_seconds(n, ctx)
 
 
 def _keep_from(window: deque, index: int) -> None:
