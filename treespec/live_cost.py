@@ -189,7 +189,7 @@ class LiveCost(CostModel):
 
     def _flat_curve(self) -> ConvexCost:
         cur = self._current
-        steps = tuple(float(cur.verify_cost(torch.tensor([1.0]), c)[0]) for c in cur.contexts)
+        steps = tuple(cur.verify_seconds(1, c) for c in cur.contexts)
         return ConvexCost(cur.draft, cur.contexts, tuple((1.0,) for _ in cur.contexts), tuple((v,) for v in steps))
 
     # ------------------------------------------------------------------ the loop's side
@@ -214,18 +214,19 @@ class LiveCost(CostModel):
         index = len(self.observations)
         self.observations.append(obs)
         kind = int(obs.n > 1)
+        predicted = self._current.verify_seconds(obs.n, obs.ctx)
+        error = math.log(obs.verify / predicted) if predicted > 0 else math.inf  # > 0: dearer than priced
         measured = self._stale == kind  # the first round of a kind whose corrections were only scaled
         if measured:
             self._stale = None
-            if self._contradicts_scaling(obs):
+            if self._contradicts_scaling(kind, error):
                 for window in self._windows(kind):
                     _keep_from(window, index)
                 self._errors[kind].clear()  # they were errors against the scaled estimate
-        predicted = _at(self._current, obs.n, obs.ctx)
-        error = math.log(obs.verify / predicted) if predicted > 0 else math.inf  # > 0: dearer than priced
-        lo, _ = ordinary([e for _, _, e in self._errors[kind]])  # the ordinary rounds before this one
+        # the trees' ordinary rounds before an exploring one (the rule for a faster machine below)
+        lo = ordinary(self._kind_errors(kind))[0] if obs.explored else 0.0
         self._errors[kind].append((obs.n, obs.ctx, error))
-        prior = _at(self.prior, obs.n, obs.ctx)
+        prior = self.prior.verify_seconds(obs.n, obs.ctx)
         bucket = self._bucket(obs.n)
         if prior > 0:
             self._ratios[bucket].append((index, obs.verify / prior))
@@ -239,7 +240,7 @@ class LiveCost(CostModel):
         self._exploring = False
         self._since_fit += 1
         s = self.settings
-        drifted = shifted([e for _, _, e in self._errors[kind]], s.drift_rounds, s.drift, self._baseline)
+        drifted = shifted(self._kind_errors(kind), s.drift_rounds, s.drift, self._baseline)
         cheaper = obs.explored and error < lo - 2 * s.drift  # an exploring round found the machine faster
         if drifted or cheaper:
             self._new_regime(kind, index - s.drift_rounds + 1 if drifted else index)
@@ -251,12 +252,16 @@ class LiveCost(CostModel):
             self.refits += 1
         return drifted or cheaper
 
-    def _contradicts_scaling(self, obs: Observation) -> bool:
-        """Whether the first round of a kind whose corrections were scaled lies outside that kind's
-        ordinary range of errors (widened by ``drift``) around the scaled estimate: then its measurement
-        replaces them, else they stand (one round of a busy machine is a poor estimate of its mean)."""
-        error = math.log(obs.verify / _at(self._current, obs.n, obs.ctx))
-        errors = [e for _, _, e in self._errors[int(obs.n > 1)]]
+    def _kind_errors(self, kind: int) -> list[float]:
+        """The kept errors log(measured / predicted) of one kind's rounds, oldest first."""
+        return [e for _, _, e in self._errors[kind]]
+
+    def _contradicts_scaling(self, kind: int, error: float) -> bool:
+        """Whether the first round of a kind whose corrections were scaled, ``error`` off their
+        estimate, lies outside that kind's ordinary range of errors (widened by ``drift``) around it:
+        then its measurement replaces them, else they stand (one round of a busy machine is a poor
+        estimate of its mean)."""
+        errors = self._kind_errors(kind)
         lo, hi = ordinary(errors)
         mid = statistics.median(errors) if errors else 0.0  # the spread of the kind's rounds, centred on the estimate
         return not lo - mid - self.settings.drift <= error <= hi - mid + self.settings.drift
@@ -264,7 +269,8 @@ class LiveCost(CostModel):
     def _rebase_errors(self, before: ConvexCost) -> None:
         """Re-express the kept errors against the curve just fitted (a re-fit is not a change of the machine)."""
         for errors in self._errors:
-            rebased = [(n, ctx, e + math.log(_at(before, n, ctx) / _at(self._current, n, ctx))) for n, ctx, e in errors]
+            rebased = [(n, ctx, e + math.log(before.verify_seconds(n, ctx) / self._current.verify_seconds(n, ctx)))
+                       for n, ctx, e in errors]
             errors.clear()
             errors.extend(rebased)
 
@@ -316,17 +322,20 @@ class LiveCost(CostModel):
         correction, or the pooled correction alone where nothing was observed (module docstring)."""
         own = [trimmed_mean([x for _, x in r]) if r else None for r in self._ratios]
         seen = [j for j in range(len(self.knots)) if own[j] is not None]
-        w = self.settings.pool_weight
+
+        def pooled(trees: bool) -> float | None:  # the kind's observed corrections, each weighed by its rounds
+            kin = [j for j in seen if (self.knots[j] >= 2) == trees] or (seen if trees else [])
+            counts = [len(self._ratios[j]) for j in kin]
+            return sum(own[j] * m for j, m in zip(kin, counts)) / sum(counts) if kin else None
+
+        pools, w = {trees: pooled(trees) for trees in (False, True)}, self.settings.pool_weight
         out = []
         for i, k in enumerate(self.knots):
-            kin = [j for j in seen if (self.knots[j] >= 2) == (k >= 2)] or (seen if k >= 2 else [])
-            counts = [len(self._ratios[j]) for j in kin]  # each correction weighed by what it rests on
-            pooled = sum(own[j] * m for j, m in zip(kin, counts)) / sum(counts) if kin else None
+            pool, m = pools[k >= 2], len(self._ratios[i])
             if own[i] is None:
-                out.append(1.0 if pooled is None else pooled)
+                out.append(1.0 if pool is None else pool)
             else:
-                m = len(self._ratios[i])
-                out.append((m * own[i] + w * pooled) / (m + w) if pooled is not None else own[i])
+                out.append((m * own[i] + w * pool) / (m + w) if pool is not None else own[i])
         return out
 
     def _fit(self) -> ConvexCost:
@@ -414,11 +423,6 @@ def shifted(errors: Sequence[float], recent: int, least: float, baseline: int) -
     lo, hi = ordinary(errors[:-recent])
     new = errors[-recent:]
     return min(new) > hi + least or max(new) < lo - least
-
-
-def _at(curve: CostModel, n: int, ctx: int) -> float:
-    """The curve's verify seconds of ``n`` tokens on ``ctx`` cached tokens."""
-    return curve.verify_seconds(n, ctx)
 
 
 def _keep_from(window: deque, index: int) -> None:
