@@ -5,6 +5,9 @@
 * The table's tau is the pooled tau of `evaluate`; the paired difference is recomputed here from
   the per-prompt taus; a method against itself differs by exactly 0 on every resample; intervals
   hold their point estimates; a baseline without a budget is taken at each method's budget.
+* Against another trace of the same prompts and target answers (`--against`), each method is
+  paired with itself replayed there; traces of other prompts, other answers or another length are
+  refused, naming the difference.
 * The CLI writes the table, the per-prompt values and the plot to a new folder, refuses to write
   into a used one without --overwrite (leaving its files as they were), and names bad flags.
 * The bench and replay plots bound their y axes to the intervals, never to a sliver around dots.
@@ -15,10 +18,11 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 from test_replay import World
 
 from treespec.apps.cli import main
-from treespec.apps.replay import RecordConfig, compare, evaluate, expand_sweep
+from treespec.apps.replay import RecordConfig, Trace, compare, compare_traces, evaluate, expand_sweep, record_trace
 from treespec.apps.replay.compare import markdown_table, per_prompt_rows, pooled_tau
 
 
@@ -159,3 +163,64 @@ def test_an_outside_policy_sweeps_its_own_option_in_one_command(world, trace_fil
     expected = evaluate(world.trace, [f"{NAME}@16+siblings=1"])[0]
     assert float(rows[f"{NAME}@16+siblings=1"]["tau"]) == pytest.approx(expected.mean_tau, abs=1e-4)
     assert rows[f"{NAME}@16+siblings=3"]["baseline"] == "dominotree@16"
+
+
+@pytest.fixture(scope="module")
+def retrained(world, tmp_path_factory):
+    """A trace of the same prompts and target answers with other drafters (another seed): a retrained pair."""
+    from drafters.dflash import DFlashDrafter
+    from drafters.domino import DominoDrafter
+
+    def again(kind, seed):
+        old = world.drafters[kind]
+        return type(old).random(old.config, dtype=torch.float64, seed=seed)
+
+    drafters = {"dflash": again("dflash", 41), "domino": again("domino", 42)}
+    assert isinstance(drafters["dflash"], DFlashDrafter) and isinstance(drafters["domino"], DominoDrafter)
+    trace = record_trace(world.target, drafters, world.prompts, config=RecordConfig(max_new_tokens=16, max_budget=64))
+    return trace, trace.save(tmp_path_factory.mktemp("retrained") / "retrained.safetensors")
+
+
+def test_a_method_against_itself_on_another_trace_is_paired_prompt_by_prompt(world, retrained):
+    other, _ = retrained
+    methods = expand_sweep(["dflash", "ddtree@8", "dominotree@8"])
+    mine, theirs = evaluate(world.trace, methods), evaluate(other, methods)
+    assert any(a.taus != b.taus for a, b in zip(mine, theirs))  # other drafters, other rounds
+    rows = compare_traces(mine, theirs, methods, "retrained", resamples=300)
+    for row, a, b in zip(rows, mine, theirs):
+        assert row.baseline == f"{row.method} @ retrained" and row.tau == pytest.approx(a.mean_tau)
+        assert row.diff == pytest.approx(pooled_tau(a.taus, range(4)) - pooled_tau(b.taus, range(4)))
+        assert row.diff_lo <= row.diff + 1e-12 and row.diff - 1e-12 <= row.diff_hi
+    same = compare_traces(mine, mine, methods, "itself", resamples=300)
+    assert all((r.diff, r.diff_lo, r.diff_hi) == (0.0, 0.0, 0.0) for r in same)
+
+
+def test_cli_compares_two_traces_into_a_new_folder(world, trace_file, retrained, tmp_path, capsys):
+    other, other_file = retrained
+    out = tmp_path / "ab"
+    assert main(["replay", "eval", str(trace_file), "--methods", "ddtree@8", "dominotree@8", "--against",
+                 str(other_file), "--out", str(out), "--resamples", "200"]) == 0
+    assert "dominotree@8 @ retrained" in capsys.readouterr().out
+    with open(out / "table.csv") as fh:
+        table = {r["method"]: r for r in csv.DictReader(fh)}
+    mine, theirs = (evaluate(t, ["dominotree@8"])[0].mean_tau for t in (world.trace, other))
+    assert float(table["dominotree@8"]["diff"]) == pytest.approx(mine - theirs, abs=5e-5)  # the CSV's 4 decimals
+
+
+def test_traces_of_other_answers_are_not_paired(world, trace_file, retrained, tmp_path, capsys):
+    other, _ = retrained
+    shuffled = Trace(other.meta | {"prompts": other.meta["prompts"][::-1]}, other.sequences[::-1], other.drafters)
+    bent = list(other.sequences)
+    bent[2] = bent[2].clone()
+    bent[2][-1] = (bent[2][-1] + 1) % 16
+    cases = [(shuffled, "holds other prompts"), (Trace(other.meta, tuple(bent), other.drafters),
+                                                  "answers differ from --against"),
+             (Trace(other.meta | {"config": other.meta["config"] | {"max_new_tokens": 8}}, other.sequences,
+                    other.drafters), "same --max-new-tokens")]
+    for i, (bad, message) in enumerate(cases):
+        path = bad.save(tmp_path / f"bad{i}.safetensors")
+        assert main(["replay", "eval", str(trace_file), "--methods", "ddtree@8", "--against", str(path)]) == 1
+        assert message in capsys.readouterr().err
+    assert main(["replay", "eval", str(trace_file), "--methods", "ddtree@8", "--against", str(trace_file),
+                 "--baseline", "dflash"]) == 1
+    assert "name one" in capsys.readouterr().err

@@ -5,14 +5,17 @@ runs the target once per prompt (the embedded SmolLM2 and its shipped drafters b
 writes one safetensors trace.  ``treespec replay eval FILE --methods ddtree@16 dominotree@16 ...``
 replays each method's T = 0 acceptance lengths from the trace alone, in seconds.
 ``--budgets 4,8,16 --set topk=2,4`` sweeps budgets and policy options,
-``--baseline ddtree`` adds paired bootstrap intervals against DDTree at each budget, and ``--out DIR``
-writes the table (Markdown, CSV), per-prompt tau and a budget-curve plot with intervals.
+``--baseline ddtree`` adds paired bootstrap intervals against DDTree at each budget, ``--against
+OTHER`` against the same methods replayed from another trace of the same prompts and target answers
+(another drafter, or another version of one), and ``--out DIR`` writes the table (Markdown, CSV),
+per-prompt tau and a budget-curve plot with intervals.
 ``treespec replay info FILE`` prints the trace's metadata.  See treespec/apps/replay/.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -77,6 +80,9 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", default=None,
                         help="paired 95%% bootstrap intervals of tau - tau(baseline) over prompts; a baseline without "
                              "@B (ddtree) is taken at each method's own budget (and replayed if not listed)")
+    parser.add_argument("--against", type=Path, default=None, metavar="TRACE",
+                        help="paired 95%% bootstrap intervals of tau - tau(the same method replayed from TRACE), a "
+                             "trace of the same prompts and target answers recorded with other drafters")
     parser.add_argument("--out", type=Path, default=None,
                         help="write table.md, table.csv, per_prompt.csv and budget_curves.svg/png to this new folder")
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing --out folder")
@@ -211,18 +217,25 @@ def _sweep(args: argparse.Namespace, trace) -> list:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from treespec.apps.replay import Trace, compare, evaluate
+    from treespec.apps.replay import Trace, compare, compare_traces, evaluate
     from treespec.apps.replay.compare import markdown_table
     from treespec.cost import load_cost_model
 
+    if args.against is not None and args.baseline is not None:
+        raise ValueError("--against and --baseline are two kinds of comparison; name one")
     cost = load_cost_model(args.cost_model) if args.cost_model is not None else None
     trace = Trace.load(args.trace)
+    other = _paired_trace(args.against, trace)
     methods = _sweep(args, trace)
     if args.out is not None:
         _check_out(args.out, args.overwrite)  # before the replay: a refusal costs nothing
-    results = evaluate(trace, methods, backend=args.backend, stop_token_ids=args.stop_token_id or (),
-                       cost_model=cost)
-    rows = compare(results, methods, baseline=args.baseline, resamples=args.resamples)
+    replay = functools.partial(evaluate, methods=methods, backend=args.backend,
+                               stop_token_ids=args.stop_token_id or (), cost_model=cost)
+    results = replay(trace)
+    if other is None:
+        rows = compare(results, methods, baseline=args.baseline, resamples=args.resamples)
+    else:
+        rows = compare_traces(results, replay(other), methods, args.against.stem, resamples=args.resamples)
     print(markdown_table(rows), end="")
     ids = [p["id"] for p in trace.meta["prompts"]]
     if args.json is not None:
@@ -233,6 +246,17 @@ def _eval(args: argparse.Namespace) -> int:
         _write_out(args.out, rows, results, ids)
         print(f"wrote {args.out}/table.md, table.csv, per_prompt.csv, budget_curves.svg and .png")
     return 0
+
+
+def _paired_trace(path: Path | None, trace):
+    """The trace named by --against, checked to hold the same prompts and target answers (None: none named)."""
+    from treespec.apps.replay import Trace, check_paired
+
+    if path is None:
+        return None
+    other = Trace.load(path)
+    check_paired(trace, other, f"--against {path}")
+    return other
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

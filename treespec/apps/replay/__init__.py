@@ -4,7 +4,8 @@ then measure any tree policy's T = 0 acceptance lengths from the recording, with
 Five modules, one job each: `trace` (the file format and joining traces), `record` (recording),
 `rebuild` (a recorded anchor's `DraftOutput`), `evaluate` (replaying policies; `replay_priced`
 replays a cost-aware run whose costs were corrected live, round by round with the curves its bench
-record names), `compare` (sweeps, per-prompt tau and paired intervals against a baseline).  Replay
+record names), `compare` (sweeps, per-prompt tau and paired intervals against a baseline, or against the same
+methods replayed from another trace of the same answers).  Replay
 knows a
 path-dependent scorer only through `treespec.interfaces.RecordableScorer` and the registry.
 
@@ -20,7 +21,7 @@ nearly always (benchmarks/bench_replay.py reports the agreement).
 """
 
 from treespec.apps.replay.acceptance import Acceptance, fit_acceptance, load_acceptance
-from treespec.apps.replay.compare import ComparisonRow, compare, expand_sweep
+from treespec.apps.replay.compare import ComparisonRow, compare, compare_traces, expand_sweep
 from treespec.apps.replay.evaluate import (
     ReplayResult,
     ReplayRound,
@@ -32,11 +33,11 @@ from treespec.apps.replay.evaluate import (
 )
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.record import RECORD_PRESETS, RecordConfig, record_trace
-from treespec.apps.replay.trace import DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces
+from treespec.apps.replay.trace import DrafterRecord, ScorerRecord, Trace, TraceError, check_paired, merge_traces
 
 __all__ = [
     "RECORD_PRESETS", "Acceptance", "ComparisonRow", "DrafterRecord", "RecordConfig", "ReplayDrafts", "ReplayResult",
-    "ReplayRound", "ScorerRecord", "Trace", "TraceError", "check_replayable", "compare", "evaluate", "expand_sweep",
-    "fit_acceptance", "load_acceptance", "merge_traces", "record_trace", "replay_priced", "replay_prompt",
-    "replay_rounds",
+    "ReplayRound", "ScorerRecord", "Trace", "TraceError", "check_paired", "check_replayable", "compare",
+    "compare_traces", "evaluate", "expand_sweep", "fit_acceptance", "load_acceptance", "merge_traces", "record_trace",
+    "replay_priced", "replay_prompt", "replay_rounds",
 ]

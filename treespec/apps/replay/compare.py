@@ -11,6 +11,9 @@ Contract
   resamples prompts with replacement; ``diff`` = tau(method) - tau(baseline) on the same resample
   of prompts (paired), with its interval; > 0 means the method accepts more per round than the
   baseline.  A baseline named without a budget (``ddtree``) is taken at each method's own budget.
+* `compare_traces(results, others, ...)`: the same rows, each method paired with itself replayed from
+  another trace of the same prompts and target answers (``diff`` = tau here - tau there), the
+  comparison of two drafters, or two versions of one.
 * `markdown_table`, `per_prompt_rows` and `plot_sweep` are pure functions of the rows / results,
   deterministic for given inputs (the bootstrap draws from its own seeded generator).
 """
@@ -28,8 +31,8 @@ from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.methods import MethodSpec, parse_method, policy_class, with_budget, with_options
 from treespec.apps.replay.evaluate import ReplayResult
 
-__all__ = ["ComparisonRow", "baselines", "compare", "expand_sweep", "markdown_table", "per_prompt_rows", "plot_sweep",
-           "pooled_tau"]
+__all__ = ["ComparisonRow", "baselines", "compare", "compare_traces", "expand_sweep", "markdown_table", "per_prompt_rows",
+           "plot_sweep", "pooled_tau"]
 
 
 @attrs.frozen
@@ -131,22 +134,42 @@ def compare(results: Sequence[ReplayResult], methods: Sequence[MethodSpec], *, b
     base = parse_method(baseline) if baseline else None
     rows = []
     for method, result in zip(methods, results):
-        n = len(result.taus)
-        mine = result.taus
-        lo, hi = bootstrap_interval(lambda idx: pooled_tau(mine, idx), n, resamples, seed)
         against = _baseline_for(method, base, by_name)
-        diff = diff_lo = diff_hi = float("nan")
-        if against is not None:
-            theirs = by_name[against].taus
-            if len(theirs) != n:
-                raise ValueError(f"{method.name} and {against} were replayed on different prompts")
-            delta = lambda idx: pooled_tau(mine, idx) - pooled_tau(theirs, idx)  # noqa: E731, B023
-            diff, (diff_lo, diff_hi) = delta(range(n)), bootstrap_interval(delta, n, resamples, seed)
-        rows.append(ComparisonRow(
-            method.name, method.policy if method.policy else "ar", method.budget or 0, _options_text(method), n,
-            result.rounds, result.mean_tau, lo, hi, against or "", diff, diff_lo, diff_hi,
-            1e3 * result.seconds / max(1, result.rounds), method.family, base.family if against else ""))
+        theirs = (by_name[against], against, base.family) if against is not None else None
+        rows.append(_row(method, result, theirs, resamples, seed))
     return rows
+
+
+def compare_traces(results: Sequence[ReplayResult], others: Sequence[ReplayResult], methods: Sequence[MethodSpec],
+                   label: str, *, resamples: int = 2000, seed: int = 0) -> list[ComparisonRow]:
+    """Each method against itself replayed from another trace of the same prompts and target answers.
+
+    ``others[i]`` is ``methods[i]`` replayed from the trace called ``label``: the rows' ``diff`` is
+    tau(this trace) - tau(that one), paired prompt by prompt, e.g. a retrained drafter against the
+    one it replaces.
+    """
+    return [_row(method, result, (other, f"{method.name} @ {label}", f"{method.family} @ {label}"), resamples, seed)
+            for method, result, other in zip(methods, results, others, strict=True)]
+
+
+def _row(method: MethodSpec, result: ReplayResult, theirs: tuple[ReplayResult, str, str] | None,
+         resamples: int, seed: int) -> ComparisonRow:
+    """Pooled tau of one method with its interval, and the paired diff against ``theirs`` (result, name, family)."""
+    n = len(result.taus)
+    mine = result.taus
+    lo, hi = bootstrap_interval(lambda idx: pooled_tau(mine, idx), n, resamples, seed)
+    diff = diff_lo = diff_hi = float("nan")
+    name = family = ""
+    if theirs is not None:
+        other, name, family = theirs
+        if len(other.taus) != n:
+            raise ValueError(f"{method.name} and {name} were replayed on different prompts")
+        delta = lambda idx: pooled_tau(mine, idx) - pooled_tau(other.taus, idx)  # noqa: E731
+        diff, (diff_lo, diff_hi) = delta(range(n)), bootstrap_interval(delta, n, resamples, seed)
+    return ComparisonRow(
+        method.name, method.policy if method.policy else "ar", method.budget or 0, _options_text(method), n,
+        result.rounds, result.mean_tau, lo, hi, name, diff, diff_lo, diff_hi,
+        1e3 * result.seconds / max(1, result.rounds), method.family, family)
 
 
 def markdown_table(rows: Sequence[ComparisonRow]) -> str:

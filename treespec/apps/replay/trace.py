@@ -7,7 +7,8 @@ A `Trace` holds, per prompt, the trajectory (prompt and greedy tokens) and, per 
 `ScorerRecord` (its per-round tensors stacked, and what the rounds share).  `Trace.save` writes one
 safetensors file whose header carries the JSON metadata (`Trace.meta`); `Trace.load` reads it back
 and names what is wrong with a file that is not a trace of this version.  No pickles.
-`merge_traces` joins traces recorded prompt by prompt (the recording's resumable parts).
+`merge_traces` joins traces recorded prompt by prompt (the recording's resumable parts);
+`check_paired` refuses to pair two traces unless they hold the same prompts and target answers.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 from treespec import registry
 from treespec.interfaces import RecordableScorer
 
-__all__ = ["FORMAT", "META_KEY", "VERSION", "DrafterRecord", "ScorerRecord", "Trace", "TraceError", "merge_traces",
-           "scorer_class"]
+__all__ = ["FORMAT", "META_KEY", "VERSION", "DrafterRecord", "ScorerRecord", "Trace", "TraceError", "check_paired",
+           "merge_traces", "scorer_class"]
 
 FORMAT, VERSION = "treespec-trace", 2
 META_KEY = "treespec_trace"  # safetensors header entry holding the JSON metadata
@@ -150,6 +151,29 @@ def merge_traces(traces: Sequence[Trace]) -> Trace:
     drafters = {kind: _merge_records([t.drafters[kind] for t in traces], first.meta["drafters"][kind])
                 for kind in first.drafters}
     return Trace(meta, tuple(s for t in traces for s in t.sequences), drafters)
+
+
+def check_paired(trace: Trace, other: Trace, label: str = "the other trace") -> None:
+    """Raise `TraceError` unless ``other`` holds the same prompts, target and target answers as ``trace``.
+
+    Two such traces differ only in their drafters, so a method replayed from each is paired prompt by
+    prompt.  The target's answers are compared token for token: a trace recorded with another dtype
+    or on another CPU can follow another greedy path, and is then refused rather than mispaired.
+    """
+    if other.meta["target"] != trace.meta["target"]:
+        raise TraceError(f"{label} was recorded with another target ({other.meta['target']} against "
+                         f"{trace.meta['target']})")
+    if other.max_new_tokens != trace.max_new_tokens:
+        raise TraceError(f"{label} follows {other.max_new_tokens} target tokens per prompt, this one "
+                         f"{trace.max_new_tokens}; record both with the same --max-new-tokens")
+    ids, theirs = [p["id"] for p in trace.meta["prompts"]], [p["id"] for p in other.meta["prompts"]]
+    if ids != theirs:
+        raise TraceError(f"{label} holds other prompts ({len(theirs)} against {len(ids)}, or in another order); "
+                         "record both with the same --dataset, --limit and --seed")
+    differ = [ids[i] for i, (a, b) in enumerate(zip(trace.sequences, other.sequences)) if not torch.equal(a, b)]
+    if differ:
+        raise TraceError(f"the target's answers differ from {label}'s on {len(differ)} prompt(s), first "
+                         f"{differ[0]} (another dtype or machine); record both on one machine with one --dtype")
 
 
 def _merge_records(records: Sequence[DrafterRecord], meta: dict) -> DrafterRecord:
