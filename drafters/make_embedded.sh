@@ -13,9 +13,8 @@
 # dflash/ and domino/ drafters, e.g. treespec/assets as shipped: INIT=shipped) warm-starts training
 # from those drafters instead of fresh weights.
 #
-# RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10 t07b", all five
-# committed passes; t07c, a third T = 0.7 pass with seed 27, is under way: PASSES=t07c resumes it)
-# picks the data passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default,
+# RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10 t07b t07c", all six
+# committed passes) picks the data passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default,
 # or cuda) is where the target and the drafters run; BATCH (default 48) is the rows of the data
 # passes' continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
 # one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
@@ -24,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-runs}
-passes=${PASSES:-greedy turn2 t07 t10 t07b}
+passes=${PASSES:-greedy turn2 t07 t10 t07b t07c}
 threads=${THREADS:-1}
 prompts=${PROMPTS:-4498}
 train_set=${TRAIN_SET:-}
