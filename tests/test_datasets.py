@@ -497,14 +497,43 @@ def test_second_turn_takes_its_first_answers_from_a_greedy_run(tiny_llama, tmp_p
         first_answers(tmp_path / "g", attrs.evolve(cfg, max_new_tokens=5), meta["model"])
     with pytest.raises(ValueError, match="differs in second_turn"):
         first_answers(tmp_path / "plain", cfg, meta["model"])
-    with pytest.raises(ValueError, match="greedy second-turn run only"):
+    with pytest.raises(ValueError, match="differs in temperature"):
         first_answers(tmp_path / "g", attrs.evolve(cfg, temperature=0.7), meta["model"])
-    with pytest.raises(ValueError, match="greedy second-turn run only"):
+    with pytest.raises(ValueError, match="second-turn run only"):
         write_shards(tiny_llama, _PROMPTS[:4], tmp_path / "first", greedy, stop_ids=[stop], pad_id=0,
                      progress=False, known_first=known)
     with pytest.raises(ValueError, match="not this run's"):
         write_shards(tiny_llama, [(pid, ids + [3]) for pid, ids in _PROMPTS[:4]], tmp_path / "bad", cfg,
                      stop_ids=[stop], pad_id=0, progress=False, second_prompt=second_prompt, known_first=known)
+
+
+def test_a_sampled_second_turn_takes_the_first_answers_its_own_streams_draw(tiny_llama, tmp_path):
+    """Sampled first answers of the same temperature, seed and shard size are the ones a sampled
+    second-turn run would draw itself: taking them writes the same shards; another seed is refused."""
+    import attrs
+
+    from treespec.apps.selfdistill import DistillConfig, first_answers, read_shard, write_shards
+
+    def second_prompt(pid, ids, response):
+        return ids + response + [5, 6]
+
+    stop, meta = 7, {"model": "tiny sha256:0"}
+    sampled = DistillConfig(num_prompts=8, max_new_tokens=6, batch_size=3, shard_size=4, temperature=1.0, seed=5)
+    write_shards(tiny_llama, _PROMPTS[:8], tmp_path / "t", sampled, stop_ids=[stop], pad_id=0, progress=False,
+                 metadata=meta)
+    cfg = attrs.evolve(sampled, second_turn=True)
+    plain, reused = _CountingModel(tiny_llama), _CountingModel(tiny_llama)
+    known, _ = first_answers(tmp_path / "t", cfg, meta["model"])
+    for out, model, first in (("plain", plain, None), ("reused", reused, known)):
+        write_shards(model, _PROMPTS[:8], tmp_path / out, cfg, stop_ids=[stop], pad_id=0, progress=False,
+                     metadata=meta, second_prompt=second_prompt, known_first=first)
+    shards = [[_shard_content(p) for p in sorted((tmp_path / out).glob("shard-*"))] for out in ("plain", "reused")]
+    assert shards[0] == shards[1]
+    assert sum(len(read_shard(p)) for p in (tmp_path / "reused").glob("shard-*")) > 0  # chats were kept
+    assert reused.calls < plain.calls
+    for field, value in (("seed", 6), ("shard_size", 2)):
+        with pytest.raises(ValueError, match=f"differs in {field}"):
+            first_answers(tmp_path / "t", attrs.evolve(cfg, **{field: value}), meta["model"])
 
 
 def test_follow_ups_are_fixed_by_the_prompt_id():

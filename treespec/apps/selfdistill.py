@@ -23,8 +23,10 @@ Contract:
   asks), a follow-up request from `FOLLOW_UPS` chosen by the prompt id; the stored sequence is the
   two-turn conversation (the first answer re-templated from its text, as a chat harness does) and
   its response is the second answer.  Chats whose first answer was cut at the limit are left out.
-  A greedy second-turn run can take its first answers from a greedy first-turn run of the same
-  prompts and target (`first_answers`) instead of generating them again, which halves its cost.
+  A second-turn run can take its first answers from a first-turn run of the same prompts and target
+  (`first_answers`) instead of generating them again, which halves its cost: a greedy run from a
+  greedy one, a sampled run from one of the same temperature, seed and shard size (the first
+  answers its own streams would have drawn).
 """
 
 from __future__ import annotations
@@ -165,16 +167,18 @@ SecondPrompt = Callable[[str, list[int], list[int]], list[int]]
 FirstAnswers = Mapping[str, tuple[list[int], list[int], bool]]
 # what a first-turn run must share with a second-turn run for its answers to be that run's first answers
 _FIRST_TURN_KEYS = ("dataset", "split", "max_new_tokens", "max_prompt_tokens", "temperature")
+_SAMPLED_KEYS = ("seed", "shard_size")  # and, for a sampled run, what fixes each answer's stream
 
 
 def first_answers(data_dir: Path, cfg: DistillConfig, model: str,
                   ) -> tuple[dict[str, tuple[list[int], list[int], bool]], list[Path]]:
-    """The answers of a greedy first-turn run in ``data_dir`` for the second-turn run ``cfg`` of the
-    target ``model`` (its ``model`` metadata), and the shards left out as made by another target.
+    """The answers of a first-turn run in ``data_dir`` for the second-turn run ``cfg`` of the target
+    ``model`` (its ``model`` metadata), and the shards left out as made by another target.
 
     Answers: prompt id -> (prompt ids, response ids, finished).  Refused (ValueError) unless ``cfg``
-    is a greedy second-turn run and every shard has its dataset, split, length limits and temperature,
-    or when no shard was made by ``model``.  The prompts of shards left out or not written yet get
+    is a second-turn run and every shard has its dataset, split, length limits and temperature (and,
+    when sampled, its seed and shard size: each first answer is then the one ``cfg``'s own stream of
+    that prompt draws), or when no shard was made by ``model``.  The prompts of shards left out or not written yet get
     their first answers generated as usual.
     """
     _check_reuse(cfg)
@@ -186,7 +190,8 @@ def first_answers(data_dir: Path, cfg: DistillConfig, model: str,
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata()
         stored = json.loads(meta.get("config", "{}"))
-        differ = [k for k in _FIRST_TURN_KEYS if stored.get(k) != getattr(cfg, k)]
+        keys = _FIRST_TURN_KEYS + (_SAMPLED_KEYS if cfg.temperature else ())
+        differ = [k for k in keys if stored.get(k) != getattr(cfg, k)]
         differ += ["second_turn"] if stored.get("second_turn") else []
         if differ:
             raise ValueError(f"{path} cannot give this run's first answers: it differs in {', '.join(differ)}")
@@ -202,9 +207,8 @@ def first_answers(data_dir: Path, cfg: DistillConfig, model: str,
 
 
 def _check_reuse(cfg: DistillConfig) -> None:
-    if not cfg.second_turn or cfg.temperature != 0:
-        raise ValueError("first answers from another run serve a greedy second-turn run only (a sampled run "
-                         "draws its first answers from its own seeded stream)")
+    if not cfg.second_turn:
+        raise ValueError("first answers from another run serve a second-turn run only")
 
 
 def _check_known(prompts: Sequence[Prompt], known: FirstAnswers) -> None:

@@ -2,7 +2,8 @@
 
 Greedy by default, sampled with ``--temperature`` (seeded by ``--seed``); ``--second-turn`` stores
 two-turn chats (a follow-up after the target's own first answer), with ``--first-answers DIR``
-taking those first answers from a greedy first-turn run instead of generating them.  Resumable:
+taking those first answers from a first-turn run instead of generating them (greedy from greedy;
+sampled from a run of the same temperature and seed).  Resumable:
 rerunning the same command skips the shards already written.  Multi-turn records contribute their
 first turn only.
 """
@@ -50,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--second-turn", action="store_true",
                         help="store two-turn chats: a follow-up request after the target's first answer")
     parser.add_argument("--first-answers", type=Path, default=None, metavar="DIR",
-                        help="with --second-turn (greedy): take the first answers from this greedy first-turn "
-                             "run of the same prompts and target instead of generating them again")
+                        help="with --second-turn: take the first answers from this first-turn run of the same "
+                             "prompts and target (and, sampled, the same temperature and seed) instead of "
+                             "generating them again")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto (the faster here), bfloat16, float32, ...")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target runs")
