@@ -14,9 +14,9 @@
 # from those drafters instead of fresh weights.
 #
 # RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10 t07b t07c", all six
-# committed passes; turn2t07, second turns sampled at T = 0.7 after the t07 pass's own first answers,
-# is under way: PASSES=turn2t07 resumes it) picks the data passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default,
-# or cuda) is where the target and the drafters run; BATCH (default 48) is the rows of the data
+# committed passes; turn2t07, second turns sampled at T = 0.7 after the t07 pass's own first
+# answers, is under way: PASSES=turn2t07 resumes it) picks the data passes; THREADS (default 1) sets
+# the threads per command; DEVICE (cpu, the default, or cuda) is where the target and the drafters run; BATCH (default 48) is the rows of the data
 # passes' continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
 # one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
 # pipeline: PROMPTS (training prompts per pass, default 4498) and TRAIN_SET (extra train-drafter
