@@ -507,11 +507,12 @@ def test_second_turn_takes_its_first_answers_from_a_greedy_run(tiny_llama, tmp_p
                      stop_ids=[stop], pad_id=0, progress=False, second_prompt=second_prompt, known_first=known)
 
 
-def test_a_sampled_second_turn_takes_the_first_answers_its_own_streams_draw(tiny_llama, tmp_path):
+def test_a_sampled_second_turn_takes_the_first_answers_its_own_streams_draw(tiny_llama, tmp_path, monkeypatch):
     """Sampled first answers of the same temperature, seed and shard size are the ones a sampled
     second-turn run would draw itself: taking them writes the same shards; another seed is refused."""
     import attrs
 
+    from treespec.apps import selfdistill
     from treespec.apps.selfdistill import DistillConfig, first_answers, read_shard, write_shards
 
     def second_prompt(pid, ids, response):
@@ -531,6 +532,16 @@ def test_a_sampled_second_turn_takes_the_first_answers_its_own_streams_draw(tiny
     assert shards[0] == shards[1]
     assert sum(len(read_shard(p)) for p in (tmp_path / "reused").glob("shard-*")) > 0  # chats were kept
     assert reused.calls < plain.calls
+    stops = list(range(3, 40))  # most first answers end within the limit, so most chats go on
+    write_shards(tiny_llama, _PROMPTS[:8], tmp_path / "t2", sampled, stop_ids=stops, pad_id=0, progress=False,
+                 metadata=meta)
+    known = first_answers(tmp_path / "t2", cfg, meta["model"])[0]
+    assert all(sum(known[pid][2] for pid, _ in _PROMPTS[i:i + 4]) >= 2 for i in (0, 4))
+    written = []
+    monkeypatch.setattr(selfdistill, "_write_shard", lambda path, *a: written.append(path.name))
+    write_shards(tiny_llama, _PROMPTS[:8], tmp_path / "order", cfg, stop_ids=stops, pad_id=0, progress=False,
+                 metadata=meta, second_prompt=second_prompt, known_first=known)
+    assert written == sorted(written)  # second turns after known first answers queue in shard order
     for field, value in (("seed", 6), ("shard_size", 2)):
         with pytest.raises(ValueError, match=f"differs in {field}"):
             first_answers(tmp_path / "t", attrs.evolve(cfg, **{field: value}), meta["model"])

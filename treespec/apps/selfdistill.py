@@ -241,8 +241,10 @@ class _Shard:
 
 class _ShardWriter:
     """Feeds the missing shards' prompts to one continuous batch and writes each shard once its last
-    answer is in.  First turns queue in shard order and second turns go ahead of them, so shards
-    end roughly in order and an interruption loses only the few shards in flight."""
+    answer is in.  First turns queue in shard order and the second turns they lead to go ahead of
+    them (second turns after known first answers queue in shard order too), so shards end roughly in
+    order and an interruption loses only the few shards in flight.  The progress bar counts prompts
+    whose last answer is in (or whose chat was left out)."""
 
     def __init__(self, batch: ContinuousBatch, cfg: DistillConfig, second_prompt: SecondPrompt | None,
                  write: Callable[[int, list[Row]], None], progress: _TokenRate) -> None:
@@ -255,8 +257,7 @@ class _ShardWriter:
         shard = self.shards[index] = _Shard(index, prompts, pending=len(prompts))
         for row, (pid, ids) in enumerate(prompts):
             if pid in known:
-                self.progress.update(1, 0)
-                self._first_done(shard, row, *known[pid][1:])
+                self._first_done(shard, row, *known[pid][1:], front=False)
             else:
                 self._submit(index, row, 1, ids)
         self._write_if_complete(shard)
@@ -265,27 +266,31 @@ class _ShardWriter:
         for done in self.batch.run():
             index, row, turn = done.key
             shard = self.shards[index]
-            self.progress.update(int(turn == 1), len(done.response))
+            self.progress.update(0, len(done.response))
             if turn == 1:
                 self._first_done(shard, row, done.response, done.finished)
             else:
                 pid, chat = shard.rows[row][:2]
                 shard.rows[row] = (pid, chat, done.response, done.finished)
-                shard.pending -= 1
+                self._row_done(shard)
             self._write_if_complete(shard)
 
-    def _first_done(self, shard: _Shard, row: int, response: list[int], finished: bool) -> None:
+    def _first_done(self, shard: _Shard, row: int, response: list[int], finished: bool, front: bool = True) -> None:
         pid, ids = shard.prompts[row]
         if not self.cfg.second_turn:
             shard.rows[row] = (pid, list(ids), response, finished)
-            shard.pending -= 1
+            self._row_done(shard)
             return
         chat = self.second_prompt(pid, list(ids), response) if finished else None
         if chat is None or len(chat) > self.cfg.max_prompt_tokens:  # a cut first answer, or too long a chat
-            shard.pending -= 1
+            self._row_done(shard)
             return
         shard.rows[row] = (pid, chat, [], False)  # its response comes with the second turn
-        self._submit(shard.index, row, 2, chat, front=True)
+        self._submit(shard.index, row, 2, chat, front=front)
+
+    def _row_done(self, shard: _Shard) -> None:
+        shard.pending -= 1
+        self.progress.update(1, 0)
 
     def _submit(self, index: int, row: int, turn: int, ids: Sequence[int], front: bool = False) -> None:
         generator = _row_generator(self.cfg, index, row, turn, self.batch.device)
