@@ -178,8 +178,8 @@ def first_answers(data_dir: Path, cfg: DistillConfig, model: str,
     Answers: prompt id -> (prompt ids, response ids, finished).  Refused (ValueError) unless ``cfg``
     is a second-turn run and every shard has its dataset, split, length limits and temperature (and,
     when sampled, its seed and shard size: each first answer is then the one ``cfg``'s own stream of
-    that prompt draws), or when no shard was made by ``model``.  The prompts of shards left out or not written yet get
-    their first answers generated as usual.
+    that prompt draws), or when no shard was made by ``model``.  The prompts of shards left out or
+    not written yet get their first answers generated as usual.
     """
     _check_reuse(cfg)
     paths = sorted(Path(data_dir).glob("shard-*.safetensors"))

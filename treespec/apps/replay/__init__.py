@@ -4,10 +4,9 @@ then measure any tree policy's T = 0 acceptance lengths from the recording, with
 Five modules, one job each: `trace` (the file format and joining traces), `record` (recording),
 `rebuild` (a recorded anchor's `DraftOutput`), `evaluate` (replaying policies; `replay_priced`
 replays a cost-aware run whose costs were corrected live, round by round with the curves its bench
-record names), `compare` (sweeps, per-prompt tau and paired intervals against a baseline, or against the same
-methods replayed from another trace of the same answers).  Replay
-knows a
-path-dependent scorer only through `treespec.interfaces.RecordableScorer` and the registry.
+record names), `compare` (sweeps, per-prompt tau and paired intervals against a baseline, or against
+the same methods replayed from another trace of the same answers).  Replay knows a path-dependent
+scorer only through `treespec.interfaces.RecordableScorer` and the registry.
 
 Exactness.  A rebuilt draft gives the live draft's tree bit for bit for best-first policies over
 the marginals (DDTree, CaDDTree, the chain) with budget <= ``max_budget``, for the scorer policies
