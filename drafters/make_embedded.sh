@@ -8,8 +8,9 @@
 #   drafters/make_embedded.sh data heldout     # some stages
 #
 # The data passes' answers are kept in the repository (drafters/embedded/data/PASS, xz-compressed
-# shards and a manifest): `restore` lays them out under $RUNS/data first, so a pass resumes where the
-# committed data ends, and `store` copies the new shards back (commit them).  INIT (a directory with
+# shards and a manifest): `restore` lays them out under $RUNS/data first (with the first-turn pass a
+# second-turn pass takes its first answers from), so a pass resumes where the committed data ends,
+# and `store` copies the new shards back (commit them).  INIT (a directory with
 # dflash/ and domino/ drafters, e.g. treespec/assets as shipped: INIT=shipped) warm-starts training
 # from those drafters instead of fresh weights.
 #
@@ -48,8 +49,16 @@ pass_args() {  # the distill-data settings of one pass
   esac
 }
 
-restore() {  # the committed answers of each pass, back under $runs/data (shards present are kept)
-  for pass in $passes; do
+first_turn_of() {  # the pass whose answers a second-turn pass takes as its first answers, if any
+  case $1 in
+    turn2) echo greedy ;;
+    turn2t07) echo t07 ;;
+  esac
+}
+
+restore() {  # the committed answers of each pass and of the first turns it needs, back under $runs/data
+  local pass
+  for pass in $(for p in $passes; do first_turn_of "$p"; echo "$p"; done | awk '!seen[$0]++'); do
     if [ -f "$store_dir/$pass/manifest.json" ]; then
       treespec data-store restore --store "$store_dir/$pass" --data "$runs/data/$pass"
     fi
