@@ -15,8 +15,8 @@
 # from those drafters instead of fresh weights.
 #
 # RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10 t07b t07c", all six
-# committed passes; turn2t07, second turns sampled at T = 0.7 after the t07 pass's own first
-# answers, is under way: PASSES=turn2t07 resumes it) picks the data passes; THREADS (default 1) sets
+# committed passes; turn2t07 and turn2t07b, second turns sampled at T = 0.7 after the first answers
+# of the t07 and t07b passes, are under way: PASSES=turn2t07 resumes one) picks the data passes; THREADS (default 1) sets
 # the threads per command; DEVICE (cpu, the default, or cuda) is where the target and the drafters run; BATCH (default 48) is the rows of the data
 # passes' continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
 # one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
@@ -45,7 +45,8 @@ pass_args() {  # the distill-data settings of one pass
     t07b) echo "--temperature 0.7 --seed 17" ;;
     t07c) echo "--temperature 0.7 --seed 27" ;;
     turn2t07) echo "--second-turn --temperature 0.7 --seed 7 --first-answers $runs/data/t07" ;;
-    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b, t07c, turn2t07)" >&2; exit 2 ;;
+    turn2t07b) echo "--second-turn --temperature 0.7 --seed 17 --first-answers $runs/data/t07b" ;;
+    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b, t07c, turn2t07, turn2t07b)" >&2; exit 2 ;;
   esac
 }
 
@@ -53,6 +54,7 @@ first_turn_of() {  # the pass whose answers a second-turn pass takes as its firs
   case $1 in
     turn2) echo greedy ;;
     turn2t07) echo t07 ;;
+    turn2t07b) echo t07b ;;
   esac
 }
 
