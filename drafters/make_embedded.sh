@@ -15,8 +15,8 @@
 # from those drafters instead of fresh weights.
 #
 # RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10 t07b t07c", all six
-# committed passes; turn2t07 and turn2t07b, second turns sampled at T = 0.7 after the first answers
-# of the t07 and t07b passes, are under way: PASSES=turn2t07 resumes one) picks the data passes; THREADS (default 1) sets
+# committed first-turn passes; turn2t07 and turn2t07b, second turns sampled at T = 0.7 after the
+# first answers of the t07 and t07b passes, are committed too and named when wanted) picks the passes; THREADS (default 1) sets
 # the threads per command; DEVICE (cpu, the default, or cuda) is where the target and the drafters run; BATCH (default 48) is the rows of the data
 # passes' continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
 # one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
