@@ -10,15 +10,16 @@
 # The data passes' answers are kept in the repository (drafters/embedded/data/PASS, xz-compressed
 # shards and a manifest): `restore` lays them out under $RUNS/data first (with the first-turn pass a
 # second-turn pass takes its first answers from), so a pass resumes where the committed data ends,
-# and `store` copies the new shards back (commit them).  INIT (a directory with
-# dflash/ and domino/ drafters, e.g. treespec/assets as shipped: INIT=shipped) warm-starts training
-# from those drafters instead of fresh weights.
+# and `store` copies the new shards back (commit them).  INIT (a directory with dflash/ and domino/
+# drafters, e.g. treespec/assets as shipped: INIT=shipped) warm-starts training from those drafters
+# instead of fresh weights.
 #
 # RUNS (default runs/) holds everything; PASSES (default "greedy turn2 t07 t10 t07b t07c", all six
 # committed first-turn passes; turn2t07 and turn2t07b, second turns sampled at T = 0.7 after the
-# first answers of the t07 and t07b passes, are committed too and named when wanted) picks the passes; THREADS (default 1) sets
-# the threads per command; DEVICE (cpu, the default, or cuda) is where the target and the drafters run; BATCH (default 48) is the rows of the data
-# passes' continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
+# first answers of the t07 and t07b passes, are committed too and named when wanted) picks the
+# passes; THREADS (default 1) sets the threads per command; DEVICE (cpu, the default, or cuda) is
+# where the target and the drafters run; BATCH (default 48) is the rows of the data passes'
+# continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
 # one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
 # pipeline: PROMPTS (training prompts per pass, default 4498) and TRAIN_SET (extra train-drafter
 # flags, e.g. "--set steps=20 --set eval_every=10").
@@ -36,25 +37,25 @@ store_dir=drafters/embedded/data
 export OMP_NUM_THREADS=$threads
 heldout_sets="gsm8k humaneval mt-bench alpaca"
 
-pass_args() {  # the distill-data settings of one pass
-  case $1 in
-    greedy) echo "" ;;
-    turn2) echo "--second-turn --first-answers $runs/data/greedy" ;;
-    t07) echo "--temperature 0.7 --seed 7" ;;
-    t10) echo "--temperature 1.0 --seed 10" ;;
-    t07b) echo "--temperature 0.7 --seed 17" ;;
-    t07c) echo "--temperature 0.7 --seed 27" ;;
-    turn2t07) echo "--second-turn --temperature 0.7 --seed 7 --first-answers $runs/data/t07" ;;
-    turn2t07b) echo "--second-turn --temperature 0.7 --seed 17 --first-answers $runs/data/t07b" ;;
-    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b, t07c, turn2t07, turn2t07b)" >&2; exit 2 ;;
-  esac
-}
-
 first_turn_of() {  # the pass whose answers a second-turn pass takes as its first answers, if any
   case $1 in
     turn2) echo greedy ;;
     turn2t07) echo t07 ;;
     turn2t07b) echo t07b ;;
+  esac
+}
+
+pass_args() {  # the distill-data settings of one pass
+  case $1 in
+    greedy) echo "" ;;
+    turn2) echo "--second-turn --first-answers $runs/data/$(first_turn_of "$1")" ;;
+    t07) echo "--temperature 0.7 --seed 7" ;;
+    t10) echo "--temperature 1.0 --seed 10" ;;
+    t07b) echo "--temperature 0.7 --seed 17" ;;
+    t07c) echo "--temperature 0.7 --seed 27" ;;
+    turn2t07) echo "--second-turn --temperature 0.7 --seed 7 --first-answers $runs/data/$(first_turn_of "$1")" ;;
+    turn2t07b) echo "--second-turn --temperature 0.7 --seed 17 --first-answers $runs/data/$(first_turn_of "$1")" ;;
+    *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b, t07c, turn2t07, turn2t07b)" >&2; exit 2 ;;
   esac
 }
 
