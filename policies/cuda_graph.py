@@ -25,7 +25,7 @@ from policies.frontier import finish, frontier_selection
 from treespec.interfaces import ConditionalScorer, DraftOutput
 from treespec.tree import DraftTree
 
-__all__ = ["GraphedBuild"]
+__all__ = ["GraphedBuild", "static_selection"]
 
 
 class GraphedBuild:
@@ -57,9 +57,7 @@ class GraphedBuild:
         return DraftOutput(logprobs=self.logprobs, root_token=0, scorer=scorer)
 
     def _run(self) -> tuple[torch.Tensor, ...]:
-        draft = self._template_draft()
-        source = self.policy.source(draft, "static")
-        return frontier_selection(draft, source, self.policy.max_nodes(draft), static=True)
+        return static_selection(self.policy, self._template_draft())
 
     def build(self, draft: DraftOutput) -> DraftTree:
         if draft.logprobs.shape != self.logprobs.shape:
@@ -86,6 +84,14 @@ class GraphedBuild:
                              f"got { {k: tuple(v.shape) for k, v in inputs.items()} }")
         for name, tensor in inputs.items():
             self.inputs[name].copy_(tensor)
+
+
+def static_selection(policy: BestFirstPolicy, draft: DraftOutput) -> tuple[torch.Tensor, ...]:
+    """What a graph captures of a build: the static-mode selection (order, tokens, scores, depths,
+    parents), whose shapes depend on the policy and the draft's shape alone and which never reads a
+    tensor's value on the host (it runs on ``meta`` tensors, where such a read fails)."""
+    source = policy.source(draft, "static")
+    return frontier_selection(draft, source, policy.max_nodes(draft), static=True)
 
 
 def _round_inputs(scorer: ConditionalScorer, which: str) -> dict[str, torch.Tensor]:

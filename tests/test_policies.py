@@ -434,3 +434,26 @@ def test_cuda_graph_build_over_a_scorer_equals_eager(policy):
     for seed in range(1, 5):  # one capture, several replays with new rounds
         draft = random_domino_round(seed, "cuda", modules)
         assert graphed.build(draft).equal(policy.build_torch(draft, static=True))
+
+
+@pytest.mark.parametrize(("policy", "scored"), [
+    (DDTree(budget=48), False), (Chain(), False),
+    (CaDDTree(budget=48, cost_model=LinearCost(draft=0.001, base=0.05, per_token=1e-4)), False),
+    (DominoTree(budget=48, top_m=16, node_topk=4), True), (Chain(top_m=16), True),
+], ids=["ddtree", "chain", "caddtree", "dominotree", "chain-domino"])
+def test_captured_selection_reads_no_value_on_the_host(policy, scored):
+    """What a CUDA graph captures of a build runs on meta tensors, which have no values (an ``item``,
+    a ``nonzero`` or a branch on a value fails there), with the shapes it has on real values: the
+    capture's precondition, checked without a GPU."""
+    from policies.cuda_graph import static_selection
+
+    if scored:
+        real = random_domino_round(3, "cpu", random_domino_modules("cpu"))
+        meta = random_domino_round(3, "meta", random_domino_modules("meta"))
+    else:
+        real = marginal_draft(16, 300, 3)
+        meta = DraftOutput(logprobs=real.logprobs.to("meta"), root_token=real.root_token)
+    expected = static_selection(policy, real)
+    got = static_selection(policy, meta)
+    assert all(t.is_meta for t in got)
+    assert [t.shape for t in got] == [t.shape for t in expected]
