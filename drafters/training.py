@@ -35,11 +35,13 @@ step takes one sequence:
    the decay at 1 would train the base logits alone for a while and undo part of the correction.
 
 `new_drafter` builds a fresh drafter for a target (top layers copied from it), `warm_start` loads a
-saved one as a run's start (`grow_layers` adds draft layers that draft nothing at first).
+saved one as a run's start (`grow_layers` adds draft layers that draft nothing at first; with
+``grown_lr_scale`` they learn at that multiple of the rate, `BlockRecipe.lr_scales`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attrs
@@ -52,7 +54,7 @@ from treespec.target import spread_layers
 from treespec.training import StepLoss, TeacherRecord, TrainingRecipe, draft_vocabulary
 
 __all__ = ["TRAIN_PRESETS", "BlockRecipe", "TrainConfig", "decay_weights", "draft_config_for", "grow_layers",
-           "init_from_target", "new_drafter", "warm_start"]
+           "init_from_target", "new_drafter", "saved_layers", "warm_start"]
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -88,6 +90,7 @@ class TrainConfig:
     save_every: int = 200  # steps between checkpoints
     eval_every: int = 0  # steps between held-out τ evaluations (0: none; needs held-out records)
     eval_methods: tuple[str, ...] = ()  # methods scored on held-out data; the first picks the best; () by kind
+    grown_lr_scale: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))  # lr multiple of added layers
 
     @property
     def gamma(self) -> float:
@@ -194,6 +197,15 @@ class BlockRecipe(TrainingRecipe):
         if config.kind != "domino" or config.base_share_start is not None:
             return config
         return attrs.evolve(config, base_share_start=config.base_share_floor)
+
+    def lr_scales(self, init_dir: str | Path | None) -> list[tuple[list[torch.nn.Parameter], float]]:
+        """The draft layers a warm start added (`grow_layers`) at ``grown_lr_scale`` times the rate: their
+        zeroed output projections start far below the trained layers' scale and grow slowly at 1x."""
+        if init_dir is None or self.config.grown_lr_scale == 1.0:
+            return []
+        added = self.drafter.model.layers[saved_layers(init_dir):]
+        params = [p for layer in added for p in layer.parameters()]
+        return [(params, self.config.grown_lr_scale)] if params else []
 
     @property
     def trainable(self) -> torch.nn.Module:
@@ -389,6 +401,11 @@ def grow_layers(drafter: DFlashDrafter, target, num_layers: int) -> DFlashDrafte
                 if projection.bias is not None:
                     projection.bias.zero_()
     return grown
+
+
+def saved_layers(init_dir: str | Path) -> int:
+    """How many draft layers the drafter saved at ``init_dir`` has (its released config's count)."""
+    return int(json.loads((Path(init_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
 def grow_vocab(drafter: DFlashDrafter, size: int, token_counts: torch.Tensor) -> DFlashDrafter:

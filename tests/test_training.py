@@ -461,6 +461,50 @@ def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(targ
 
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_grown_layers_learn_at_their_multiple_of_the_rate(target, tmp_path, kind):
+    """``grown_lr_scale``: the layers a warm start adds take an Adam step that many times as large as at
+    1x (a first Adam step is linear in the rate); the saved layers' step is the same either way."""
+    from drafters.training import warm_start
+
+    data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=6)
+    init = tmp_path / "a" / "drafter"
+    moved = {}
+    for scale in (1.0, 10.0):
+        two = attrs_evolve(cfg, num_layers=2, grown_lr_scale=scale)
+        recipe = BlockRecipe(target, warm_start(target, two, 1, init), two)
+        scales = recipe.lr_scales(init)
+        assert (scales == []) == (scale == 1.0)
+        assert BlockRecipe(target, recipe.drafter, two).lr_scales(None) == []  # fresh weights: nothing grown
+        trainer = DrafterTrainer(recipe, out_dir=tmp_path / f"s{scale}", init="a", lr_scales=scales)
+        before = {n: q.detach().clone() for n, q in recipe.trainable.named_parameters()}
+        assert trainer.train_step(trainer.record(data, 0)) is not None
+        moved[scale] = {n: q.detach() - before[n] for n, q in recipe.trainable.named_parameters()}
+    added = [n for n in moved[1.0] if n.startswith("layers.1.")]
+    assert added and len(added) < len(moved[1.0])
+    for name, step in moved[1.0].items():
+        expected = 10 * step if name in added else step
+        torch.testing.assert_close(moved[10.0][name], expected, rtol=1e-4, atol=1e-7, msg=name)
+    assert any(moved[1.0][n].abs().sum() > 0 for n in added)
+
+
+def test_a_run_saved_before_a_config_field_existed_resumes_at_its_default(target, tmp_path):
+    """A trainer state without a field the config gained later reads as the field's default; a saved
+    value other than this run's is still refused."""
+    trainer = make(target, tmp_path, steps=4)
+    trainer.train(sequences(2, target=target), progress=False)
+    state_file = tmp_path / "dflash" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["config"]["grown_lr_scale"]
+    state_file.write_text(json.dumps(state))
+    again = make(target, tmp_path, steps=4)
+    assert again.resume() and again.step == trainer.step == 4
+    state["config"]["grown_lr_scale"] = 3.0
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="grown_lr_scale 3.0 there, 1.0 now"):
+        make(target, tmp_path, steps=4).resume()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_frequent_tokens(target, tmp_path, kind):
     """``--init`` of a 24-token head into a 32-token run: every weight as saved, the saved tokens kept and
     the 8 most frequent others added; each saved token's logit is the saved drafter's; it trains on."""

@@ -101,6 +101,11 @@ class TrainingRecipe(ABC):
         schedule should not start over on trained weights; by default ``config`` unchanged."""
         return config
 
+    def lr_scales(self, init_dir: str | Path | None) -> list[tuple[list[torch.nn.Parameter], float]]:
+        """Parameters that learn at a multiple of the schedule's rate, as (parameters, multiple) pairs;
+        ``init_dir``: the saved drafter a warm start began from (None: fresh weights).  By default none."""
+        return []
+
     @property
     @abstractmethod
     def trainable(self) -> torch.nn.Module:

@@ -214,7 +214,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(data)} sequences from {source}; config: {cfg}")
     drafter = _start_drafter(args, recipe, target, cfg, mask, data)
     _check_taps({"teacher": data, "heldout": heldout}, drafter.config.target_layer_ids)
-    trainer = DrafterTrainer(recipe(target, drafter, cfg), out_dir=args.out, init=_init_identity(args.init))
+    run_recipe = recipe(target, drafter, cfg)
+    scales = run_recipe.lr_scales(args.init)
+    for params, scale in scales:
+        print(f"{sum(p.numel() for p in params):,} parameters added to the --init drafter learn at {scale:g}x the rate")
+    trainer = DrafterTrainer(run_recipe, out_dir=args.out, init=_init_identity(args.init), lr_scales=scales)
     try:
         resumed = trainer.resume()
     except ValueError as exc:

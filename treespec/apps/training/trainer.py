@@ -12,8 +12,10 @@ holding a drafter, a frozen target and a config) one sequence per step:
   one drew.
 * **Optimiser.** AdamW (``lr``, ``weight_decay``), the global gradient norm clipped at ``grad_clip``;
   the learning rate warms up linearly over ``warmup_steps`` and then decays by a cosine to 10 % of
-  its peak at ``steps``.  bf16 autocast with float32 master weights where it pays (``autocast_bf16``;
-  None: on CUDA, or where this CPU's bf16 matmul beats float32 for the target's shapes).
+  its peak at ``steps``; parameters the recipe names in ``lr_scales`` follow the schedule times
+  their multiple (`TrainingRecipe.lr_scales`: a grown drafter's added layers).  bf16 autocast with
+  float32 master weights where it pays (``autocast_bf16``; None: on CUDA, or where this CPU's bf16
+  matmul beats float32 for the target's shapes).
 * **Held-out τ** (with a held-out teacher cache, every ``eval_every`` steps and, for a warm start,
   before the first step): each of ``recipe.eval_methods`` decoded greedily over the cached answers
   (`treespec.apps.training.evaluate`), logged to ``eval.jsonl``; the weights that score best on the
@@ -61,10 +63,29 @@ def use_autocast(setting: bool | None, device: torch.device, target_config) -> b
     return cpu_dtype_choice(target_config).dtype == torch.bfloat16
 
 
+def _with_defaults(saved: dict[str, Any], config_type: type) -> dict[str, Any]:
+    """A saved config with the fields it predates at their defaults (a run saved before a field was
+    added resumes as one trained with the default)."""
+    missing = {f.name: f.default for f in attrs.fields(config_type)
+               if f.name not in saved and f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory)}
+    return {**saved, **json.loads(json.dumps(missing))}
+
+
+def _groups(params: list[torch.nn.Parameter], lr_scales) -> list[dict[str, Any]]:
+    """The optimiser's parameter groups: one per rate multiple (``lr_scales``: (parameters, multiple)
+    pairs; every other parameter at 1x), each carrying its ``lr_scale``."""
+    scale = {id(p): float(s) for group, s in lr_scales for p in group}
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(scale.get(id(p), 1.0), []).append(p)
+    return [{"params": group, "lr_scale": s} for s, group in groups.items()]
+
+
 class DrafterTrainer:
     """Runs the loop of the module docstring over one recipe; see `train`."""
 
-    def __init__(self, recipe: TrainingRecipe, *, out_dir: str | Path, init: str | None = None) -> None:
+    def __init__(self, recipe: TrainingRecipe, *, out_dir: str | Path, init: str | None = None,
+                 lr_scales: Sequence[tuple[Sequence[torch.nn.Parameter], float]] = ()) -> None:
         self.recipe = recipe
         self.init = init  # the warm start's weights (path and sha256), None for fresh weights
         self.out_dir = Path(out_dir)
@@ -74,7 +95,7 @@ class DrafterTrainer:
         for p in self.params:
             p.requires_grad_(True)
         recipe.trainable.train()
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(_groups(self.params, lr_scales), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.autocast = use_autocast(cfg.autocast_bf16, self.params[0].device, recipe.target.config)
         self.step = 0
         self.best_tau = float("-inf")  # best held-out τ of the first eval method so far
@@ -119,7 +140,7 @@ class DrafterTrainer:
         """One optimiser step on ``record``: (logs, label positions), or None when the recipe finds
         nothing to learn in it (the step still counts)."""
         for group in self.optimizer.param_groups:
-            group["lr"] = self.learning_rate(self.step)
+            group["lr"] = self.learning_rate(self.step) * group["lr_scale"]
         with torch.autocast(self.params[0].device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.recipe.loss(record, self.step, self.step_generator(self.step))
         if out is None:
@@ -232,7 +253,8 @@ class DrafterTrainer:
         if state.get("init") != self.init:
             raise ValueError(f"{self.out_dir} is a run started from {state.get('init') or 'fresh weights'}, "
                              f"not from {self.init or 'fresh weights'}: use a new --out or the same start")
-        saved, now = state.get("config") or {}, json.loads(json.dumps(attrs.asdict(self.cfg)))
+        now = json.loads(json.dumps(attrs.asdict(self.cfg)))
+        saved = _with_defaults(state.get("config") or {}, type(self.cfg))
         differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE and saved.get(k) != now.get(k))
         if differ:
             raise ValueError(f"{self.out_dir} was trained with another config ("
