@@ -41,20 +41,19 @@ saved one as a run's start (`grow_layers` adds draft layers that draft nothing a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import attrs
 import torch
 
-from drafters.config import DFlashConfig, DominoHeadConfig
+from drafters.config import DFlashConfig, DominoHeadConfig, read_config
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoDrafter
 from treespec.target import spread_layers
 from treespec.training import StepLoss, TeacherRecord, TrainingRecipe, draft_vocabulary
 
 __all__ = ["TRAIN_PRESETS", "BlockRecipe", "TrainConfig", "decay_weights", "draft_config_for", "grow_layers",
-           "init_from_target", "new_drafter", "saved_layers", "warm_start"]
+           "init_from_target", "new_drafter", "warm_start"]
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -203,7 +202,7 @@ class BlockRecipe(TrainingRecipe):
         zeroed output projections start far below the trained layers' scale and grow slowly at 1x."""
         if init_dir is None or self.config.grown_lr_scale == 1.0:
             return []
-        added = self.drafter.model.layers[saved_layers(init_dir):]
+        added = self.drafter.model.layers[read_config(init_dir).num_hidden_layers:]
         params = [p for layer in added for p in layer.parameters()]
         return [(params, self.config.grown_lr_scale)] if params else []
 
@@ -401,11 +400,6 @@ def grow_layers(drafter: DFlashDrafter, target, num_layers: int) -> DFlashDrafte
                 if projection.bias is not None:
                     projection.bias.zero_()
     return grown
-
-
-def saved_layers(init_dir: str | Path) -> int:
-    """How many draft layers the drafter saved at ``init_dir`` has (its released config's count)."""
-    return int(json.loads((Path(init_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
 def grow_vocab(drafter: DFlashDrafter, size: int, token_counts: torch.Tensor) -> DFlashDrafter:
