@@ -45,18 +45,21 @@ first_turn_of() {  # the pass whose answers a second-turn pass takes as its firs
   esac
 }
 
-pass_args() {  # the distill-data settings of one pass
+pass_args() {  # the distill-data settings of one pass (a second-turn pass: its first answers too)
+  local args first
   case $1 in
-    greedy) echo "" ;;
-    turn2) echo "--second-turn --first-answers $runs/data/$(first_turn_of "$1")" ;;
-    t07) echo "--temperature 0.7 --seed 7" ;;
-    t10) echo "--temperature 1.0 --seed 10" ;;
-    t07b) echo "--temperature 0.7 --seed 17" ;;
-    t07c) echo "--temperature 0.7 --seed 27" ;;
-    turn2t07) echo "--second-turn --temperature 0.7 --seed 7 --first-answers $runs/data/$(first_turn_of "$1")" ;;
-    turn2t07b) echo "--second-turn --temperature 0.7 --seed 17 --first-answers $runs/data/$(first_turn_of "$1")" ;;
+    greedy) args="" ;;
+    turn2) args="--second-turn" ;;
+    t07) args="--temperature 0.7 --seed 7" ;;
+    t10) args="--temperature 1.0 --seed 10" ;;
+    t07b) args="--temperature 0.7 --seed 17" ;;
+    t07c) args="--temperature 0.7 --seed 27" ;;
+    turn2t07) args="--second-turn --temperature 0.7 --seed 7" ;;
+    turn2t07b) args="--second-turn --temperature 0.7 --seed 17" ;;
     *) echo "unknown data pass '$1' (greedy, turn2, t07, t10, t07b, t07c, turn2t07, turn2t07b)" >&2; exit 2 ;;
   esac
+  first=$(first_turn_of "$1")
+  echo "$args${first:+ --first-answers $runs/data/$first}"
 }
 
 restore() {  # the committed answers of each pass and of the first turns it needs, back under $runs/data
