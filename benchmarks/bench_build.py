@@ -28,13 +28,13 @@ import time
 import torch
 from torch import nn
 
-from drafters.domino import DominoScorer
-from drafters.toy import ToyConditionalDrafter, ToyConfig
-from policies.caddtree import CaDDTree
-from policies.chain import Chain
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
-from policies.static_corrected import StaticCorrected
+from treespec.drafters.domino import DominoScorer
+from treespec.drafters.toy import ToyConditionalDrafter, ToyConfig
+from treespec.policies.caddtree import CaDDTree
+from treespec.policies.chain import Chain
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
+from treespec.policies.static_corrected import StaticCorrected
 from treespec.cost import COST_PRESETS
 from treespec.interfaces import DraftContext, DraftOutput
 

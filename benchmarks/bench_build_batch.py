@@ -23,10 +23,10 @@ import time
 import torch
 from bench_build import SIZES, DominoParts, marginal_draft
 
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
-from policies.frontier import expand_frontier, expand_frontier_batch, resolve_batch
-from policies.stacked import stack_sources
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
+from treespec.policies.frontier import expand_frontier, expand_frontier_batch, resolve_batch
+from treespec.policies.stacked import stack_sources
 from treespec.hardware import machine_identity
 
 VOCAB, DEPTH = 49152, 7

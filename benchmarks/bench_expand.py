@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from drafters.domino import DominoScorer
+from treespec.drafters.domino import DominoScorer
 
 SIZES = {  # hidden H, GRU state G, correction bottleneck E, vocabulary V
     "smollm2": dict(hidden=576, gru=256, emb=256, vocab=49152),

@@ -39,9 +39,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from policies.cost import CostAwareStop
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
+from treespec.policies.cost import CostAwareStop
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
 from treespec.apps.bench import load_harness
 from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.commands.demo import _DATASETS

@@ -59,9 +59,9 @@ def parse_args() -> argparse.Namespace:
 # ---------------------------------------------------------------------------- models and prompts
 def tiny_setup(args: argparse.Namespace):
     """A float64 Qwen3 (V 256, H 64, 4 layers), random DFlash / Domino drafters, random prompts."""
-    from drafters.config import DFlashConfig, DominoHeadConfig
-    from drafters.dflash import DFlashDrafter
-    from drafters.domino import DominoDrafter
+    from treespec.drafters.config import DFlashConfig, DominoHeadConfig
+    from treespec.drafters.dflash import DFlashDrafter
+    from treespec.drafters.domino import DominoDrafter
 
     target = TargetModel(tiny_causal_lm(vocab=256, hidden=64, layers=4, max_positions=1024, init=0.3))
 
@@ -100,7 +100,7 @@ def load_drafter(kind: str, path: Path | None, model, tokenizer, random_fallback
         return registry.resolve("drafter", kind).from_pretrained(path)
     if not random_fallback:
         raise SystemExit(f"no {kind} checkpoint at {path}: pass --{kind} DIR, --random-drafters or --tiny")
-    from drafters.training import TRAIN_PRESETS, new_drafter
+    from treespec.drafters.training import TRAIN_PRESETS, new_drafter
 
     mask = next(t for t in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None)
     print(f"{kind}: no checkpoint at {path}; an untrained drafter of the smollm2-{kind} shape stands in")

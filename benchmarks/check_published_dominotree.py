@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
-from policies.dominotree import DominoTree
+from treespec.policies.dominotree import DominoTree
 from treespec.interfaces import DraftContext
 
 
@@ -89,7 +89,7 @@ def _break_ties(logits: torch.Tensor, step: float = 1e-5) -> torch.Tensor:
 
 def _tie_broken(draft):
     """(the draft with its base logits' ties broken by token id, those float32 logits [L, V])."""
-    from drafters.domino import DominoScorer
+    from treespec.drafters.domino import DominoScorer
     from treespec.interfaces import DraftOutput
 
     s = draft.scorer
@@ -114,7 +114,7 @@ def main() -> None:
     import domino_adapter
     import dominotree
 
-    from drafters.domino import DominoDrafter
+    from treespec.drafters.domino import DominoDrafter
     from treespec.apps.embedded import embedded_model_dir
     from treespec.apps.methods import embedded_drafter_dir
     from treespec.target import TargetModel

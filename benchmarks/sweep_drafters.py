@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from drafters.training import TRAIN_PRESETS, BlockRecipe, TrainConfig, new_drafter
+from treespec.drafters.training import TRAIN_PRESETS, BlockRecipe, TrainConfig, new_drafter
 from treespec.apps.training.teacher import TeacherCache
 from treespec.apps.training.trainer import DrafterTrainer
 from treespec.apps.training.vocabulary import response_token_counts

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from drafters.config import DFlashConfig
+from treespec.drafters.config import DFlashConfig
 
 __all__ = ["ContextCache", "DFlashModel", "KV", "RMSNorm", "apply_rope", "rope_cos_sin"]
 

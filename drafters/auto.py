@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafters.config import read_config
-from drafters.dflash import DFlashDrafter
-from drafters.domino import DominoDrafter
+from treespec.drafters.config import read_config
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter
 
 __all__ = ["from_checkpoint"]
 

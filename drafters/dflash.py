@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from drafters._checkpoint import check_state, load_weights, save_weights
-from drafters._layers import ContextCache, DFlashModel
-from drafters.config import ConfigError, DFlashConfig, read_config
+from treespec.drafters._checkpoint import check_state, load_weights, save_weights
+from treespec.drafters._layers import ContextCache, DFlashModel
+from treespec.drafters.config import ConfigError, DFlashConfig, read_config
 from treespec.interfaces import ConditionalScorer, DraftContext, Drafter, DraftOutput
 
 if TYPE_CHECKING:

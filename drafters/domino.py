@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters._layers import DFlashModel
-from drafters.config import ConfigError, DFlashConfig
-from drafters.dflash import DFlashDrafter
+from treespec.drafters._layers import DFlashModel
+from treespec.drafters.config import ConfigError, DFlashConfig
+from treespec.drafters.dflash import DFlashDrafter
 from treespec.hardware import reduced_precision
 from treespec.interfaces import Expansion, RecordableScorer
 from treespec.topk import exact_topk, top_set

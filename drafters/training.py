@@ -46,9 +46,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from drafters.config import DFlashConfig, DominoHeadConfig, read_config
-from drafters.dflash import DFlashDrafter
-from drafters.domino import DominoDrafter
+from treespec.drafters.config import DFlashConfig, DominoHeadConfig, read_config
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter
 from treespec.target import spread_layers
 from treespec.training import StepLoss, TeacherRecord, TrainingRecipe, draft_vocabulary
 

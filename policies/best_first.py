@@ -36,9 +36,9 @@ import networkx as nx
 import numpy as np
 import torch
 
-from policies.frontier import Candidates, Mode, expand_frontier, grow_batch, resolve
-from policies.sources import CandidateSource
-from policies.stop import StopRule
+from treespec.policies.frontier import Candidates, Mode, expand_frontier, grow_batch, resolve
+from treespec.policies.sources import CandidateSource
+from treespec.policies.stop import StopRule
 from treespec.interfaces import BACKENDS, DraftOutput, TreePolicy
 from treespec.tree import DraftTree
 

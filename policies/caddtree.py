@@ -18,9 +18,9 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import BestFirstPolicy, budget_field, check_logprobs
-from policies.cost import CostAware
-from policies.frontier import TopTokens
+from treespec.policies.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.cost import CostAware
+from treespec.policies.frontier import TopTokens
 from treespec.interfaces import DraftOutput
 
 __all__ = ["CaDDTree"]

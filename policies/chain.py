@@ -15,15 +15,15 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import (
+from treespec.policies.best_first import (
     BestFirstPolicy,
     budget_field,
     check_budget,
     check_logprobs,
 )
-from policies.frontier import Candidates, TopTokens
-from policies.sources import ScorerSource
-from policies.stop import StopRule
+from treespec.policies.frontier import Candidates, TopTokens
+from treespec.policies.sources import ScorerSource
+from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 
 __all__ = ["Chain"]

@@ -47,7 +47,7 @@ from typing import ClassVar, Literal
 import attrs
 import torch
 
-from policies.stop import StopRule
+from treespec.policies.stop import StopRule
 from treespec.calibration import Calibration, to_calibration
 from treespec.cost import (  # re-exported: the cost models' home is treespec.cost
     COST_PRESETS,

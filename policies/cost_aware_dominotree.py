@@ -15,10 +15,10 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import BestFirstPolicy, budget_field
-from policies.cost import CostAware
-from policies.dominotree import DominoTree, require_scorer
-from policies.sources import ScorerSource
+from treespec.policies.best_first import BestFirstPolicy, budget_field
+from treespec.policies.cost import CostAware
+from treespec.policies.dominotree import DominoTree, require_scorer
+from treespec.policies.sources import ScorerSource
 from treespec.interfaces import DraftOutput
 
 __all__ = ["CostAwareDominoTree"]

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from policies.best_first import BestFirstPolicy
-from policies.frontier import finish, frontier_selection
+from treespec.policies.best_first import BestFirstPolicy
+from treespec.policies.frontier import finish, frontier_selection
 from treespec.interfaces import ConditionalScorer, DraftOutput
 from treespec.tree import DraftTree
 

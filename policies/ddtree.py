@@ -14,9 +14,9 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import BestFirstPolicy, budget_field, check_logprobs
-from policies.frontier import TopTokens
-from policies.stop import StopRule
+from treespec.policies.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.frontier import TopTokens
+from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 
 __all__ = ["DDTree"]

@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import BestFirstPolicy, budget_field
-from policies.sources import ScorerSource
-from policies.stop import StopRule
+from treespec.policies.best_first import BestFirstPolicy, budget_field
+from treespec.policies.sources import ScorerSource
+from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 
 __all__ = ["DominoTree", "require_scorer"]

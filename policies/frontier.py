@@ -34,9 +34,9 @@ from typing import Literal
 import attrs
 import torch
 
-from policies.sources import CandidateSource, FactorizedSource, ScorerSource
-from policies.stacked import SourceStack, assemble, stack_sources, stacked_selection
-from policies.stop import StopRule
+from treespec.policies.sources import CandidateSource, FactorizedSource, ScorerSource
+from treespec.policies.stacked import SourceStack, assemble, stack_sources, stacked_selection
+from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 from treespec.reach import best_chain, reachable
 from treespec.topk import exact_topk, order_key, reference_topk

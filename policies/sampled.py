@@ -49,10 +49,10 @@ from typing import ClassVar
 import attrs
 import torch
 
-from policies.best_first import budget_field, check_backend
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
-from policies.sources import CandidateSource, FactorizedSource, ScorerSource
+from treespec.policies.best_first import budget_field, check_backend
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
+from treespec.policies.sources import CandidateSource, FactorizedSource, ScorerSource
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams
 from treespec.tree import DraftTree
 

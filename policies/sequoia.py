@@ -21,7 +21,7 @@ summing to n on the ranks i, i + 1, ... (children take a prefix of the ranks):
 
 (ranks past the vector have p = 0) solved exactly for every n up to budget + 1 (numpy, once per
 settings; tested against enumerating every tree) and backtracked into rank
-paths: the tree of n nodes is the `policies.static.Static` tree of those choices (both backends,
+paths: the tree of n nodes is the `treespec.policies.static.Static` tree of those choices (both backends,
 canonical order).  Ties between equally good allocations go to the earlier rank and the smaller m.
 
 Hardware-aware size (the paper's choice of tree size for the machine; registered as
@@ -41,9 +41,9 @@ from typing import ClassVar
 import attrs
 import numpy as np
 
-from policies.best_first import budget_field
-from policies.cost import check_cost_model
-from policies.static import Static
+from treespec.policies.best_first import budget_field
+from treespec.policies.cost import check_cost_model
+from treespec.policies.static import Static
 from treespec.cost import CostModel
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.tree import DraftTree

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, scorer_children
+from treespec.policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, scorer_children
 from treespec.interfaces import ConditionalScorer, Expansion
 from treespec.topk import order_key
 from treespec.tree import DraftTree

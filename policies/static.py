@@ -32,7 +32,7 @@ import networkx as nx
 import numpy as np
 import torch
 
-from policies.best_first import check_backend, check_budget, check_logprobs
+from treespec.policies.best_first import check_backend, check_budget, check_logprobs
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree

@@ -18,10 +18,10 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import BestFirstPolicy, budget_field
-from policies.dominotree import require_scorer
-from policies.sources import FactorizedSource
-from policies.stop import StopRule
+from treespec.policies.best_first import BestFirstPolicy, budget_field
+from treespec.policies.dominotree import require_scorer
+from treespec.policies.sources import FactorizedSource
+from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
 
 __all__ = ["StaticCorrected", "greedy_corrected_lists"]

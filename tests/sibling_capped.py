@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import attrs
 
-from policies.best_first import BestFirstPolicy, budget_field
-from policies.sources import ScorerSource
+from treespec.policies.best_first import BestFirstPolicy, budget_field
+from treespec.policies.sources import ScorerSource
 from treespec import DraftOutput
 
 NAME = "sibling-capped"

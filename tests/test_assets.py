@@ -17,7 +17,7 @@ KINDS = ("dflash", "domino")
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_drafter_loads_strictly_in_bf16_at_smollm2_sizes(kind):
-    from drafters.domino import DominoDrafter
+    from treespec.drafters.domino import DominoDrafter
 
     path = embedded_drafter_dir(kind)
     drafter = load_drafter(path)  # strict: every key present, none unexpected
@@ -32,7 +32,7 @@ def test_shipped_drafter_loads_strictly_in_bf16_at_smollm2_sizes(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_drafter_has_the_shape_of_its_named_preset(kind):
     """docs/embedded.md says the shipped drafters are the `smollm2-KIND-v8k-l1` preset's runs."""
-    from drafters.training import TRAIN_PRESETS
+    from treespec.drafters.training import TRAIN_PRESETS
 
     preset, config = TRAIN_PRESETS[f"smollm2-{kind}-v8k-l1"], load_drafter(embedded_drafter_dir(kind)).config
     assert preset.kind == kind

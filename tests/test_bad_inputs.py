@@ -17,7 +17,7 @@ import treespec
 from treespec.apps.cli import main
 from treespec.decoding import SpeculativeDecoder
 from treespec.tree import DraftTree
-from verifiers.match import MatchVerifier
+from treespec.verifiers.match import MatchVerifier
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -69,7 +69,7 @@ def test_a_damaged_target_safetensors_file_is_named(tmp_path, damage):
 def test_a_damaged_drafter_safetensors_file_is_named(tmp_path):
     from test_drafters_support import tiny_config
 
-    from drafters.dflash import DFlashDrafter
+    from treespec.drafters.dflash import DFlashDrafter
 
     DFlashDrafter.random(tiny_config(), dtype=torch.float32).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
@@ -95,7 +95,7 @@ def test_float_prompts_are_refused_not_truncated():
 
 
 def test_a_budget_beyond_memory_is_refused_up_front():
-    from drafters.toy import MarginalDrafter
+    from treespec.drafters.toy import MarginalDrafter
 
     with pytest.raises(ValueError, match="exceeds 8192 nodes"):
         treespec.generate(tiny_target(), [1, 2, 3], drafter=MarginalDrafter.random(4, 128), policy="ddtree",
@@ -131,7 +131,7 @@ def test_draw_tree_files_are_checked(tmp_path, capsys, content, message):
 def test_draw_on_a_target_without_a_tokenizer_says_so(tmp_path, capsys):
     from test_drafters_support import tiny_config
 
-    from drafters.dflash import DFlashDrafter
+    from treespec.drafters.dflash import DFlashDrafter
 
     tiny_model(dtype=torch.float32).save_pretrained(tmp_path / "target")
     DFlashDrafter.random(tiny_config(), dtype=torch.float32).save_pretrained(tmp_path / "drafter")

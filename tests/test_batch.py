@@ -28,11 +28,11 @@ from test_policies import marginal_draft, toy_draft
 from test_target import random_tree, tiny_model
 
 import treespec
-from drafters.dflash import DFlashDrafter
-from drafters.domino import DominoDrafter, DominoStack
-from drafters.oracle import OracleDrafter
-from policies.frontier import expand_frontier_batch, resolve_batch
-from policies.stacked import stack_sources
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter, DominoStack
+from treespec.drafters.oracle import OracleDrafter
+from treespec.policies.frontier import expand_frontier_batch, resolve_batch
+from treespec.policies.stacked import stack_sources
 from treespec import registry
 from treespec.batch import TreeBatch
 from treespec.batch_decoding import BatchDecoder

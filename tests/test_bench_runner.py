@@ -22,8 +22,8 @@ from test_drafters_support import tiny_config
 from test_target import tiny_model
 
 import treespec.apps.bench as ab
-from drafters.dflash import DFlashDrafter
-from drafters.domino import DominoDrafter
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter
 from treespec.apps.bench.records import read_records
 from treespec.apps.cli import main
 from treespec.apps.methods import parse_method

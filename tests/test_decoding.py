@@ -11,7 +11,7 @@ import torch
 from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 
 import treespec
-from drafters.oracle import ORACLE_PRESETS, OracleDrafter
+from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec.apps.cli import main
 from treespec.decoding import DRAFT_PATIENCE, DraftGate, SpeculativeDecoder, limit_depth
 from treespec.interfaces import Drafter, DraftOutput, TreePolicy
@@ -280,9 +280,9 @@ def test_oracle_scorer_children_are_sorted_and_path_dependent(qwen):
 
 # ---------------------------------------------------------------------------- the real drafters in the loop
 def _block_drafter(domino: bool):
-    from drafters.config import DFlashConfig, DominoHeadConfig
-    from drafters.dflash import DFlashDrafter
-    from drafters.domino import DominoDrafter
+    from treespec.drafters.config import DFlashConfig, DominoHeadConfig
+    from treespec.drafters.dflash import DFlashDrafter
+    from treespec.drafters.domino import DominoDrafter
 
     config = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=8, vocab_size=128, num_target_layers=2,
@@ -308,8 +308,8 @@ def test_dflash_and_domino_drafters_run_losslessly_in_the_loop(qwen, domino, pol
 def test_first_token_from_the_prefill_counts_rounds_as_the_papers_do(temperature):
     """first_token="prefill": same output; the first token comes from the prefill, so the rounds
     (and τ) are those after it, as the published loops count them."""
-    from drafters.oracle import OracleConfig, OracleDrafter
-    from policies.ddtree import DDTree
+    from treespec.drafters.oracle import OracleConfig, OracleDrafter
+    from treespec.policies.ddtree import DDTree
 
     target = tiny_target("llama")
     prompt = torch.tensor([5, 9, 2, 7, 1])
@@ -326,8 +326,8 @@ def test_first_token_from_the_prefill_counts_rounds_as_the_papers_do(temperature
 
 def test_the_length_cut_of_a_last_round_does_not_back_drafting_off():
     """A round cut to the root by max_new_tokens is not the policy saying no tree pays."""
-    from drafters.oracle import OracleConfig, OracleDrafter
-    from policies.ddtree import DDTree
+    from treespec.drafters.oracle import OracleConfig, OracleDrafter
+    from treespec.policies.ddtree import DDTree
 
     decoder = SpeculativeDecoder(tiny_target("qwen3"), OracleDrafter(OracleConfig(depth=4)), DDTree(budget=8))
     for _ in range(3):

@@ -14,8 +14,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     repeat_kv,
 )
 
-from drafters._layers import ContextCache
-from drafters.dflash import DFlashDrafter, DrafterMismatchError
+from treespec.drafters._layers import ContextCache
+from treespec.drafters.dflash import DFlashDrafter, DrafterMismatchError
 from treespec.interfaces import DraftContext
 
 
@@ -208,9 +208,9 @@ def test_attention_mask_argument_reaches_attention(target):
 
 @pytest.mark.parametrize("domino", [False, True])
 def test_a_one_token_prompt_drafts_from_an_empty_context(domino):
-    from drafters.domino import DominoDrafter
-    from policies.ddtree import DDTree
-    from policies.dominotree import DominoTree
+    from treespec.drafters.domino import DominoDrafter
+    from treespec.policies.ddtree import DDTree
+    from treespec.policies.dominotree import DominoTree
     from test_target import tiny_model
     from treespec.decoding import SpeculativeDecoder
     from treespec.target import TargetModel
@@ -232,7 +232,7 @@ def _reduced_pair(target, *, domino: bool = False, n: int = 9):
     """A full-vocabulary drafter and the same weights with a head over ``n`` scattered tokens."""
     import attrs
 
-    from drafters.domino import DominoDrafter
+    from treespec.drafters.domino import DominoDrafter
 
     cls = DominoDrafter if domino else DFlashDrafter
     full = cls.random(tiny_config(domino=domino), dtype=torch.float64)
@@ -264,7 +264,7 @@ def test_a_reduced_head_drafts_the_full_heads_logits_renormalised_over_its_token
 def test_a_reduced_head_round_trips_and_loads_strictly(target, tmp_path):
     import json
 
-    from drafters._checkpoint import CheckpointError
+    from treespec.drafters._checkpoint import CheckpointError
 
     full, reduced, ids = _reduced_pair(target)
     reduced.save_pretrained(tmp_path / "r")
@@ -287,7 +287,7 @@ def test_a_reduced_head_round_trips_and_loads_strictly(target, tmp_path):
 def test_a_draft_vocabulary_must_be_distinct_ids_of_the_right_count(target):
     import attrs
 
-    from drafters.config import ConfigError
+    from treespec.drafters.config import ConfigError
 
     drafter = DFlashDrafter.random(attrs.evolve(tiny_config(), draft_vocab_size=3), dtype=torch.float64)
     for bad, message in (([1, 2], "exactly draft_vocab_size = 3"), ([1, 1, 2], "distinct"),

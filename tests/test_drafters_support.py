@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3ForCausalLM
 
-from drafters.config import DFlashConfig, DominoHeadConfig
+from treespec.drafters.config import DFlashConfig, DominoHeadConfig
 from treespec.apps.tiny import tiny_causal_lm
 from treespec.interfaces import DraftContext
 

@@ -71,8 +71,8 @@ def test_live_round_returns_the_verified_tree_of_that_round():
     from test_drafters_support import tiny_config
     from test_target import tiny_model
 
-    from drafters.dflash import DFlashDrafter
-    from policies.ddtree import DDTree
+    from treespec.drafters.dflash import DFlashDrafter
+    from treespec.policies.ddtree import DDTree
     from treespec.apps.commands.draw import live_round
     from treespec.target import TargetModel
 

@@ -18,9 +18,16 @@ ROOT = Path(__file__).resolve().parents[1] / "treespec"
 KERNEL = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                 if p.parts[len(ROOT.parts)] != "apps" and p.name != "__init__.py")
 APPS = sorted(str(p.relative_to(ROOT / "apps")) for p in (ROOT / "apps").rglob("*.py"))
-IMPLEMENTATIONS = ("policies", "drafters", "verifiers")
+IMPLEMENTATIONS = ("policies", "drafters", "verifiers")  # repository folders, installed as treespec.<name>
 IMPLEMENTATION_MODULES = sorted(str(p.relative_to(ROOT.parent)) for package in IMPLEMENTATIONS
                                 for p in (ROOT.parent / package).rglob("*.py"))
+
+
+def is_implementation(name: str) -> bool:
+    """Whether the dotted ``name`` lies in an implementation package (its installed name, or the
+    bare folder name a stray import would use)."""
+    parts = name.split(".")
+    return parts[0] in IMPLEMENTATIONS or (parts[0] == "treespec" and len(parts) > 1 and parts[1] in IMPLEMENTATIONS)
 
 
 def imported_names(source: str) -> list[tuple[int, str]]:
@@ -41,7 +48,7 @@ def imported_names(source: str) -> list[tuple[int, str]]:
 
 
 def implementation_imports(source: str) -> list[str]:
-    return [f"line {n}: {name}" for n, name in imported_names(source) if name.split(".")[0] in IMPLEMENTATIONS]
+    return [f"line {n}: {name}" for n, name in imported_names(source) if is_implementation(name)]
 
 
 def app_imports(source: str) -> list[str]:
@@ -85,7 +92,7 @@ def test_importing_treespec_or_a_policy_loads_no_app():
     import subprocess
     import sys
 
-    code = ("import sys, treespec, policies.ddtree, verifiers.match\n"
+    code = ("import sys, treespec, treespec.policies.ddtree, treespec.verifiers.match\n"
             "print(sorted(m for m in sys.modules if m.startswith('treespec.apps')))\n"
             "from treespec.apps.api import generate\n"
             "print(treespec.generate is generate)")
@@ -100,11 +107,53 @@ import importlib
 from treespec import apps
 
 def build():
-    from policies.ddtree import DDTree
-    import verifiers.match
+    from treespec.policies.ddtree import DDTree
+    import treespec.verifiers.match
     from treespec.apps.replay import evaluate
-    return importlib.import_module("drafters.dflash"), __import__("policies")
+    return importlib.import_module("treespec.drafters.dflash"), __import__("policies")
 '''
     assert [line.split(": ")[1] for line in implementation_imports(planted)] == [
-        "policies.ddtree.DDTree", "verifiers.match", "drafters.dflash", "policies"]
+        "treespec.policies.ddtree.DDTree", "treespec.verifiers.match", "treespec.drafters.dflash", "policies"]
     assert [line.split(": ")[1] for line in app_imports(planted)] == ["treespec.apps", "treespec.apps.replay.evaluate"]
+
+
+def test_every_package_folder_is_installed_under_treespec():
+    """pyproject.toml lists each package folder once, under the one top-level name ``treespec``
+    (policies/, drafters/ and verifiers/ mapped to treespec.policies, .drafters, .verifiers)."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {str(p.parent.relative_to(ROOT.parent)) for p in ROOT.parent.glob("*/**/__init__.py")
+               if p.parts[len(ROOT.parent.parts)] in ("treespec", *IMPLEMENTATIONS)}
+    mapping = tool["package-dir"]
+
+    def folder(package: str) -> str:
+        head = next((name for name in mapping if package == name or package.startswith(name + ".")), None)
+        rest = package[len(head):].lstrip(".") if head else package
+        base = mapping[head] if head else ""
+        return "/".join(part for part in (base, rest.replace(".", "/")) if part)
+
+    assert {p.split(".")[0] for p in tool["packages"]} == {"treespec"}
+    assert sorted(folder(p) for p in tool["packages"]) == sorted(folders)
+
+
+def test_a_wheel_holds_treespec_alone(tmp_path):
+    """What `pip install .` puts into site-packages: ``treespec`` and its dist-info, nothing else at top level."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    source = tmp_path / "src"  # a copy of the tracked files: a stale build/ of the checkout cannot leak in
+    tracked = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "treespec", *IMPLEMENTATIONS],
+                             cwd=ROOT.parent, capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT.parent / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(source)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("treespec-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {"treespec"}
+    assert {"treespec/policies/ddtree.py", "treespec/drafters/domino.py", "treespec/verifiers/match.py",
+            "treespec/assets/demo/chat.jsonl"} <= set(names)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_target import hf_greedy, tiny_target
 
-from drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
+from treespec.drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
 from treespec import registry
 from treespec.calibration import Calibration, LiveCalibration, LiveCalibrationSettings, live_calibration_of
 from treespec.cost import ConvexCost, LinearCost

@@ -24,8 +24,8 @@ from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 from test_verifiers import ALPHA, chi_square_pvalue
 from transformers import DynamicCache
 
-from drafters.oracle import GreedyContinuations, OracleConfig, OracleDrafter
-from policies.chain import Chain
+from treespec.drafters.oracle import GreedyContinuations, OracleConfig, OracleDrafter
+from treespec.policies.chain import Chain
 from treespec import registry
 from treespec.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
@@ -33,8 +33,8 @@ from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier
 from treespec.sampling import filter_logits, sample_from_probs
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
-from verifiers.match import check_logits
-from verifiers.rejection import RejectionVerifier
+from treespec.verifiers.match import check_logits
+from treespec.verifiers.rejection import RejectionVerifier
 
 POLICIES = registry.available("policy")
 # what each policy declares it needs: a scorer ("required": over the conditional drafter only)
@@ -79,7 +79,7 @@ def deepest(policy) -> int:
     if choices is not None:
         return max(len(c) for c in choices[:policy.budget])
     if hasattr(policy, "acceptance"):
-        from policies.sequoia import optimal_trees
+        from treespec.policies.sequoia import optimal_trees
 
         return max(len(c) for c in optimal_trees(policy.acceptance, policy.budget + 1, ORACLE.depth)[1][-1])
     return ORACLE.depth

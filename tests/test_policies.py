@@ -20,15 +20,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafters.domino import DominoScorer
-from drafters.toy import MarginalDrafter, ToyConditionalDrafter, ToyConfig
-from policies.best_first import BestFirstPolicy
-from policies.caddtree import CaDDTree
-from policies.chain import Chain
-from policies.cost import COST_PRESETS, CostAwareStop, LinearCost
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
-from policies.static_corrected import StaticCorrected
+from treespec.drafters.domino import DominoScorer
+from treespec.drafters.toy import MarginalDrafter, ToyConditionalDrafter, ToyConfig
+from treespec.policies.best_first import BestFirstPolicy
+from treespec.policies.caddtree import CaDDTree
+from treespec.policies.chain import Chain
+from treespec.policies.cost import COST_PRESETS, CostAwareStop, LinearCost
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
+from treespec.policies.static_corrected import StaticCorrected
 from treespec import registry
 from treespec.interfaces import DraftContext, DraftOutput
 from treespec.tree import DraftTree
@@ -390,7 +390,7 @@ def test_tiny_vocabulary_caps_the_tree_at_every_reachable_node():
 @pytest.mark.parametrize("policy", [DDTree(budget=64), Chain(), CaDDTree(budget=64, cost_model=LinearCost(
     draft=0.001, base=0.05, per_token=1e-4))], ids=["ddtree", "chain", "caddtree"])
 def test_cuda_graph_build_equals_reference(policy):
-    from policies.cuda_graph import GraphedBuild
+    from treespec.policies.cuda_graph import GraphedBuild
 
     graphed = GraphedBuild(policy, 16, 4096)
     for seed in range(4):  # one capture, several replays with new drafts
@@ -426,7 +426,7 @@ def random_domino_modules(device: str, *, vocab: int = 300, hidden: int = 24, gr
                          ids=["dominotree", "chain-domino"])
 def test_cuda_graph_build_over_a_scorer_equals_eager(policy):
     """A Domino round's scorer captured through its round inputs: every replay is the eager static build."""
-    from policies.cuda_graph import GraphedBuild
+    from treespec.policies.cuda_graph import GraphedBuild
 
     modules = random_domino_modules("cuda")
     first = random_domino_round(0, "cuda", modules)
@@ -445,7 +445,7 @@ def test_captured_selection_reads_no_value_on_the_host(policy, scored):
     """What a CUDA graph captures of a build runs on meta tensors, which have no values (an ``item``,
     a ``nonzero`` or a branch on a value fails there), with the shapes it has on real values: the
     capture's precondition, checked without a GPU."""
-    from policies.cuda_graph import static_selection
+    from treespec.policies.cuda_graph import static_selection
 
     if scored:
         real = random_domino_round(3, "cpu", random_domino_modules("cpu"))

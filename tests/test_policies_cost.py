@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafters.toy import MarginalDrafter, ToyConditionalDrafter
-from policies.caddtree import CaDDTree
-from policies.cost import (
+from treespec.drafters.toy import MarginalDrafter, ToyConditionalDrafter
+from treespec.policies.caddtree import CaDDTree
+from treespec.policies.cost import (
     COST_PRESETS,
     ConvexCost,
     CostAwareStop,
@@ -29,8 +29,8 @@ from policies.cost import (
     fit_convex_curve,
     load_cost_model,
 )
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
 from treespec.calibration import Calibration
 from treespec.interfaces import DraftContext
 
@@ -318,7 +318,7 @@ def test_preset_is_convex_and_matches_the_profiled_points():
 
 @pytest.mark.parametrize("convention", ["treespec", "published"])
 def test_cost_aware_dominotree_is_dominotree_with_the_cost_stop(convention):
-    from policies.cost_aware_dominotree import CostAwareDominoTree
+    from treespec.policies.cost_aware_dominotree import CostAwareDominoTree
 
     cost = LinearCost(draft=0.005, base=0.02, per_token=0.002)
     for seed in range(4):
@@ -378,7 +378,7 @@ def test_the_decoder_backs_off_after_a_verified_tree_that_did_not_pay_for_its_dr
     cheap drafter every round drafts."""
     from test_target import hf_greedy, tiny_target
 
-    from drafters.oracle import ORACLE_PRESETS, OracleDrafter
+    from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
     from treespec.decoding import DRAFT_PATIENCE, SpeculativeDecoder
 
     target = tiny_target("qwen3")

@@ -10,10 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafters.toy import TOY_PRESETS, MarginalDrafter, ToyConditionalDrafter, ToyConfig
-from policies.chain import Chain
-from policies.ddtree import DDTree
-from policies.dominotree import DominoTree
+from treespec.drafters.toy import TOY_PRESETS, MarginalDrafter, ToyConditionalDrafter, ToyConfig
+from treespec.policies.chain import Chain
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
 from treespec import registry
 from treespec.analysis import expected_acceptance, path_logprobs
 from treespec.interfaces import DraftContext, DraftOutput

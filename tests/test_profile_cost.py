@@ -22,7 +22,7 @@ def test_time_verify_leaves_the_cache_as_it_found_it():
 
 
 def test_fitted_model_round_trips(tmp_path):
-    from policies.cost import ConvexCost, load_cost_model
+    from treespec.policies.cost import ConvexCost, load_cost_model
 
     samples = [(1, 64, 0.020), (8, 64, 0.022), (16, 64, 0.026), (64, 64, 0.060), (1, 512, 0.025), (16, 512, 0.031)]
     model = ConvexCost.fit(samples, draft=0.007)

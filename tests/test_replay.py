@@ -21,9 +21,9 @@ import torch
 from test_drafters_support import tiny_config
 from test_target import random_prompts, random_tree, tiny_model
 
-from drafters.dflash import DFlashDrafter
-from drafters.domino import DominoDrafter
-from drafters.toy import ToyConditionalDrafter, ToyConfig
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter
+from treespec.drafters.toy import ToyConditionalDrafter, ToyConfig
 from treespec.analysis import accepted_length
 from treespec.apps.cli import main
 from treespec.apps.methods import build_policy, parse_method
@@ -42,7 +42,7 @@ from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
-from verifiers.match import walk_matches
+from treespec.verifiers.match import walk_matches
 
 N_TOKENS = 24
 COST = COST_PRESETS["smollm2-cpu-bf16"]  # prices caddtree's trees (interior optima and root-only rounds)

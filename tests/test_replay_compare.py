@@ -168,8 +168,8 @@ def test_an_outside_policy_sweeps_its_own_option_in_one_command(world, trace_fil
 @pytest.fixture(scope="module")
 def retrained(world, tmp_path_factory):
     """A trace of the same prompts and target answers with other drafters (another seed): a retrained pair."""
-    from drafters.dflash import DFlashDrafter
-    from drafters.domino import DominoDrafter
+    from treespec.drafters.dflash import DFlashDrafter
+    from treespec.drafters.domino import DominoDrafter
 
     def again(kind, seed):
         old = world.drafters[kind]

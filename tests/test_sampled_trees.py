@@ -16,8 +16,8 @@ from treespec.apps.exactness import ToyWorld, check_exactness, chi_square_pvalue
 from treespec.apps.testing import tiny_target
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import SamplingParams
-from verifiers.recursive import RecursiveRejectionVerifier
-from verifiers.traversal import TraversalVerifier
+from treespec.verifiers.recursive import RecursiveRejectionVerifier
+from treespec.verifiers.traversal import TraversalVerifier
 
 SAMPLED = [name for name in registry.builtin("policy") if registry.resolve("policy", name).samples_from_draft]
 VERIFIERS = ["match", "recursive-rejection", "traversal"]
@@ -184,7 +184,7 @@ def test_children_are_drawn_from_their_proposal(world, policy):
 @pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("policy", SAMPLED)
 def test_at_temperature_zero_each_pair_is_greedy_decoding(policy, verifier):
-    from drafters.oracle import OracleDrafter
+    from treespec.drafters.oracle import OracleDrafter
 
     target = tiny_target(seed=3)
     prompt = torch.tensor([5, 9, 2, 7])
@@ -196,14 +196,14 @@ def test_at_temperature_zero_each_pair_is_greedy_decoding(policy, verifier):
 
 
 def test_the_decoder_refuses_recursive_rejection_over_a_deterministic_policy():
-    from drafters.oracle import OracleDrafter
+    from treespec.drafters.oracle import OracleDrafter
 
     with pytest.raises(ValueError, match="lossless only for trees sampled from the draft"):
         SpeculativeDecoder(tiny_target(), OracleDrafter(), _policy("ddtree"), RecursiveRejectionVerifier())
 
 
 def test_sampled_decoding_at_t1_records_each_rounds_seed_and_refuses_batches():
-    from drafters.oracle import OracleDrafter
+    from treespec.drafters.oracle import OracleDrafter
     from treespec.batch_decoding import BatchDecoder
 
     target = tiny_target(seed=3)

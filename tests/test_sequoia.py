@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.sequoia import HardwareAwareSequoia, Sequoia, optimal_trees
+from treespec.policies.sequoia import HardwareAwareSequoia, Sequoia, optimal_trees
 from treespec.cost import LinearCost
 from treespec.interfaces import DraftOutput
 

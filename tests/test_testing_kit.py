@@ -11,7 +11,7 @@ import attrs
 import pytest
 import torch
 
-from policies.ddtree import DDTree
+from treespec.policies.ddtree import DDTree
 from treespec import registry
 from treespec.apps.testing import PolicyCheckError, check_policy
 from treespec.interfaces import DraftOutput, TreePolicy
@@ -28,8 +28,8 @@ OUTSIDE = '''
 """An outside package's policy: DDTree with at most `width` candidates per depth."""
 import attrs
 
-from policies.best_first import BestFirstPolicy, budget_field, check_logprobs
-from policies.frontier import TopTokens
+from treespec.policies.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.frontier import TopTokens
 
 
 @attrs.frozen

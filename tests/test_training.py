@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafters.training import BlockRecipe, TrainConfig, decay_weights, init_from_target, new_drafter
+from treespec.drafters.training import BlockRecipe, TrainConfig, decay_weights, init_from_target, new_drafter
 from treespec.apps.training.trainer import DrafterTrainer
 
 
@@ -123,7 +123,7 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
-    from drafters.domino import DominoDrafter
+    from treespec.drafters.domino import DominoDrafter
     from treespec.apps.api import load_drafter
     from treespec.apps.commands.train_drafter import export_drafter
 
@@ -392,7 +392,7 @@ def _trained_start(target, out_dir, kind: str, steps: int):
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
     """``--init``: the saved weights and d2t are the start, the optimiser is fresh, a mismatch is refused."""
-    from drafters.training import warm_start
+    from treespec.drafters.training import warm_start
 
     data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=20)
     start = warm_start(target, cfg, 1, tmp_path / "a" / "drafter")
@@ -427,7 +427,7 @@ def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(targ
     """``--init`` of a one-layer drafter into a two-layer run: the saved layer first, unchanged; the added
     one the target's next-to-top layer with its output projections zeroed, so the start's loss is the
     saved drafter's; training then opens it; fewer layers than saved are refused."""
-    from drafters.training import warm_start
+    from treespec.drafters.training import warm_start
 
     data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=10)
     two = attrs_evolve(cfg, num_layers=2)
@@ -464,7 +464,7 @@ def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(targ
 def test_grown_layers_learn_at_their_multiple_of_the_rate(target, tmp_path, kind):
     """``grown_lr_scale``: the layers a warm start adds take an Adam step that many times as large as at
     1x (a first Adam step is linear in the rate); the saved layers' step is the same either way."""
-    from drafters.training import warm_start
+    from treespec.drafters.training import warm_start
 
     data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=6)
     init = tmp_path / "a" / "drafter"
@@ -508,7 +508,7 @@ def test_a_run_saved_before_a_config_field_existed_resumes_at_its_default(target
 def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_frequent_tokens(target, tmp_path, kind):
     """``--init`` of a 24-token head into a 32-token run: every weight as saved, the saved tokens kept and
     the 8 most frequent others added; each saved token's logit is the saved drafter's; it trains on."""
-    from drafters.training import warm_start
+    from treespec.drafters.training import warm_start
     from treespec.apps.training.vocabulary import response_token_counts
 
     data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=10)
@@ -537,6 +537,6 @@ def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_fre
     second.train(data, progress=False)
     assert second.step == wide.steps
     with pytest.raises(ValueError, match="whole vocabulary"):
-        from drafters.training import grow_vocab
+        from treespec.drafters.training import grow_vocab
 
         grow_vocab(new_drafter(target, attrs_evolve(cfg, draft_vocab_size=None), 1), 32, counts)

@@ -13,8 +13,8 @@ from treespec.apps.exactness import chi_square_pvalue
 from treespec.interfaces import DraftOutput, SamplingParams
 from treespec.sampling import filter_logits, mix_seed, target_tokens
 from treespec.tree import DraftTree
-from verifiers.match import MatchVerifier
-from verifiers.rejection import RejectionVerifier
+from treespec.verifiers.match import MatchVerifier
+from treespec.verifiers.rejection import RejectionVerifier
 
 ALPHA = 1e-3  # significance level of every distribution test
 

@@ -24,38 +24,38 @@ _GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verif
 # Built-ins, resolved lazily.  A new policy is one file in policies/ plus one line here.
 _BUILTIN: dict[str, dict[str, str]] = {
     "policy": {
-        "chain": "policies.chain:Chain",
-        "ddtree": "policies.ddtree:DDTree",
-        "caddtree": "policies.caddtree:CaDDTree",
-        "dominotree": "policies.dominotree:DominoTree",
-        "cost-aware-dominotree": "policies.cost_aware_dominotree:CostAwareDominoTree",
-        "static-corrected": "policies.static_corrected:StaticCorrected",
-        "eagle2": "policies.eagle2:Eagle2",
-        "static": "policies.static:Static",
-        "sequoia": "policies.sequoia:Sequoia",
-        "hardware-aware-sequoia": "policies.sequoia:HardwareAwareSequoia",
-        "ddtree-sampled": "policies.sampled:DDTreeSampled",
-        "dominotree-sampled": "policies.sampled:DominoTreeSampled",
+        "chain": "treespec.policies.chain:Chain",
+        "ddtree": "treespec.policies.ddtree:DDTree",
+        "caddtree": "treespec.policies.caddtree:CaDDTree",
+        "dominotree": "treespec.policies.dominotree:DominoTree",
+        "cost-aware-dominotree": "treespec.policies.cost_aware_dominotree:CostAwareDominoTree",
+        "static-corrected": "treespec.policies.static_corrected:StaticCorrected",
+        "eagle2": "treespec.policies.eagle2:Eagle2",
+        "static": "treespec.policies.static:Static",
+        "sequoia": "treespec.policies.sequoia:Sequoia",
+        "hardware-aware-sequoia": "treespec.policies.sequoia:HardwareAwareSequoia",
+        "ddtree-sampled": "treespec.policies.sampled:DDTreeSampled",
+        "dominotree-sampled": "treespec.policies.sampled:DominoTreeSampled",
     },
     "drafter": {
-        "dflash": "drafters.dflash:DFlashDrafter",
-        "domino": "drafters.domino:DominoDrafter",
-        "marginal": "drafters.toy:MarginalDrafter",
-        "toy-conditional": "drafters.toy:ToyConditionalDrafter",
-        "oracle": "drafters.oracle:OracleDrafter",
-        "checkpoint": "drafters.auto:from_checkpoint",  # a DFlash or Domino checkpoint directory, by its config
+        "dflash": "treespec.drafters.dflash:DFlashDrafter",
+        "domino": "treespec.drafters.domino:DominoDrafter",
+        "marginal": "treespec.drafters.toy:MarginalDrafter",
+        "toy-conditional": "treespec.drafters.toy:ToyConditionalDrafter",
+        "oracle": "treespec.drafters.oracle:OracleDrafter",
+        "checkpoint": "treespec.drafters.auto:from_checkpoint",  # a DFlash or Domino checkpoint directory, by its config
     },
     "verifier": {
-        "match": "verifiers.match:MatchVerifier",
-        "rejection": "verifiers.rejection:RejectionVerifier",
-        "recursive-rejection": "verifiers.recursive:RecursiveRejectionVerifier",
-        "traversal": "verifiers.traversal:TraversalVerifier",
+        "match": "treespec.verifiers.match:MatchVerifier",
+        "rejection": "treespec.verifiers.rejection:RejectionVerifier",
+        "recursive-rejection": "treespec.verifiers.recursive:RecursiveRejectionVerifier",
+        "traversal": "treespec.verifiers.traversal:TraversalVerifier",
     },
     "scorer": {  # RecordableScorer classes: trace replay rebuilds their recorded rounds by this name
-        "domino": "drafters.domino:DominoScorer",
+        "domino": "treespec.drafters.domino:DominoScorer",
     },
     "recipe": {  # treespec.training.TrainingRecipe classes: how `treespec train-drafter` trains a drafter family
-        "block": "drafters.training:BlockRecipe",
+        "block": "treespec.drafters.training:BlockRecipe",
     },
     "command": {},  # `treespec NAME` subcommands of other packages (modules: add_arguments, run)
 }

@@ -33,7 +33,7 @@ import torch
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
 from treespec.sampling import sample_from_probs, target_probs, target_tokens
 from treespec.tree import DraftTree
-from verifiers.match import check_logits, walk_matches
+from treespec.verifiers.match import check_logits, walk_matches
 
 __all__ = ["RecursiveRejectionVerifier", "SampledTreeVerifier", "check_proposals"]
 

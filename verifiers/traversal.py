@@ -1,7 +1,7 @@
 """Traversal verification: leaf-to-root, with sequence-level acceptance; lossless for sampled trees.
 
 After Weng et al., 2025, "Traversal Verification for Speculative Tree Decoding" (NeurIPS 2025).
-Token-level verification (`verifiers.recursive`) walks down from the root and, once a node is
+Token-level verification (`treespec.verifiers.recursive`) walks down from the root and, once a node is
 rejected, throws its whole subtree away.  Traversal verification visits the tree in post-order
 (a node's children, each with its whole subtree, in node order, then the node) and asks at each
 leaf whether the whole path from the root to it is accepted, so a good path under a doubtful
@@ -46,7 +46,7 @@ import torch
 from treespec.interfaces import Proposals, VerifyResult
 from treespec.sampling import sample_from_probs
 from treespec.tree import DraftTree
-from verifiers.recursive import SampledTreeVerifier
+from treespec.verifiers.recursive import SampledTreeVerifier
 
 __all__ = ["TraversalVerifier"]
 
