@@ -3,8 +3,8 @@
 Every arm runs over the same prompts in one process, prompt-major (a slow moment of the machine hits
 every arm alike): AR, the fixed DominoTree@16, and each cost-aware method of ``--methods`` once per
 ``--arms`` item ``PRICING:BACKOFF:PATIENCE`` -- PRICING ``profile`` (this machine's cached profile
-and calibration, fixed), ``live`` (a `treespec.live_cost.LiveCost` over it and a
-`treespec.calibration.LiveCalibration` from the profile's calibration: the CLI's default),
+and calibration, fixed), ``live`` (a `treespec.pricing.live_cost.LiveCost` over it and a
+`treespec.pricing.calibration.LiveCalibration` from the profile's calibration: the CLI's default),
 ``live-cost`` (the live cost model, the profile's calibration fixed) or ``true-cd`` (the profile with
 C_d set to ``--draft-steps`` AR steps: draft + build, what a drafted round really pays);
 BACKOFF the most AR rounds between drafts (`treespec.decoding.DraftGate`, 0: draft every round);
@@ -31,10 +31,10 @@ from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
-from treespec.apps.pricing import CostSource
+from treespec.apps.cost_source import CostSource
 from treespec.decoding import SpeculativeDecoder
-from treespec.live_cost import LiveCost
-from treespec.profile import machine_profile
+from treespec.pricing.live_cost import LiveCost
+from treespec.pricing.profile import machine_profile
 
 PRICINGS = ("profile", "live", "live-cost", "true-cd")
 

@@ -191,7 +191,7 @@ def main() -> None:
     if args.one_size is not None:
         print(json.dumps(run_size(args, args.one_size)))
         return
-    from treespec.hardware import _cpu_model
+    from treespec.pricing.hardware import _cpu_model
 
     print(f"CPU: {_cpu_model()}; threads {torch.get_num_threads()}; dtype {args.dtype}; {args.prompts} prompts x "
           f"{args.max_new_tokens} new tokens at every S", flush=True)

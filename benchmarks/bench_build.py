@@ -35,7 +35,7 @@ from treespec.policies.chain import Chain
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
 from treespec.policies.static_corrected import StaticCorrected
-from treespec.cost import COST_PRESETS
+from treespec.pricing.cost import COST_PRESETS
 from treespec.interfaces import DraftContext, DraftOutput
 
 DEPTH = 16

@@ -27,7 +27,7 @@ from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
 from treespec.policies.frontier import expand_frontier, expand_frontier_batch, resolve_batch
 from treespec.policies.stacked import stack_sources
-from treespec.hardware import machine_identity
+from treespec.pricing.hardware import machine_identity
 
 VOCAB, DEPTH = 49152, 7
 

@@ -26,7 +26,7 @@ from treespec.apps.commands.distill_data import _encoded_prompts, _stop_and_pad
 from treespec.apps.continuous_batch import ContinuousBatch, Job
 from treespec.apps.models import load_frozen_model
 from treespec.apps.selfdistill import DistillConfig
-from treespec.hardware import machine_identity
+from treespec.pricing.hardware import machine_identity
 
 
 class _Rows:

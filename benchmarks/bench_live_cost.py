@@ -48,9 +48,9 @@ from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
-from treespec.apps.pricing import CostSource
+from treespec.apps.cost_source import CostSource
 from treespec.decoding import SpeculativeDecoder
-from treespec.profile import machine_profile
+from treespec.pricing.profile import machine_profile
 
 FIXED = ["ar", "ddtree@16", "dominotree@16"]
 COST_AWARE = ["caddtree@16", "cost-aware-dominotree@16"]

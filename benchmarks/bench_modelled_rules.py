@@ -39,7 +39,7 @@ from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.methods import parse_method
 from treespec.apps.replay.evaluate import policy_for, replay_rounds
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.cost import ConvexCost, CostModel, cost_model_from_dict, load_cost_model
+from treespec.pricing.cost import ConvexCost, CostModel, cost_model_from_dict, load_cost_model
 from treespec.decoding import DRAFT_BACKOFF, DraftGate
 
 DEFAULT_METHODS = ("ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")

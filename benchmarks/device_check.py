@@ -209,8 +209,8 @@ def check_decoding(device: str, dry: bool, new_tokens: int) -> None:
     from treespec import registry
     from treespec.apps.methods import build_policy, parse_method
     from treespec.decoding import SpeculativeDecoder
-    from treespec.live_cost import LiveCost
-    from treespec.profile import machine_profile
+    from treespec.pricing.live_cost import LiveCost
+    from treespec.pricing.profile import machine_profile
 
     print(f"\n## 4. end-to-end decoding on {device}")
     target = _random_target(device, dry)

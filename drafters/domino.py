@@ -53,7 +53,7 @@ from torch import nn
 from treespec.drafters._layers import DFlashModel
 from treespec.drafters.config import ConfigError, DFlashConfig
 from treespec.drafters.dflash import DFlashDrafter
-from treespec.hardware import reduced_precision
+from treespec.pricing.hardware import reduced_precision
 from treespec.interfaces import Expansion, RecordableScorer
 from treespec.topk import exact_topk, top_set
 

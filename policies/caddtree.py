@@ -8,8 +8,8 @@ first candidate that does not raise the expected tokens per second (policies/cos
 rule, its two conventions and the comparison with AR).  ``budget`` is only a cap, 1024 as in the
 published harness, so in practice the cost model alone sizes the tree; the context length the
 cost model sees is ``draft.position``.  The cost model is the machine's: `treespec.generate`,
-``treespec bench`` and ``treespec demo`` pass the profile they measured (`treespec.profile`); built
-by hand, the policy needs one (`treespec.cost.ConvexCost.fit`, or a named ``COST_PRESETS`` entry).
+``treespec bench`` and ``treespec demo`` pass the profile they measured (`treespec.pricing.profile`); built
+by hand, the policy needs one (`treespec.pricing.cost.ConvexCost.fit`, or a named ``COST_PRESETS`` entry).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Contract
 --------
 `CostAwareStop(cost)` ends a best-first build when one more node no longer raises the expected
-tokens per second of the round, priced by a `treespec.cost.CostModel` of the machine.  Candidates
+tokens per second of the round, priced by a `treespec.pricing.cost.CostModel` of the machine.  Candidates
 arrive in pop order with scores s_1 >= s_2 >= ...; δ_j = exp(s_j) is the chance the target accepts
 candidate j's path and Φ_j = δ_1 + ... + δ_j (float64, summed in pop order).  A tree of the root
 and the first j candidates yields 1 + Φ_j tokens in expectation and costs C_d + C_v(n_j; ctx), with
@@ -31,8 +31,8 @@ Two conventions:
   its first argmax), no comparison against AR.  For the same curve it builds the released tree.
 
 ``calibration`` (default: none) corrects a drafter whose probabilities promise more or less than the
-target accepts, by confidence: δ_j = min(1, κ exp(s_j)^β) (`treespec.calibration.Calibration`; a
-bare number is κ with β = 1).  `treespec.calibration.fit_calibration` fits κ and β from recorded
+target accepts, by confidence: δ_j = min(1, κ exp(s_j)^β) (`treespec.pricing.calibration.Calibration`; a
+bare number is κ with β = 1).  `treespec.pricing.calibration.fit_calibration` fits κ and β from recorded
 nodes, and the machine profile stores them per drafter.
 
 The rule keeps no state between builds; `keep` (torch) and `reference` + `trim` (networkx) read one
@@ -48,8 +48,8 @@ import attrs
 import torch
 
 from treespec.policies.stop import StopRule
-from treespec.calibration import Calibration, to_calibration
-from treespec.cost import (  # re-exported: the cost models' home is treespec.cost
+from treespec.pricing.calibration import Calibration, to_calibration
+from treespec.pricing.cost import (  # re-exported: the cost models' home is treespec.pricing.cost
     COST_PRESETS,
     ConvexCost,
     CostModel,
@@ -195,5 +195,5 @@ class CostAware:
     def stop(self) -> CostAwareStop:
         if self.cost_model is None:
             raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
-                             "treespec.profile.machine_profile or `treespec profile-cost`)")
+                             "treespec.pricing.profile.machine_profile or `treespec profile-cost`)")
         return CostAwareStop(self.cost_model, self.convention, self.calibration)

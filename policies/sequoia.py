@@ -44,7 +44,7 @@ import numpy as np
 from treespec.policies.best_first import budget_field
 from treespec.policies.cost import check_cost_model
 from treespec.policies.static import Static
-from treespec.cost import CostModel
+from treespec.pricing.cost import CostModel
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.tree import DraftTree
 
@@ -168,7 +168,7 @@ class HardwareAwareSequoia(Sequoia):
         tree beats AR at this context."""
         if self.cost_model is None:
             raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
-                             "treespec.profile.machine_profile or `treespec profile-cost`)")
+                             "treespec.pricing.profile.machine_profile or `treespec profile-cost`)")
         values, _ = self.tables(draft)
         costs = (self.cost_model.draft_cost + self.cost_model.verify_costs(len(values) - 1, draft.position)).tolist()
         rate = [values[n] / costs[n] if values[n] > -np.inf else -np.inf for n in range(len(values))]

@@ -27,7 +27,7 @@ from treespec.drafters.domino import DominoDrafter
 from treespec.apps.bench.records import read_records
 from treespec.apps.cli import main
 from treespec.apps.methods import parse_method
-from treespec.apps.pricing import CostSource
+from treespec.apps.cost_source import CostSource
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import SamplingParams
 from treespec.sampling import gumbel_noise, sampling_key

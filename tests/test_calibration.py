@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treespec.calibration import (
+from treespec.pricing.calibration import (
     Calibration,
     LiveCalibration,
     LiveCalibrationSettings,

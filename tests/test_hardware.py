@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_target import tiny_model
 
-from treespec import hardware
-from treespec.profile import CostProfile, machine_profile
+from treespec.pricing import hardware
+from treespec.pricing.profile import CostProfile, machine_profile
 from treespec.target import TargetModel
 
 
@@ -142,8 +142,8 @@ def test_the_profile_prices_every_size_as_measured_and_the_convex_fit_on_request
 
 
 def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_path):
-    from treespec.calibration import Calibration
-    from treespec.profile import save_profile
+    from treespec.pricing.calibration import Calibration
+    from treespec.pricing.profile import save_profile
 
     target = _tiny_target()
 

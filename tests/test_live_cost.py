@@ -15,10 +15,10 @@ from test_target import hf_greedy, tiny_target
 
 from treespec.drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
 from treespec import registry
-from treespec.calibration import Calibration, LiveCalibration, LiveCalibrationSettings, live_calibration_of
-from treespec.cost import ConvexCost, LinearCost
+from treespec.pricing.calibration import Calibration, LiveCalibration, LiveCalibrationSettings, live_calibration_of
+from treespec.pricing.cost import ConvexCost, LinearCost
 from treespec.decoding import SpeculativeDecoder
-from treespec.live_cost import LiveCost, LiveSettings, Observation, live_cost_of, ordinary, shifted, trimmed_mean
+from treespec.pricing.live_cost import LiveCost, LiveSettings, Observation, live_cost_of, ordinary, shifted, trimmed_mean
 
 SIZES, CONTEXTS = (1, 2, 3, 5, 9, 17, 33), (128, 512)
 

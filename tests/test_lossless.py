@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from treespec.drafters.oracle import GreedyContinuations, OracleConfig, OracleDrafter
 from treespec.policies.chain import Chain
 from treespec import registry
-from treespec.cost import LinearCost
+from treespec.pricing.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
 from treespec.sampling import filter_logits, sample_from_probs

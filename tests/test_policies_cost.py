@@ -31,7 +31,7 @@ from treespec.policies.cost import (
 )
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
-from treespec.calibration import Calibration
+from treespec.pricing.calibration import Calibration
 from treespec.interfaces import DraftContext
 
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from treespec.apps.commands.profile_cost import time_verify
-from treespec.live_cost import LiveCost
+from treespec.pricing.live_cost import LiveCost
 from treespec.target import TargetModel
 
 
@@ -35,7 +35,7 @@ def test_fitted_model_round_trips(tmp_path):
 
 def test_verify_sizes_are_timed_in_turn_and_leave_the_cache():
     """Every repeat times each size once, starting one size later, so drift reaches all sizes alike."""
-    from treespec.profile import time_verify_sizes
+    from treespec.pricing.profile import time_verify_sizes
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -53,11 +53,11 @@ def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(t
     """persist_live writes the live curve into this machine's profile cache; the next profile read
     prices with it, and profile-cost prints both curves with the rounds each point rests on."""
     from treespec.apps.commands.profile_cost import describe_profile
-    from treespec.apps.pricing import persist_live
+    from treespec.apps.cost_source import persist_live
     import attrs
 
-    from treespec.calibration import Calibration
-    from treespec.profile import machine_profile, refresh_profile, save_profile
+    from treespec.pricing.calibration import Calibration
+    from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ from treespec.apps.replay import (
     replay_prompt,
     replay_rounds,
 )
-from treespec.cost import COST_PRESETS, LinearCost, cost_model_from_dict
+from treespec.pricing.cost import COST_PRESETS, LinearCost, cost_model_from_dict
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.target import TargetModel
@@ -69,12 +69,12 @@ class Capturing(TreePolicy):
 
     @property
     def cost_model(self):
-        """The inner policy's, so that the loop feeds a live one (`treespec.live_cost.live_cost_of`)."""
+        """The inner policy's, so that the loop feeds a live one (`treespec.pricing.live_cost.live_cost_of`)."""
         return getattr(self.inner, "cost_model", None)
 
     @property
     def calibration(self):
-        """The inner policy's, so that the loop feeds a live one (`treespec.calibration.live_calibration_of`)."""
+        """The inner policy's, so that the loop feeds a live one (`treespec.pricing.calibration.live_calibration_of`)."""
         return getattr(self.inner, "calibration", None)
 
 
@@ -394,8 +394,8 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
     and explores; the calibration re-fitted every other round) builds the same trees."""
     from treespec.apps.bench.records import BenchRecord, cost_schedule
     from treespec.apps.replay import replay_priced
-    from treespec.calibration import Calibration, LiveCalibration, LiveCalibrationSettings
-    from treespec.live_cost import LiveCost, LiveSettings
+    from treespec.pricing.calibration import Calibration, LiveCalibration, LiveCalibrationSettings
+    from treespec.pricing.live_cost import LiveCost, LiveSettings
 
     parsed = parse_method(method)
     live = LiveCost(COST, LiveSettings(explore_every=3))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treespec.policies.sequoia import HardwareAwareSequoia, Sequoia, optimal_trees
-from treespec.cost import LinearCost
+from treespec.pricing.cost import LinearCost
 from treespec.interfaces import DraftOutput
 
 

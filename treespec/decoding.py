@@ -29,14 +29,14 @@ resumption or prompt order, and replay, which mirrors it) call ``gate.reset()`` 
 conversation's start. AR rounds commit exactly what the target chooses, so the output is unchanged;
 the drafter receives the taps of every token committed meanwhile at its next draft.
 
-A policy that prices its trees with a `treespec.live_cost.LiveCost` (its ``cost_model``) has it fed
+A policy that prices its trees with a `treespec.pricing.live_cost.LiveCost` (its ``cost_model``) has it fed
 by this loop: before each round ``begin_round`` says whether the round explores (it then drafts
 whatever the back-off says, and its tree is not taken as the policy's verdict on whether trees
 pay) and ``wants_ar_step`` whether it should be an AR step instead (no draft), and after it
 ``observe`` receives the round's tree size, cached context, verify seconds and, for a drafted
 round, draft + build seconds; an exploring round that finds a new speed of the machine ends the
 back-off.  So the cost model learns the machine while it decodes; likewise a
-policy whose ``calibration`` is a `treespec.calibration.LiveCalibration` has it fed every drafted
+policy whose ``calibration`` is a `treespec.pricing.calibration.LiveCalibration` has it fed every drafted
 round's verified tree and its accepted path (`node_outcomes`), so the drafter's promises are
 re-calibrated against what the target accepts.  The tokens committed are the same whatever either
 prices (every tree is verified losslessly).
@@ -62,7 +62,7 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.calibration import live_calibration_of, node_outcomes
+from treespec.pricing.calibration import live_calibration_of, node_outcomes
 from treespec.interfaces import (
     BACKENDS,
     DraftContext,
@@ -75,7 +75,7 @@ from treespec.interfaces import (
     VerifyResult,
     check_single_batch,
 )
-from treespec.live_cost import live_cost_of
+from treespec.pricing.live_cost import live_cost_of
 from treespec.sampling import sampling_key, target_tokens
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput

@@ -42,7 +42,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.hardware import reduced_precision
+from treespec.pricing.hardware import reduced_precision
 from treespec.tree import DraftTree
 
 __all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
@@ -94,11 +94,11 @@ class TargetModel:
                    float32_head: bool | None = None) -> TargetModel:
         """Load a causal LM from a local directory (safetensors; never remote code).
 
-        ``dtype="auto"`` is this machine's faster dtype for the model (`treespec.hardware`);
+        ``dtype="auto"`` is this machine's faster dtype for the model (`treespec.pricing.hardware`);
         ``float32_head``: see the module docstring (None: on for bf16/fp16)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from treespec.hardware import resolve_dtype
+        from treespec.pricing.hardware import resolve_dtype
 
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a Hugging Face model directory")

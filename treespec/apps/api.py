@@ -19,11 +19,11 @@ Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample`
 * ``policy``: a `TreePolicy` or a registered name, built with ``budget`` (when given) and
   ``policy_kwargs``; a cost-aware one (CaDDTree, the cost-aware DominoTree) named here prices its
   trees as ``cost_model`` says: ``"live"`` (default) this machine's measured cost profile
-  (`treespec.profile`, cached) corrected by the round times of this generation, which are then
+  (`treespec.pricing.profile`, cached) corrected by the round times of this generation, which are then
   saved with the profile; ``"profile"`` the profile as measured; a `CostModel`, a JSON file or
-  ``preset:NAME`` that model (`treespec.apps.pricing`).  Ignored for autoregressive decoding.
+  ``preset:NAME`` that model (`treespec.apps.cost_source`).  Ignored for autoregressive decoding.
 * ``dtype``: ``"auto"`` (default) is the faster of bf16 and fp32 for this model on this CPU
-  (measured once and cached, `treespec.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
+  (measured once and cached, `treespec.pricing.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
   stored dtype.
 
 ``do_sample=False`` (the default) decodes greedily whatever ``temperature`` says, as in Hugging Face;
@@ -44,9 +44,9 @@ import torch
 
 from treespec import registry
 from treespec.apps.methods import MethodSpec, check_budget
-from treespec.apps.pricing import CostSource, method_policy, persist_live
+from treespec.apps.cost_source import CostSource, method_policy, persist_live
 from treespec.batch_decoding import BatchDecoder
-from treespec.cost import CostModel
+from treespec.pricing.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.stats import GenerationStats
@@ -97,11 +97,11 @@ def load_drafter(drafter: Drafter | PathLike | None, **kwargs: Any) -> Drafter |
 def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any], target: TargetModel,
             drafter: Drafter, costs: CostSource) -> tuple[TreePolicy, Callable[[], None]]:
     """The policy, and what to call once it has decoded: a cost-aware one by name is priced as ``costs``
-    says (by default its own live model over this machine's profile, `treespec.apps.pricing`), and what
+    says (by default its own live model over this machine's profile, `treespec.apps.cost_source`), and what
     the live model learned is then saved with the profile."""
     if isinstance(policy, TreePolicy):
         return policy, lambda: None
-    from treespec.profile import machine_profile
+    from treespec.pricing.profile import machine_profile
 
     spec = MethodSpec(policy, None, None if budget is None else check_budget(budget, "generate"), kwargs)
     profile = functools.cache(lambda: machine_profile(target, [drafter]))  # measured once, if pricing asks

@@ -29,7 +29,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.hardware import CACHE_ENV, cache_root
+from treespec.pricing.hardware import CACHE_ENV, cache_root
 
 __all__ = [
     "CACHE_ENV",

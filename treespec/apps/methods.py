@@ -24,7 +24,7 @@ and drafters:
   e.g. ``ddtree-sampled@16/recursive-rejection``; AR and the chains take one too.
 
 A policy that declares ``uses_cost_model`` gets the machine's cost model from `build_policy`'s
-caller (the harness measures it, `treespec.profile`), never a built-in preset.
+caller (the harness measures it, `treespec.pricing.profile`), never a built-in preset.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 import attrs
 
 from treespec import registry
-from treespec.calibration import Calibration, to_calibration
-from treespec.cost import CostModel
+from treespec.pricing.calibration import Calibration, to_calibration
+from treespec.pricing.cost import CostModel
 from treespec.interfaces import Drafter, TreePolicy
 
 __all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "MethodSpec", "build_policy", "check_budget", "default_drafter",

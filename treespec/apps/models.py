@@ -6,7 +6,7 @@ Contract
 ``*.safetensors`` weight files in name order, which is what distillation data and teacher caches
 record so that data made with one target is never used with another.  ``load_frozen_model(path,
 dtype_name)`` loads a local transformers causal LM (default: the embedded SmolLM2) in eval mode
-without gradients, with the dtype chosen as `treespec.hardware.resolve_dtype` chooses it.
+without gradients, with the dtype chosen as `treespec.pricing.hardware.resolve_dtype` chooses it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def load_frozen_model(path: Path | None, dtype_name: str, device: str = "cpu", *
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from treespec.apps.embedded import SMOLLM2_135M_INSTRUCT, embedded_model_dir
-    from treespec.hardware import resolve_dtype
+    from treespec.pricing.hardware import resolve_dtype
     from treespec.target import check_device
 
     check_device(device)

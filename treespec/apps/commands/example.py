@@ -16,9 +16,9 @@ import torch
 
 from treespec import registry
 from treespec.apps.methods import parse_method
-from treespec.apps.pricing import CostSource, method_policy
+from treespec.apps.cost_source import CostSource, method_policy
 from treespec.decoding import SpeculativeDecoder
-from treespec.profile import machine_profile
+from treespec.pricing.profile import machine_profile
 from treespec.target import TargetModel
 
 _METHODS = ("ar", "dflash", "ddtree@16", "caddtree@16", "dominotree@16")

@@ -2,9 +2,9 @@
 
 Times one target forward over a tree of n tokens on top of ctx cached tokens (median of repeats
 after a warm-up, the sizes taken in turn within each repeat) and one round of each drafter, caches
-the profile where every treespec command finds it (`treespec.profile`: keyed by machine,
+the profile where every treespec command finds it (`treespec.pricing.profile`: keyed by machine,
 architecture and dtype) and prints C_v in ms and in AR steps with the break-even τ of a 16-node
-tree, beside the live-corrected curve that decoding runs left in the cache (`treespec.live_cost`),
+tree, beside the live-corrected curve that decoding runs left in the cache (`treespec.pricing.live_cost`),
 with the rounds each point rests on.  ``--out FILE`` also writes the fitted
 `ConvexCost` (with the first drafter's C_d) as JSON, for ``--cost-model`` or `load_cost_model`.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from treespec.apps.commands import CPU_DTYPES, DTYPES
-from treespec.calibration import Calibration, fit_calibration, node_outcomes, promise_by_quartile
-from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, time_draft, time_verify
+from treespec.pricing.calibration import Calibration, fit_calibration, node_outcomes, promise_by_quartile
+from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, time_draft, time_verify
 
 __all__ = ["add_arguments", "run", "time_draft", "time_verify"]
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import load_drafter, load_target
     from treespec.apps.embedded import embedded_model_dir
     from treespec.apps.methods import embedded_drafter_dir
-    from treespec.profile import machine_profile, refresh_profile, save_profile
+    from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
 
     try:
         target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype])

@@ -219,7 +219,7 @@ def _sweep(args: argparse.Namespace, trace) -> list:
 def _eval(args: argparse.Namespace) -> int:
     from treespec.apps.replay import Trace, compare, compare_traces, evaluate
     from treespec.apps.replay.compare import markdown_table
-    from treespec.cost import load_cost_model
+    from treespec.pricing.cost import load_cost_model
 
     if args.against is not None and args.baseline is not None:
         raise ValueError("--against and --baseline are two kinds of comparison; name one")

@@ -24,8 +24,8 @@ from treespec.analysis import accepted_length
 from treespec.apps.methods import MethodSpec, build_policy, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.calibration import Calibration
-from treespec.cost import CostModel, cost_model_from_dict
+from treespec.pricing.calibration import Calibration
+from treespec.pricing.cost import CostModel, cost_model_from_dict
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
 from treespec.interfaces import TreePolicy
 from treespec.tree import DraftTree
@@ -107,7 +107,7 @@ def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt
     `CostModel.to_dict` form, or None for a round that drafted nothing (`BenchRecord.priced_rounds`);
     an entry's ``"calibration"`` (a round calibrated live) replaces ``calibration`` for that round.
     So a run whose costs were corrected live builds the same trees again (the drafting decisions
-    are the recorded ones: an exploring round drafts past the back-off, `treespec.live_cost`)."""
+    are the recorded ones: an exploring round drafts past the back-off, `treespec.pricing.live_cost`)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     room = int(trace.meta["target"]["max_positions"])
     policies: dict[str, TreePolicy] = {}

@@ -33,7 +33,7 @@ from treespec import registry
 from treespec.apps.replay.trace import FORMAT, VERSION, DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces, scorer_class
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, RecordableScorer, TreePolicy
-from treespec.profile import machine_profile
+from treespec.pricing.profile import machine_profile
 from treespec.reach import best_chain, reachable
 from treespec.target import TargetModel, select_taps
 from treespec.topk import exact_topk

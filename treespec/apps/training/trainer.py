@@ -52,13 +52,13 @@ RESUMABLE = frozenset({"steps", "eval_every", "save_every"})  # config fields a 
 
 def use_autocast(setting: bool | None, device: torch.device, target_config) -> bool:
     """Whether to train under bf16 autocast: ``setting``, else on CUDA, else where this CPU's bf16
-    matmul beats fp32 for the target's shapes (`treespec.hardware`; on a CPU without bf16 hardware
+    matmul beats fp32 for the target's shapes (`treespec.pricing.hardware`; on a CPU without bf16 hardware
     a bf16-autocast step measured about 10x slower than a float32 one)."""
     if setting is not None:
         return setting
     if torch.device(device).type == "cuda":
         return True
-    from treespec.hardware import cpu_dtype_choice
+    from treespec.pricing.hardware import cpu_dtype_choice
 
     return cpu_dtype_choice(target_config).dtype == torch.bfloat16
 

@@ -19,7 +19,7 @@ uses that table, so decisions taken from it are bit-identical between policy bac
 
 ``save`` writes JSON; `load_cost_model` reads it back and names the file and the field in every
 error.  Cost models hold no policy logic: cost-aware stop rules live in ``policies/cost.py``, and
-the models of a machine come from `treespec.profile`, which measures them.
+the models of a machine come from `treespec.pricing.profile`, which measures them.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def load_cost_model(path: str | Path) -> CostModel:
 
 # Measured once on one 2-core CPU (SmolLM2-135M in bf16, 300-token cache, verify of 1/8/16/65 tokens,
 # the block-16 drafter).  Named for reproducing that session's runs; never a default: a machine's
-# own model comes from `treespec.profile`.
+# own model comes from `treespec.pricing.profile`.
 COST_PRESETS: dict[str, CostModel] = {
     "smollm2-cpu-bf16": ConvexCost.fit([(1, 300, 0.0233), (8, 300, 0.0253), (16, 300, 0.0292),
                                         (65, 300, 0.0602)], draft=0.0078),

@@ -25,7 +25,7 @@ are not independent (siblings exclude each other), which leaves the estimate con
 node's marginal chance is what a cost rule sums.  Too little evidence (fewer than
 ``MIN_NODES`` nodes, or none accepted, or none rejected) gives the identity.
 
-`LiveCalibration(prior)` learns the map while decoding, as `treespec.live_cost.LiveCost` learns the
+`LiveCalibration(prior)` learns the map while decoding, as `treespec.pricing.live_cost.LiveCost` learns the
 machine: a policy whose ``calibration`` it is reads the current fit through ``deltas`` like any
 `Calibration`, and the decoding loop, after every drafted round, hands it the verified tree's node
 outcomes (``observe``).  It keeps the nodes of the last rounds (the fewest whole rounds that hold

@@ -3,9 +3,9 @@
 Contract
 --------
 `CostSource.parse(text)` reads ``--cost-model``: ``live`` (the default): this machine's profile
-(`treespec.profile`), corrected while decoding by a `treespec.live_cost.LiveCost` of the policy's
+(`treespec.pricing.profile`), corrected while decoding by a `treespec.pricing.live_cost.LiveCost` of the policy's
 own, and the drafter's calibration by confidence, re-fitted while decoding by a
-`treespec.calibration.LiveCalibration` from the profile's; ``profile``: the profile and its
+`treespec.pricing.calibration.LiveCalibration` from the profile's; ``profile``: the profile and its
 calibration as measured, fixed; a JSON file or ``preset:NAME``: that model, fixed, uncalibrated.
 ``source.price(profile_pricing)`` turns the (cost model, calibration) of the profile into what one
 policy gets: each call gives a new `LiveCost` and `LiveCalibration`, so policies never share one.
@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from treespec.apps.methods import MethodSpec, build_policy
-from treespec.calibration import Calibration, LiveCalibration
-from treespec.cost import CostModel, resolve_cost_model
+from treespec.pricing.calibration import Calibration, LiveCalibration
+from treespec.pricing.cost import CostModel, resolve_cost_model
 from treespec.interfaces import Drafter, TreePolicy
-from treespec.live_cost import LiveCost, LiveSettings
+from treespec.pricing.live_cost import LiveCost, LiveSettings
 
 __all__ = ["CostSource", "method_policy", "persist_live"]
 
@@ -73,7 +73,7 @@ def method_policy(method: MethodSpec, drafter: Drafter | None, costs: CostSource
                   profile: Callable[[], object]) -> tuple[TreePolicy | None, CostModel | None]:
     """(policy, the cost model it prices with) of ``method`` over ``drafter``: (None, None) for AR; a
     fixed-size policy as built (no cost model); a cost-aware one priced as ``costs`` says, with
-    ``profile()`` (this machine's `treespec.profile.CostProfile`) asked only when pricing needs it."""
+    ``profile()`` (this machine's `treespec.pricing.profile.CostProfile`) asked only when pricing needs it."""
     if method.autoregressive:
         return None, None
     if not method.priced or "cost_model" in method.options:  # fixed-size, or given its model
@@ -88,7 +88,7 @@ def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | No
     the machine's profile cache; returns the updated profile (None when no live model observed a round).
     The verify curve is the one of the live model that observed the most tree rounds; each drafter's
     draft + build cost is its own policy's."""
-    from treespec.profile import PROFILE_CONTEXTS, PROFILE_SIZES, save_profile
+    from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, save_profile
 
     lives = [(c, d) for c, d in priced if isinstance(c, LiveCost) and c.observations]
     if not lives:

@@ -2,7 +2,7 @@
 
 Contract
 --------
-`LiveCost(prior)` is a `treespec.cost.CostModel` (C_d, C_v(n; ctx)) that prices like ``prior`` (the
+`LiveCost(prior)` is a `treespec.pricing.cost.CostModel` (C_d, C_v(n; ctx)) that prices like ``prior`` (the
 machine's one-shot profile) until the decoding loop tells it what rounds really cost: after every
 round of a single-sequence decoder whose policy prices with it, ``observe(n, ctx, verify, draft)``
 receives the verify seconds of that round's n tree tokens on ctx cached tokens and, for a drafted
@@ -39,7 +39,7 @@ The estimator (all of it deterministic in the observations, so a recorded run ca
   weighted by a pseudo-count w_0 (1 - m / window), and the corrected value prior(k, c) * r_k,
   weighted by the m observations in the bucket's window: the prior counts while a bucket has few
   observations and not at all once its window is full.  The knots so valued and weighted are fitted
-  by `treespec.cost.fit_verify_curve` as the profile fits its own samples: each knot keeps its own
+  by `treespec.pricing.cost.fit_verify_curve` as the profile fits its own samples: each knot keeps its own
   value (measured verify times are not monotone in n; a CPU's 3-token forward can be dearer than its
   4-token one), linear between knots.  C_d: the trimmed mean of
   the last ``window`` draft + build times against the prior's C_d, weighted the same way.  Build time
@@ -90,7 +90,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
-from treespec.cost import ConvexCost, CostModel, fit_verify_curve
+from treespec.pricing.cost import ConvexCost, CostModel, fit_verify_curve
 
 __all__ = ["LiveCost", "LiveSettings", "Observation", "live_cost_of", "ordinary", "shifted", "trimmed_mean"]
 

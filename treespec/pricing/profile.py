@@ -7,14 +7,14 @@ forward over a tree of n tokens on top of ctx cached tokens, for n in `PROFILE_S
 ``contexts`` (the sizes of one context timed in turn within each repeat, `time_verify_sizes`), and
 the median seconds of one round of each drafter.  It is measured on first use
 (about 20 s for the embedded default on a 2-core CPU) and cached in the treespec cache directory
-under a key naming the machine (`treespec.hardware.machine_identity`), the target's architecture
+under a key naming the machine (`treespec.pricing.hardware.machine_identity`), the target's architecture
 and dtype, and each drafter's identity (`Drafter.identity`): forward costs depend on shapes, not
 weights.  A profile made on another machine, architecture or dtype is never used: its key does
 not match, and it is measured again; a corrupt cache file is measured again with a one-line
 warning.  Drafters missing from a cached profile are measured and added.
 
 ``profile.cost_model(drafter)`` is what cost-aware policies price trees with: per context, the
-measured median at every profiled size, linear between them (`treespec.cost.fit_verify_curve`),
+measured median at every profiled size, linear between them (`treespec.pricing.cost.fit_verify_curve`),
 with that drafter's C_d.  The sizes are every tree of up to 17 tokens (a 16-node tree and all the
 trims a cost rule may choose) and two beyond, because measured verify times are neither smooth nor
 monotone: on a 2-core Zen 5 in bf16, forwards of 3, 7 and 11 tokens took 25 % longer than forwards
@@ -35,9 +35,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.calibration import Calibration, to_calibration
-from treespec.cost import ConvexCost, fit_verify_curve
-from treespec.hardware import digest, machine_file, machine_identity, read_cached, write_cached
+from treespec.pricing.calibration import Calibration, to_calibration
+from treespec.pricing.cost import ConvexCost, fit_verify_curve
+from treespec.pricing.hardware import digest, machine_file, machine_identity, read_cached, write_cached
 from treespec.interfaces import DraftContext, Drafter
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
@@ -126,7 +126,7 @@ class CostProfile:
     live_drafts: Mapping[str, tuple[float, int]] = attrs.field(factory=dict)  # identity -> (draft + build s, rounds)
 
     def calibration(self, drafter: Drafter | str | None) -> Calibration:
-        """The drafter's fitted calibration (`treespec.calibration`), the identity (its probabilities
+        """The drafter's fitted calibration (`treespec.pricing.calibration`), the identity (its probabilities
         taken as they are) when none was fitted."""
         if drafter is None:
             return Calibration()
@@ -165,7 +165,7 @@ class CostProfile:
         return sum(r for _, c, _, r in self.live_verify if c == first)
 
     def with_live(self, live) -> CostProfile:
-        """This profile with the verify curve a `treespec.live_cost.LiveCost` ended with, at the profiled
+        """This profile with the verify curve a `treespec.pricing.live_cost.LiveCost` ended with, at the profiled
         sizes and contexts, its round counts added to those already stored."""
         curve, support = live.snapshot(), live.support()
         before = {(n, c): r for n, c, _, r in self.live_verify}

@@ -4,7 +4,7 @@ Contract
 --------
 * `machine_identity()`: what makes timings of this machine comparable: CPU model string, core
   count, torch's intra-op threads and torch version (plus the GPU's name on CUDA).  Cached
-  measurements (this module's dtype choice, `treespec.profile`'s cost profiles) are keyed by it, so
+  measurements (this module's dtype choice, `treespec.pricing.profile`'s cost profiles) are keyed by it, so
   a measurement from another machine, thread count or torch build is never used.
 * `resolve_dtype(dtype, device=..., config=...)`: ``"auto"`` becomes bf16 on CUDA; on a CPU the
   faster of bf16 and fp32 for this target's own linear shapes, measured once by a micro-benchmark
