@@ -3,8 +3,8 @@
 For each policy, budget B and batch size S it times, on the same S fresh drafts, (a) what
 `grow_batch` does without stacking -- the top-k of all drafts at once, then one compact build per
 draft -- and (b) the stacked static frontier that grows the S trees together
-(policies/stacked.py), alternating the two, and prints the median ms per batch, their ratio and
-whether the trees are identical.  `policies/frontier.py`'s ``_STACKED_CELLS_MAX`` (the CPU rule
+(policies/engine/stacked.py), alternating the two, and prints the median ms per batch, their ratio and
+whether the trees are identical.  `policies/engine/frontier.py`'s ``_STACKED_CELLS_MAX`` (the CPU rule
 for which to use) is read off this table.
 
 Drafts: marginal rows N(0, scale^2) over V = 49152 (SmolLM2); DominoTree over random Domino parts
@@ -25,8 +25,8 @@ from bench_build import SIZES, DominoParts, marginal_draft
 
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
-from treespec.policies.frontier import expand_frontier, expand_frontier_batch, resolve_batch
-from treespec.policies.stacked import stack_sources
+from treespec.policies.engine.frontier import expand_frontier, expand_frontier_batch, resolve_batch
+from treespec.policies.engine.stacked import stack_sources
 from treespec.pricing.hardware import machine_identity
 
 VOCAB, DEPTH = 49152, 7

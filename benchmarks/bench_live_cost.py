@@ -21,7 +21,7 @@ threads as given (``--threads``; default torch's, the demo's).
 ``--root-only-arms`` adds each cost-aware method priced by the profile under the rule it had until
 2026-12-03 (``:root-only``): a round whose best tree does not beat AR with its draft counted
 returns the root-only tree, where the rule now verifies the tree that still gains over an AR step
-once the draft is spent (policies/cost.py); both back drafting off after such a round.
+once the draft is spent (policies/engine/cost.py); both back drafting off after such a round.
 
     python benchmarks/bench_live_cost.py --profiles 3
     python benchmarks/bench_live_cost.py --profiles 1 --hog 0.5
@@ -39,17 +39,17 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from treespec.policies.cost import CostAwareStop
-from treespec.policies.ddtree import DDTree
-from treespec.policies.dominotree import DominoTree
 from treespec.apps.bench import load_harness
 from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.commands.demo import _DATASETS
+from treespec.apps.cost_source import CostSource
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
 from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
-from treespec.apps.cost_source import CostSource
 from treespec.decoding import SpeculativeDecoder
+from treespec.policies.ddtree import DDTree
+from treespec.policies.dominotree import DominoTree
+from treespec.policies.engine.cost import CostAwareStop
 from treespec.pricing.profile import machine_profile
 
 FIXED = ["ar", "ddtree@16", "dominotree@16"]

@@ -1,6 +1,6 @@
 """The checks to run when a CUDA machine is lent: captured builds against eager, and training on the GPU.
 
-1. **CUDA-graph builds.**  For B = 16 / 64 / 256, `treespec.policies.cuda_graph.GraphedBuild` against the
+1. **CUDA-graph builds.**  For B = 16 / 64 / 256, `treespec.policies.engine.cuda_graph.GraphedBuild` against the
    eager static build, bit for bit over several fresh rounds, and the build time per round of both
    (median, synchronised): DDTree over random marginals (V = 151,936, L = 16) and DominoTree over
    random Qwen3-4B-sized Domino parts (H 2,560, G 1,024, E 256; M = 64, 8 children per node).
@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from bench_build import SIZES, DominoParts, marginal_draft
 
+from treespec.interfaces import DraftOutput
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
-from treespec.interfaces import DraftOutput
 
 DEPTH = 16
 
@@ -92,7 +92,7 @@ class Cases:
 
 
 def check_graphs(cases: Cases, args: argparse.Namespace) -> None:
-    from treespec.policies.cuda_graph import GraphedBuild
+    from treespec.policies.engine.cuda_graph import GraphedBuild
 
     print("\n## 1. CUDA-graph builds against eager (static mode), ms per round")
     print("| policy | B | eager ms | graph ms | eager / graph | identical rounds |")

@@ -32,7 +32,7 @@ per-row tie rule.
 `expand_deferred` scores children like `expand` but leaves their GRU steps pending (states
 [n, k, G + 1]: the parent's state and the child's token id); `advance(pending)` [n, G + 1] -> [n, G]
 completes them.  A tree policy expands few of the children it scores, so it pays the GRU update
-only for those (policies/sources.py drives a scorer this way when it offers both methods).
+only for those (policies/engine/candidates.py drives a scorer this way when it offers both methods).
 
 The GRU input projection W_ih e(t) is precomputed for every vocabulary token at bind time
 (``gru_input_table=True``, the default: a [V, 3G] table; float32/float64 only) so a child's update is a gather; per
@@ -53,8 +53,8 @@ from torch import nn
 from treespec.drafters._layers import DFlashModel
 from treespec.drafters.config import ConfigError, DFlashConfig
 from treespec.drafters.dflash import DFlashDrafter
-from treespec.pricing.hardware import reduced_precision
 from treespec.interfaces import Expansion, RecordableScorer
+from treespec.pricing.hardware import reduced_precision
 from treespec.topk import exact_topk, top_set
 
 if TYPE_CHECKING:

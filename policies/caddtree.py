@@ -4,7 +4,7 @@ Contract
 --------
 ``CaDDTree(budget=1024, cost_model=..., convention="treespec")`` builds exactly the tree of
 ``DDTree(budget=budget, stop=CostAwareStop(cost_model, convention))``: DDTree's pops, ended at the
-first candidate that does not raise the expected tokens per second (policies/cost.py states the
+first candidate that does not raise the expected tokens per second (policies/engine/cost.py states the
 rule, its two conventions and the comparison with AR).  ``budget`` is only a cap, 1024 as in the
 published harness, so in practice the cost model alone sizes the tree; the context length the
 cost model sees is ``draft.position``.  The cost model is the machine's: `treespec.generate`,
@@ -18,10 +18,10 @@ from typing import ClassVar
 
 import attrs
 
-from treespec.policies.best_first import BestFirstPolicy, budget_field, check_logprobs
-from treespec.policies.cost import CostAware
-from treespec.policies.frontier import TopTokens
 from treespec.interfaces import DraftOutput
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.candidates import TopTokens
+from treespec.policies.engine.cost import CostAware
 
 __all__ = ["CaDDTree"]
 
@@ -35,7 +35,7 @@ class CaDDTree(CostAware, BestFirstPolicy):
     budget: int = budget_field(1024)  # cap on non-root nodes (the published harness's); the cost rule ends sooner
     def validate(self, draft: DraftOutput) -> None:
         check_logprobs(draft)
-        self.stop  # noqa: B018 - refuses a missing cost model before any work
+        self.require_cost_model()
 
     def candidates(self, draft: DraftOutput) -> TopTokens:
         return TopTokens(draft.logprobs, self.budget)

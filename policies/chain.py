@@ -15,16 +15,11 @@ from typing import ClassVar
 
 import attrs
 
-from treespec.policies.best_first import (
-    BestFirstPolicy,
-    budget_field,
-    check_budget,
-    check_logprobs,
-)
-from treespec.policies.frontier import Candidates, TopTokens
-from treespec.policies.sources import ScorerSource
-from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.candidates import Candidates, ScorerSource, TopTokens
+from treespec.policies.engine.stop import StopRule
+from treespec.tree import check_budget
 
 __all__ = ["Chain"]
 

@@ -5,7 +5,7 @@ Contract
 ``CostAwareDominoTree(budget=16, top_m=64, node_topk=8, cost_model=..., convention="treespec")``
 builds exactly ``DominoTree(budget, top_m, node_topk, stop=CostAwareStop(cost_model, convention))``:
 DominoTree's pops under each node's own path scores, ended where one more node no longer raises the
-expected tokens per second (policies/cost.py).  ``budget`` caps the tree.  Like CaDDTree it takes
+expected tokens per second (policies/engine/cost.py).  ``budget`` caps the tree.  Like CaDDTree it takes
 the machine's cost model, which the harnesses pass from the measured profile.
 """
 
@@ -15,11 +15,11 @@ from typing import ClassVar
 
 import attrs
 
-from treespec.policies.best_first import BestFirstPolicy, budget_field
-from treespec.policies.cost import CostAware
-from treespec.policies.dominotree import DominoTree, require_scorer
-from treespec.policies.sources import ScorerSource
 from treespec.interfaces import DraftOutput
+from treespec.policies.dominotree import DominoTree, require_scorer
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.candidates import ScorerSource
+from treespec.policies.engine.cost import CostAware
 
 __all__ = ["CostAwareDominoTree"]
 
@@ -36,7 +36,7 @@ class CostAwareDominoTree(CostAware, BestFirstPolicy):
     node_topk: int = budget_field(8)  # children kept per expanded node
     def validate(self, draft: DraftOutput) -> None:
         require_scorer(draft, "cost-aware DominoTree")
-        self.stop  # noqa: B018 - refuses a missing cost model before any work
+        self.require_cost_model()
 
     def candidates(self, draft: DraftOutput) -> ScorerSource:
         return DominoTree(self.budget, self.top_m, self.node_topk).candidates(draft)

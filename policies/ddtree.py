@@ -14,10 +14,10 @@ from typing import ClassVar
 
 import attrs
 
-from treespec.policies.best_first import BestFirstPolicy, budget_field, check_logprobs
-from treespec.policies.frontier import TopTokens
-from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.candidates import TopTokens
+from treespec.policies.engine.stop import StopRule
 
 __all__ = ["DDTree"]
 

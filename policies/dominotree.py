@@ -19,10 +19,10 @@ from typing import ClassVar
 
 import attrs
 
-from treespec.policies.best_first import BestFirstPolicy, budget_field
-from treespec.policies.sources import ScorerSource
-from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.candidates import ScorerSource
+from treespec.policies.engine.stop import StopRule
 
 __all__ = ["DominoTree", "require_scorer"]
 

@@ -33,8 +33,8 @@ import networkx as nx
 import numpy as np
 import torch
 
-from treespec.policies.best_first import budget_field, check_backend, check_logprobs
-from treespec.interfaces import DraftOutput, TreePolicy
+from treespec.interfaces import DraftOutput, TreePolicy, check_backend
+from treespec.policies.engine.best_first import budget_field, check_logprobs
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree
 

@@ -49,11 +49,11 @@ from typing import ClassVar
 import attrs
 import torch
 
-from treespec.policies.best_first import budget_field, check_backend
+from treespec.interfaces import DraftOutput, Proposals, SamplingParams, check_backend
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
-from treespec.policies.sources import CandidateSource, FactorizedSource, ScorerSource
-from treespec.interfaces import DraftOutput, Proposals, SamplingParams
+from treespec.policies.engine.best_first import budget_field
+from treespec.policies.engine.candidates import CandidateSource, FactorizedSource, ScorerSource
 from treespec.tree import DraftTree
 
 __all__ = ["SHAPES", "DDTreeSampled", "DominoTreeSampled", "fill_sampled", "grow_sampled", "truncated_gumbel"]

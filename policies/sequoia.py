@@ -41,11 +41,12 @@ from typing import ClassVar
 import attrs
 import numpy as np
 
-from treespec.policies.best_first import budget_field
-from treespec.policies.cost import check_cost_model
+from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy
+from treespec.policies.engine.best_first import budget_field
+from treespec.policies.engine.cost import check_cost_model, require_cost_model
 from treespec.policies.static import Static
+from treespec.pricing import feedback
 from treespec.pricing.cost import CostModel
-from treespec.interfaces import DraftOutput, TreePolicy
 from treespec.tree import DraftTree
 
 __all__ = ["ACCEPTANCE_PRESETS", "HardwareAwareSequoia", "Sequoia", "optimal_trees"]
@@ -166,12 +167,18 @@ class HardwareAwareSequoia(Sequoia):
     def size(self, draft: DraftOutput) -> int:
         """The size n <= budget + 1 with the most expected tokens per second, or 1 (root only) when no
         tree beats AR at this context."""
-        if self.cost_model is None:
-            raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
-                             "treespec.pricing.profile.machine_profile or `treespec profile-cost`)")
+        cost = require_cost_model(self.name, self.cost_model)
         values, _ = self.tables(draft)
-        costs = (self.cost_model.draft_cost + self.cost_model.verify_costs(len(values) - 1, draft.position)).tolist()
+        costs = (cost.draft_cost + cost.verify_costs(len(values) - 1, draft.position)).tolist()
         rate = [values[n] / costs[n] if values[n] > -np.inf else -np.inf for n in range(len(values))]
         best = max(range(2, len(values)), key=lambda n: (rate[n], -n), default=1)
-        ar = 1.0 / float(self.cost_model.verify_costs(1, draft.position)[1])
+        ar = 1.0 / float(cost.verify_costs(1, draft.position)[1])
         return best if rate[best] > ar else 1
+
+    def plan_round(self) -> RoundPlan:
+        """What the live cost model asks of the next round (`treespec.pricing.feedback`)."""
+        return feedback.plan_round(self.cost_model)
+
+    def observe_round(self, report: RoundReport) -> bool:
+        """The round's times to the live cost model."""
+        return feedback.observe_round(self.cost_model, None, report)

@@ -32,10 +32,10 @@ import networkx as nx
 import numpy as np
 import torch
 
-from treespec.policies.best_first import check_backend, check_budget, check_logprobs
-from treespec.interfaces import DraftOutput, TreePolicy
+from treespec.interfaces import DraftOutput, TreePolicy, check_backend
+from treespec.policies.engine.best_first import check_logprobs
 from treespec.topk import exact_topk, order_key, reference_topk
-from treespec.tree import DraftTree
+from treespec.tree import DraftTree, check_budget
 
 __all__ = ["STATIC_PRESETS", "Static"]
 

@@ -18,11 +18,11 @@ from typing import ClassVar
 
 import attrs
 
-from treespec.policies.best_first import BestFirstPolicy, budget_field
-from treespec.policies.dominotree import require_scorer
-from treespec.policies.sources import FactorizedSource
-from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
+from treespec.policies.dominotree import require_scorer
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.candidates import FactorizedSource
+from treespec.policies.engine.stop import StopRule
 
 __all__ = ["StaticCorrected", "greedy_corrected_lists"]
 

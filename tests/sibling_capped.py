@@ -12,9 +12,9 @@ from typing import ClassVar
 
 import attrs
 
-from treespec.policies.best_first import BestFirstPolicy, budget_field
-from treespec.policies.sources import ScorerSource
 from treespec import DraftOutput
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.candidates import ScorerSource
 
 NAME = "sibling-capped"
 

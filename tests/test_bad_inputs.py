@@ -25,7 +25,7 @@ from treespec.verifiers.match import MatchVerifier
     (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--budget", "0"], "--budget: budget must be a positive integer, got 0"),
+    (["--budget", "0"], "--budget: budget must be an integer >= 1 (it counts non-root nodes), got 0"),
 ])
 def test_generate_refuses_bad_numbers_before_loading(model_dir, capsys, flags, message):
     assert main(["generate", str(model_dir), "--prompt", "w3", *flags]) == 2

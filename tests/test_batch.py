@@ -28,17 +28,17 @@ from test_policies import marginal_draft, toy_draft
 from test_target import random_tree, tiny_model
 
 import treespec
-from treespec.drafters.dflash import DFlashDrafter
-from treespec.drafters.domino import DominoDrafter, DominoStack
-from treespec.drafters.oracle import OracleDrafter
-from treespec.policies.frontier import expand_frontier_batch, resolve_batch
-from treespec.policies.stacked import stack_sources
 from treespec import registry
 from treespec.batch import TreeBatch
 from treespec.batch_decoding import BatchDecoder
 from treespec.batch_target import BatchTarget
 from treespec.decoding import SpeculativeDecoder
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter, DominoStack
+from treespec.drafters.oracle import OracleDrafter
 from treespec.interfaces import DraftContext
+from treespec.policies.engine.frontier import expand_frontier_batch, resolve_batch
+from treespec.policies.engine.stacked import stack_sources
 from treespec.target import TargetModel
 
 VOCAB = 96

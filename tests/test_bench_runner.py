@@ -357,7 +357,7 @@ def test_a_failing_bench_leaves_an_existing_folder_untouched(tmp_path, capsys):
     (tmp_path / ab.SETTINGS).write_text('{"kept": true}\n')
     (tmp_path / ab.RECORDS).write_text("")
     assert main(["bench", "--methods", "ar,ddtree@0", "--out", str(tmp_path)]) == 2
-    assert "budget must be a positive integer" in capsys.readouterr().err
+    assert "budget must be an integer >= 1" in capsys.readouterr().err
     assert main(["bench", "--datasets", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     assert (tmp_path / ab.SETTINGS).read_text() == '{"kept": true}\n'

@@ -139,7 +139,7 @@ def test_clear_errors(qwen):
         SpeculativeDecoder(qwen, _oracle())
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         SpeculativeDecoder(qwen).generate(prompt, max_new_tokens=0)
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="unknown backend .jax.; expected one of"):
         SpeculativeDecoder(qwen).generate(prompt, max_new_tokens=3, backend="jax")
     with pytest.raises(ValueError, match="prompt token ids must lie in \\[0, 128\\)"):
         SpeculativeDecoder(qwen).generate(torch.tensor([1, 500]), max_new_tokens=3)

@@ -157,3 +157,38 @@ def test_a_wheel_holds_treespec_alone(tmp_path):
     assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {"treespec"}
     assert {"treespec/policies/ddtree.py", "treespec/drafters/domino.py", "treespec/verifiers/match.py",
             "treespec/assets/demo/chat.jsonl"} <= set(names)
+
+
+def policy_probes(source: str) -> list[str]:
+    """``getattr`` / ``hasattr`` calls on something named like a policy (``policy``, ``self.policy``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and node.args and "policy" in ast.unparse(node.args[0]).lower()):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("module", KERNEL)
+def test_the_kernel_finds_nothing_on_a_policy_by_getattr(module):
+    """The decoding loop reaches a policy through the methods `TreePolicy` declares (``build``,
+    ``plan_round``, ``observe_round``, ...), never by probing it for attributes."""
+    assert policy_probes((ROOT / module).read_text()) == []
+
+
+ENGINE_MODULES = [m for m in IMPLEMENTATION_MODULES if m.startswith("policies/engine/")]
+
+
+@pytest.mark.parametrize("module", ENGINE_MODULES)
+def test_the_build_engine_imports_no_policy(module):
+    """policies/engine/ (the best-first skeleton, candidates, expanders, stop rules) is what policies
+    build on; it never imports one of them."""
+    policies = [name for _, name in imported_names((ROOT.parent / module).read_text())
+                if name.startswith("treespec.policies.") and not name.startswith("treespec.policies.engine")]
+    assert policies == []
+
+
+def test_the_new_rules_catch_what_they_forbid():
+    assert policy_probes("x = getattr(self.policy, 'cost_model', None)\ny = hasattr(policy, 'a')\nz = getattr(d, 'm')") \
+        == ["line 1: getattr(self.policy, 'cost_model', None)", "line 2: hasattr(policy, 'a')"]
+    assert len(ENGINE_MODULES) >= 6 and "policies/engine/best_first.py" in ENGINE_MODULES

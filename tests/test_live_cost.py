@@ -15,10 +15,10 @@ from test_target import hf_greedy, tiny_target
 
 from treespec.drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
 from treespec import registry
-from treespec.pricing.calibration import Calibration, LiveCalibration, LiveCalibrationSettings, live_calibration_of
+from treespec.pricing.calibration import Calibration, LiveCalibration, LiveCalibrationSettings
 from treespec.pricing.cost import ConvexCost, LinearCost
 from treespec.decoding import SpeculativeDecoder
-from treespec.pricing.live_cost import LiveCost, LiveSettings, Observation, live_cost_of, ordinary, shifted, trimmed_mean
+from treespec.pricing.live_cost import LiveCost, LiveSettings, Observation, ordinary, shifted, trimmed_mean
 
 SIZES, CONTEXTS = (1, 2, 3, 5, 9, 17, 33), (128, 512)
 
@@ -202,7 +202,7 @@ def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_root_only_an
     clocked(target, drafter, clock, lambda n: costs[phase["verify"]](n))
     live = LiveCost(profile(step=0.05, per_token=0.0005), LiveSettings(explore_every=8))
     policy = registry.create("policy", "caddtree", budget=16, cost_model=live)
-    assert live_cost_of(policy) is live
+    assert policy.plan_round().priced_with is live.priced()  # the loop reaches it through the declared hook
     decoder = SpeculativeDecoder(target, drafter, policy, clock=clock)
     prompt = torch.tensor([5, 9, 2, 7])
 
@@ -242,7 +242,7 @@ def test_a_live_calibration_stops_trusting_a_drafter_the_target_does_not_follow(
         calibration = LiveCalibration(settings=LiveCalibrationSettings(min_nodes=64, refit_every=2))
         policy = registry.create("policy", "caddtree", budget=16, cost_model=profile(step=0.05, per_token=0.0005),
                                  **({"calibration": calibration} if name == "live" else {}))
-        assert (live_calibration_of(policy) is calibration) == (name == "live")
+        assert (policy.plan_round().calibrated_with is calibration.current) == (name == "live")
         out = SpeculativeDecoder(target, drafter, policy, clock=clock).generate(prompt, max_new_tokens=new_tokens)
         assert out.tokens.tolist() == hf_greedy(target.model, prompt, new_tokens)
         results[name] = out.stats.rounds

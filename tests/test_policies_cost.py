@@ -20,19 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treespec.drafters.toy import MarginalDrafter, ToyConditionalDrafter
+from treespec.interfaces import DraftContext
 from treespec.policies.caddtree import CaDDTree
-from treespec.policies.cost import (
-    COST_PRESETS,
-    ConvexCost,
-    CostAwareStop,
-    LinearCost,
-    fit_convex_curve,
-    load_cost_model,
-)
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
+from treespec.policies.engine.cost import CostAwareStop
 from treespec.pricing.calibration import Calibration
-from treespec.interfaces import DraftContext
+from treespec.pricing.cost import COST_PRESETS, ConvexCost, LinearCost, fit_convex_curve, load_cost_model
 
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
@@ -378,8 +372,8 @@ def test_the_decoder_backs_off_after_a_verified_tree_that_did_not_pay_for_its_dr
     cheap drafter every round drafts."""
     from test_target import hf_greedy, tiny_target
 
-    from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
     from treespec.decoding import DRAFT_PATIENCE, SpeculativeDecoder
+    from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
 
     target = tiny_target("qwen3")
     drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))

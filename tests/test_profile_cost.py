@@ -22,7 +22,7 @@ def test_time_verify_leaves_the_cache_as_it_found_it():
 
 
 def test_fitted_model_round_trips(tmp_path):
-    from treespec.policies.cost import ConvexCost, load_cost_model
+    from treespec.pricing.cost import ConvexCost, load_cost_model
 
     samples = [(1, 64, 0.020), (8, 64, 0.022), (16, 64, 0.026), (64, 64, 0.060), (1, 512, 0.025), (16, 512, 0.031)]
     model = ConvexCost.fit(samples, draft=0.007)
@@ -52,10 +52,10 @@ def test_verify_sizes_are_timed_in_turn_and_leave_the_cache():
 def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(tmp_path, monkeypatch):
     """persist_live writes the live curve into this machine's profile cache; the next profile read
     prices with it, and profile-cost prints both curves with the rounds each point rests on."""
-    from treespec.apps.commands.profile_cost import describe_profile
-    from treespec.apps.cost_source import persist_live
     import attrs
 
+    from treespec.apps.commands.profile_cost import describe_profile
+    from treespec.apps.cost_source import persist_live
     from treespec.pricing.calibration import Calibration
     from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
 

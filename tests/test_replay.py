@@ -39,7 +39,7 @@ from treespec.apps.replay import (
 )
 from treespec.pricing.cost import COST_PRESETS, LinearCost, cost_model_from_dict
 from treespec.decoding import SpeculativeDecoder
-from treespec.interfaces import DraftOutput, TreePolicy
+from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
 from treespec.verifiers.match import walk_matches
@@ -67,15 +67,12 @@ class Capturing(TreePolicy):
     def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
         return self.inner.pays_for_draft(draft, tree)
 
-    @property
-    def cost_model(self):
-        """The inner policy's, so that the loop feeds a live one (`treespec.pricing.live_cost.live_cost_of`)."""
-        return getattr(self.inner, "cost_model", None)
+    def plan_round(self) -> RoundPlan:
+        return self.inner.plan_round()
 
-    @property
-    def calibration(self):
-        """The inner policy's, so that the loop feeds a live one (`treespec.pricing.calibration.live_calibration_of`)."""
-        return getattr(self.inner, "calibration", None)
+    def observe_round(self, report: RoundReport) -> bool:
+        """The inner policy's hook, so that the loop feeds a live model it prices with."""
+        return self.inner.observe_round(report)
 
 
 class World:

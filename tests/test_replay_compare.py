@@ -122,8 +122,8 @@ def test_cli_sweeps_with_a_baseline_into_a_new_folder(world, trace_file, tmp_pat
 @pytest.mark.parametrize("flags, message", [
     (["--set", "topk"], "--set takes KEY=V1"),
     (["--set", "topk=2", "--set", "topk=4"], "--set topk given twice"),
-    (["--budgets", "4,x"], "budget must be a positive integer"),
-    (["--budgets", "0"], "budget must be a positive integer"),
+    (["--budgets", "4,x"], "budget must be an integer >= 1"),
+    (["--budgets", "0"], "budget must be an integer >= 1"),
     (["--set", "nosuch=1"], "has an option 'nosuch'"),
 ])
 def test_cli_names_bad_sweep_flags(trace_file, capsys, flags, message):

@@ -11,10 +11,10 @@ import attrs
 import pytest
 import torch
 
-from treespec.policies.ddtree import DDTree
 from treespec import registry
 from treespec.apps.testing import PolicyCheckError, check_policy
 from treespec.interfaces import DraftOutput, TreePolicy
+from treespec.policies.ddtree import DDTree
 from treespec.tree import DraftTree
 
 
@@ -28,8 +28,8 @@ OUTSIDE = '''
 """An outside package's policy: DDTree with at most `width` candidates per depth."""
 import attrs
 
-from treespec.policies.best_first import BestFirstPolicy, budget_field, check_logprobs
-from treespec.policies.frontier import TopTokens
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.candidates import TopTokens
 
 
 @attrs.frozen

@@ -36,10 +36,8 @@ from treespec.batch_target import BatchTarget
 from treespec.decoding import (
     DRAFT_BACKOFF,
     DraftGate,
-    generator_for,
     SequenceState,
     Stopwatch,
-    check_backend,
     check_first_token,
     check_request,
     checked_draft,
@@ -47,8 +45,17 @@ from treespec.decoding import (
     commit_first_token,
     commit_round,
     fitted_tree,
+    generator_for,
 )
-from treespec.interfaces import Drafter, DraftOutput, SamplingParams, TreePolicy, Verifier, VerifyResult
+from treespec.interfaces import (
+    Drafter,
+    DraftOutput,
+    SamplingParams,
+    TreePolicy,
+    Verifier,
+    VerifyResult,
+    check_backend,
+)
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import TargetModel

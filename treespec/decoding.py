@@ -29,17 +29,15 @@ resumption or prompt order, and replay, which mirrors it) call ``gate.reset()`` 
 conversation's start. AR rounds commit exactly what the target chooses, so the output is unchanged;
 the drafter receives the taps of every token committed meanwhile at its next draft.
 
-A policy that prices its trees with a `treespec.pricing.live_cost.LiveCost` (its ``cost_model``) has it fed
-by this loop: before each round ``begin_round`` says whether the round explores (it then drafts
-whatever the back-off says, and its tree is not taken as the policy's verdict on whether trees
-pay) and ``wants_ar_step`` whether it should be an AR step instead (no draft), and after it
-``observe`` receives the round's tree size, cached context, verify seconds and, for a drafted
-round, draft + build seconds; an exploring round that finds a new speed of the machine ends the
-back-off.  So the cost model learns the machine while it decodes; likewise a
-policy whose ``calibration`` is a `treespec.pricing.calibration.LiveCalibration` has it fed every drafted
-round's verified tree and its accepted path (`node_outcomes`), so the drafter's promises are
-re-calibrated against what the target accepts.  The tokens committed are the same whatever either
-prices (every tree is verified losslessly).
+Each round is planned and reported through the policy's declared hooks (`TreePolicy.plan_round`,
+`TreePolicy.observe_round`; no-ops by default): before the round the plan says whether it explores
+(it then drafts whatever the back-off says, and its tree is not taken as the policy's verdict on
+whether trees pay) or runs as an AR step without a draft; after it the policy receives the
+`RoundReport` (the verified tree, its accepted path, the cached context, the stage times), which
+is how a policy's live cost model and calibration learn the machine and the drafter while it
+decodes (treespec/pricing/feedback.py).  When the report's answer is that the machine changed speed
+after an exploring round, the back-off ends.  The tokens committed are the same whatever a policy
+learns (every tree is verified losslessly).
 
 A policy declaring ``samples_from_draft`` samples its tree at T > 0 (`TreePolicy.sample`): each
 round draws a fresh seed from the caller's generator, the tree's `Proposals` go to the verifier
@@ -62,26 +60,26 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.pricing.calibration import live_calibration_of, node_outcomes
 from treespec.interfaces import (
-    BACKENDS,
     DraftContext,
     Drafter,
     DraftOutput,
     Proposals,
+    RoundPlan,
+    RoundReport,
     SamplingParams,
     TreePolicy,
     Verifier,
     VerifyResult,
+    check_backend,
     check_single_batch,
 )
-from treespec.pricing.live_cost import live_cost_of
 from treespec.sampling import sampling_key, target_tokens
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["DRAFT_BACKOFF", "DRAFT_PATIENCE", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder", "check_backend",
+__all__ = ["DRAFT_BACKOFF", "DRAFT_PATIENCE", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder",
            "check_first_token", "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round",
            "cut_proposals", "fitted_tree", "limit_depth", "policy_tree"]
 
@@ -215,8 +213,6 @@ class SpeculativeDecoder:
         self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
         self.clock = clock  # seconds; stage times are differences of it (a test may inject a fake one)
         self.gate = DraftGate(draft_backoff)  # when the drafter is asked next (kept across generations)
-        self.live = live_cost_of(policy)  # the live cost model the policy prices with, fed every round
-        self.live_calibration = live_calibration_of(policy)  # the live calibration, fed every drafted round
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -281,31 +277,26 @@ class SpeculativeDecoder:
     def _round(self, seq: SequenceState, sampling: SamplingParams, generator: torch.Generator | None,
                backend: str) -> RoundStats:
         clock = Stopwatch(self.target.device, self.clock)  # "verify": the tree forward + the verifier's walk
-        explore = self.live is not None and self.live.begin_round()
-        ar_step = self.live is not None and self.live.wants_ar_step  # the live model measures an AR step
-        drafted = not self.autoregressive and not ar_step and (explore or self.gate.drafts_now())
-        priced = self._priced_with() if drafted else None
-        calibrated = self.live_calibration.current if drafted and self.live_calibration is not None else None
+        plan = self.policy.plan_round() if self.policy is not None else RoundPlan()
+        drafted = not self.autoregressive and not plan.ar_step and (plan.explore or self.gate.drafts_now())
         draft = clock.run("draft", self._draft, seq) if drafted else None
-        tree, proposals = clock.run("build", self._build, draft, seq, backend, explore, sampling, generator)
+        tree, proposals = clock.run("build", self._build, draft, seq, backend, plan.explore, sampling, generator)
         ctx = seq.anchor_position  # cached tokens under the tree
         result, verified = clock.run("verify", self._verify, tree, draft, proposals, seq, sampling, generator)
         if self.on_round is not None:
             self.on_round(tree, result)
         clock.run("commit", self._commit, tree, result, verified, seq, drafted)
-        if self.live is not None:
-            drafting = clock.times["draft"] + clock.times["build"] if drafted else None
-            if self.live.observe(len(tree), ctx, clock.times["verify"], drafting) and explore:
-                self.gate.reset()  # exploring found a new speed: let the policy judge the next round
-        if calibrated is not None:
-            self.live_calibration.observe(*node_outcomes(tree, result))
-        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=explore, drafted=drafted,
-                          priced_with=priced, calibrated_with=calibrated,
+        self._observe(RoundReport(tree, result, ctx, clock.times, drafted, plan.explore))
+        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=plan.explore,
+                          drafted=drafted, priced_with=plan.priced_with if drafted else None,
+                          calibrated_with=plan.calibrated_with if drafted else None,
                           tree_seed=None if proposals is None else proposals.seed)
 
-    def _priced_with(self):
-        """The curve the policy's cost model prices this round with (None without a cost model)."""
-        return self.live.priced() if self.live is not None else getattr(self.policy, "cost_model", None)
+    def _observe(self, report: RoundReport) -> None:
+        """The round's feedback to the policy; a change of the machine's speed found by an exploring
+        round ends the drafting back-off (the policy judges the next round afresh)."""
+        if self.policy is not None and self.policy.observe_round(report) and report.explored:
+            self.gate.reset()
 
     def _draft(self, seq: SequenceState) -> DraftOutput | None:
         if self.autoregressive:
@@ -369,11 +360,6 @@ def cut_proposals(proposals: Proposals | None, tree: DraftTree, fitted: DraftTre
     if proposals is None or len(fitted) == len(tree):
         return proposals
     return proposals.select(tree.depths <= fitted.max_depth)
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def check_request(target: TargetModel, prompt: torch.Tensor, max_new_tokens: int, where: str = "") -> None:

@@ -12,6 +12,12 @@ One decoding round is ``draft -> build -> verify -> commit``:
 3. ``Verifier.verify(tree, target_logits, ...) -> VerifyResult``: accepted node indices (starting
    with the root) and the new bonus token, which becomes the next round's root.
 4. The decoder commits the accepted path and calls ``Drafter.observe``.
+5. The round's feedback: the decoder hands a `RoundReport` (the verified tree, its accepted path,
+   the cached context, the stage times) to ``TreePolicy.observe_round``.  Before the round it asks
+   ``TreePolicy.plan_round`` for a `RoundPlan` (explore past the drafting back-off, or run an AR
+   step instead of drafting).  Both are no-ops by default; a policy that prices its trees passes
+   them on to what it prices with (treespec/pricing/), which is how cost models and calibrations
+   learn while decoding.  The decoder finds nothing on a policy but these declared methods.
 
 A policy declaring ``samples_from_draft`` also implements ``TreePolicy.sample``: at T > 0 the
 decoder asks it for a tree whose children are *drawn* from the draft, given a seed it draws from
@@ -47,15 +53,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "Proposals", "RecordableScorer",
-    "SamplingParams",
-    "TreePolicy", "Verifier", "VerifyResult", "check_single_batch", "BACKENDS",
+    "RoundPlan", "RoundReport", "SamplingParams",
+    "TreePolicy", "Verifier", "VerifyResult", "check_backend", "check_single_batch", "BACKENDS",
 ]
 
 BACKENDS = ("torch", "networkx")
 
 
+def check_backend(backend: str) -> None:
+    """Refuse a tree backend other than those of `BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+
 def check_single_batch(input_ids: torch.Tensor) -> torch.Tensor:
-    """Return ``input_ids`` as a 1-D tensor; treespec decodes one sequence (one tree) at a time."""
+    """Return ``input_ids`` as a 1-D tensor: a single-sequence call takes one sequence (batched
+    decoding, treespec/batch_decoding.py, takes a list of them)."""
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() == 2:
@@ -90,7 +103,7 @@ class DraftContext:
 @attrs.frozen(eq=False)
 class Expansion:
     """Children of a batch of n parent nodes (k per parent): what a `ConditionalScorer` proposes, and
-    what every candidate source of the tree builders hands on (policies/sources.py)."""
+    what every candidate source of the tree builders hands on (policies/engine/candidates.py)."""
 
     tokens: torch.Tensor  # [n, k] int64, per row sorted by logprob descending, ties token ascending
     logprobs: torch.Tensor  # [n, k] float32 log-probs of each child given its parent's path
@@ -127,7 +140,7 @@ class ConditionalScorer(ABC):
 
     def round_inputs(self) -> dict[str, torch.Tensor] | None:
         """Optional: the tensors this round's scorer is made of (everything else, such as weights,
-        is shared by every round), so that a captured build (policies/cuda_graph.py) can copy a new
+        is shared by every round), so that a captured build (policies/engine/cuda_graph.py) can copy a new
         round into fixed buffers; None (the default): the scorer cannot be captured."""
         return None
 
@@ -289,15 +302,55 @@ class TreePolicy(ABC):
 
     def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
         """One tree per draft, each the tree `build` returns for it, bit for bit.  Default: one
-        build each; a policy may share work across the drafts (policies/best_first.py does)."""
+        build each; a policy may share work across the drafts (policies/engine/best_first.py does)."""
         return [self.build(draft, backend=backend) for draft in drafts]
 
     def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
         """Whether the round that built ``tree`` from ``draft`` paid for drafting: the decoder backs
         drafting off after rounds that did not (`treespec.decoding.DraftGate`).  Default: any tree
         past the root; a policy that prices its trees may say no while still returning a tree worth
-        verifying now that the draft is made (policies/cost.py)."""
+        verifying now that the draft is made (policies/engine/cost.py)."""
         return len(tree) > 1
+
+    def plan_round(self) -> RoundPlan:
+        """Optional: before each round of a single-sequence decoder, what this policy's pricing asks
+        of the round (`RoundPlan`).  Default: nothing (draft as the back-off says)."""
+        return RoundPlan()
+
+    def observe_round(self, report: RoundReport) -> bool:
+        """Optional: after each verified round, what it measured (`RoundReport`), for the models the
+        policy prices with to learn from; True when they judge that the machine changed speed (the
+        decoder then forgets its drafting back-off after an exploring round).  Default: learns
+        nothing.  The tree a later ``build`` returns may depend on what was observed; given the same
+        observations it is the same tree."""
+        return False
+
+
+@attrs.frozen(eq=False)
+class RoundPlan:
+    """What a policy asks of the next round before it starts (`TreePolicy.plan_round`)."""
+
+    explore: bool = False  # draft past the back-off; the tree is not the policy's verdict on whether trees pay
+    ar_step: bool = False  # run the round as an AR step without drafting (the pricing measures one)
+    priced_with: Any = None  # the cost curve a drafted round's build prices with (kept in its RoundStats)
+    calibrated_with: Any = None  # the calibration a live fit gives a drafted round (kept likewise)
+
+
+@attrs.frozen(eq=False)
+class RoundReport:
+    """One verified round as the decoder measured it (`TreePolicy.observe_round`)."""
+
+    tree: DraftTree  # the tree the target verified (root-only for an AR step)
+    result: VerifyResult  # its accepted path (root first) and bonus token
+    context: int  # tokens in the target's cache under the tree (the anchor's position)
+    times: Mapping[str, float]  # seconds per stage: draft, build, verify, commit
+    drafted: bool  # the drafter was asked this round (False: an AR step)
+    explored: bool = False  # the round explored (`RoundPlan.explore`)
+
+    @property
+    def drafting_seconds(self) -> float | None:
+        """Draft + build seconds of a drafted round (what a tree round pays and an AR step does not)."""
+        return self.times["draft"] + self.times["build"] if self.drafted else None
 
 
 # ---------------------------------------------------------------------------- verification

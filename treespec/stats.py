@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import statistics
 
+from typing import TYPE_CHECKING
+
 import attrs
 import torch
 
-from treespec.pricing.calibration import Calibration
-from treespec.pricing.cost import CostModel
+if TYPE_CHECKING:
+    from treespec.pricing.calibration import Calibration
+    from treespec.pricing.cost import CostModel
 
 __all__ = ["GenerationResult", "GenerationStats", "RoundStats", "STAGES"]
 
@@ -26,7 +29,7 @@ class RoundStats:
     tau: int  # accepted draft tokens + 1
     tree_size: int  # nodes in the verified tree, root included
     times: dict[str, float]  # seconds per stage, keys from STAGES
-    explored: bool = False  # a live cost model priced this round for exploration (treespec.pricing.live_cost)
+    explored: bool = False  # a live cost model priced this round for exploration (`treespec.interfaces.RoundPlan`)
     drafted: bool = True  # the drafter was asked (False: an AR round of the back-off, or AR decoding)
     priced_with: CostModel | None = None  # the curve the policy's cost model priced this round's tree with
     calibrated_with: Calibration | None = None  # the map a live calibration gave this round (None: none live)

@@ -22,6 +22,7 @@ parent's children sorted by score descending, ties by token id ascending.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -31,11 +32,38 @@ import torch
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["DraftTree", "TreeError", "additive_mask"]
+__all__ = ["MAX_BUDGET", "DraftTree", "TreeError", "additive_mask", "check_budget", "check_count"]
+
+MAX_BUDGET = 8192  # largest tree budget: an [N, N] float32 mask of 256 MiB, a verify forward over N tokens
 
 
 class TreeError(ValueError):
     """A tree's tensors violate the DraftTree invariants."""
+
+
+def check_count(value, name: str, *, most: int | None = None, meaning: str = "") -> int:
+    """``value`` as an integer in [1, ``most``] (a width, a fan-out, a depth cap), else a ValueError
+    naming ``name`` (and what it counts, ``meaning``)."""
+    counted = f" ({meaning})" if meaning else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy integers are Integral
+        raise ValueError(f"{name} must be an integer >= 1{counted}, got {value!r}")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1{counted}, got {value}")
+    if most is not None and value > most:
+        raise ValueError(f"{name} {value} exceeds {most}{counted}")
+    return value
+
+
+def check_budget(value, where: str = "") -> int:
+    """``value`` as a tree budget (non-root nodes): an integer in [1, `MAX_BUDGET`], else a ValueError
+    naming ``where`` (a field, an option, a command-line flag).  The one budget check: policies'
+    fields, method strings, ``--budget(s)``, bench configs and the API all call it."""
+    name = f"{where}: budget" if where and where != "budget" else "budget"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > MAX_BUDGET:
+        raise ValueError(f"{name} {value} exceeds {MAX_BUDGET} nodes: a tree's [N, N] masks and the verify forward "
+                         f"over N tokens would not fit in memory (the published harnesses cap trees at 1024)")
+    return check_count(value, name, meaning="it counts non-root nodes")
 
 
 def _as_tensor(values, dtype: torch.dtype, name: str) -> torch.Tensor:

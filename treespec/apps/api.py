@@ -43,14 +43,15 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.methods import MethodSpec, check_budget
 from treespec.apps.cost_source import CostSource, method_policy, persist_live
+from treespec.apps.methods import MethodSpec
 from treespec.batch_decoding import BatchDecoder
-from treespec.pricing.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
+from treespec.pricing.cost import CostModel
 from treespec.stats import GenerationStats
 from treespec.target import TargetModel
+from treespec.tree import check_budget
 
 __all__ = ["GenerateOutput", "generate", "load_drafter", "load_target", "load_tokenizer"]
 

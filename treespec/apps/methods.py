@@ -36,11 +36,12 @@ from typing import Any
 import attrs
 
 from treespec import registry
+from treespec.interfaces import Drafter, TreePolicy
 from treespec.pricing.calibration import Calibration, to_calibration
 from treespec.pricing.cost import CostModel
-from treespec.interfaces import Drafter, TreePolicy
+from treespec.tree import check_budget
 
-__all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "MethodSpec", "build_policy", "check_budget", "default_drafter",
+__all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "MethodSpec", "build_policy", "default_drafter",
            "drafter_dirs", "drafter_names", "drafter_role", "embedded_drafter_dir", "load_named_drafter", "method_name",
            "needed_role", "parse_method", "policy_class", "prices_trees", "with_budget", "with_options"]
 
@@ -125,14 +126,6 @@ def with_options(method: MethodSpec, options: Mapping[str, str]) -> MethodSpec:
     it sets already are kept as they are."""
     extra = {k: _option_value(method.policy, k, v) for k, v in options.items() if k not in method.options}
     return attrs.evolve(method, options={**method.options, **extra})
-
-
-def check_budget(value: Any, where: str) -> int:
-    """``value`` as a tree budget: an integer >= 1, else a ValueError naming ``where`` (the one check
-    of a budget, whichever app it comes from)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: budget must be a positive integer, got {value!r}")
-    return value
 
 
 def _option_value(policy: str, key: str, text: str) -> Any:

@@ -52,7 +52,7 @@ import attrs
 import torch
 
 __all__ = ["MIN_NODES", "Calibration", "LiveCalibration", "LiveCalibrationSettings", "fit_calibration",
-           "live_calibration_of", "node_outcomes", "promise_by_quartile", "to_calibration"]
+           "node_outcomes", "promise_by_quartile", "to_calibration"]
 
 MIN_NODES = 50  # recorded nodes below which a fit is not attempted (the identity is kept)
 _POWER_RANGE = (0.05, 5.0)  # the powers a fit may return: outside them the data are degenerate
@@ -250,9 +250,3 @@ class LiveCalibration:
             return fitted if power is None else Calibration(fitted.scale, power)
         promised = float(torch.cat([s for s, _ in rounds]).exp().sum())  # Σ δ^β
         return Calibration((int(y.sum()) + 0.5) / (promised + 0.5), power or 1.0)  # no maximum: the smoothed ratio
-
-
-def live_calibration_of(policy: object) -> LiveCalibration | None:
-    """The `LiveCalibration` a policy calibrates with (its ``calibration``), which the loop feeds; None otherwise."""
-    calibration = getattr(policy, "calibration", None)
-    return calibration if isinstance(calibration, LiveCalibration) else None

@@ -18,7 +18,7 @@ uses that table, so decisions taken from it are bit-identical between policy bac
   are neither (the class keeps its name: files and records say ``"convex"``).
 
 ``save`` writes JSON; `load_cost_model` reads it back and names the file and the field in every
-error.  Cost models hold no policy logic: cost-aware stop rules live in ``policies/cost.py``, and
+error.  Cost models hold no policy logic: cost-aware stop rules live in ``policies/engine/cost.py``, and
 the models of a machine come from `treespec.pricing.profile`, which measures them.
 """
 

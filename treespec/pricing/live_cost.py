@@ -92,7 +92,7 @@ import torch
 
 from treespec.pricing.cost import ConvexCost, CostModel, fit_verify_curve
 
-__all__ = ["LiveCost", "LiveSettings", "Observation", "live_cost_of", "ordinary", "shifted", "trimmed_mean"]
+__all__ = ["LiveCost", "LiveSettings", "Observation", "ordinary", "shifted", "trimmed_mean"]
 
 
 @attrs.frozen
@@ -430,9 +430,3 @@ def _keep_from(window: deque, index: int) -> None:
     kept = [(i, x) for i, x in window if i >= index]
     window.clear()
     window.extend(kept)
-
-
-def live_cost_of(policy: object) -> LiveCost | None:
-    """The `LiveCost` a policy prices with (its ``cost_model``), which the loop feeds; None otherwise."""
-    cost = getattr(policy, "cost_model", None)
-    return cost if isinstance(cost, LiveCost) else None

@@ -22,8 +22,9 @@ import attrs
 
 from treespec.apps.bench.summary import AR, POOLED
 from treespec.apps.datasets import PromptRecord, load_prompts
-from treespec.apps.methods import MethodSpec, check_budget, parse_method, with_budget
+from treespec.apps.methods import MethodSpec, parse_method, with_budget
 from treespec.decoding import check_first_token
+from treespec.tree import check_budget
 
 __all__ = ["BENCH_PRESETS", "METHODS", "BenchConfig", "Shard", "bench_prompts", "canonical_key", "expand_methods",
            "pair_seed"]

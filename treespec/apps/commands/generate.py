@@ -10,8 +10,8 @@ import torch
 
 from treespec import registry
 from treespec.apps.commands import DTYPES
-from treespec.apps.methods import check_budget
 from treespec.interfaces import SamplingParams
+from treespec.tree import check_budget
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

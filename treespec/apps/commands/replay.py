@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from treespec.apps.commands import DTYPES
-from treespec.apps.methods import check_budget
+from treespec.tree import check_budget
 
 _KINDS = ("dflash", "domino")
 

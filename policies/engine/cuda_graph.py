@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from treespec.policies.best_first import BestFirstPolicy
-from treespec.policies.frontier import finish, frontier_selection
 from treespec.interfaces import ConditionalScorer, DraftOutput
+from treespec.policies.engine.best_first import BestFirstPolicy
+from treespec.policies.engine.frontier import finish, frontier_selection
 from treespec.tree import DraftTree
 
 __all__ = ["GraphedBuild", "static_selection"]

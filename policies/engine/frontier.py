@@ -16,11 +16,11 @@ A best-first policy says *what* its children are, as data (`Candidates`); this m
 backend on the CPU: the exact top-k, lists cut to the tokens that can still enter a budget-B tree,
 `reach`) or ``"static"`` (the torch backend elsewhere: shapes fixed by the budget, the depth and
 the widths alone, no host synchronisation, so a GPU build can be captured in a CUDA graph,
-policies/cuda_graph.py).  Every mode gives the same tree, bit for bit.
+policies/engine/cuda_graph.py).  Every mode gives the same tree, bit for bit.
 
 `expand_frontier` is the torch backend itself: a per-depth beam of width B and one global
-selection that return the networkx reference's tree (policies/best_first.py) in canonical order.
-Compact mode is `_Frontier` here; static mode is the stacked frontier of policies/stacked.py over
+selection that return the networkx reference's tree (policies/engine/best_first.py) in canonical order.
+Compact mode is `_Frontier` here; static mode is the stacked frontier of policies/engine/stacked.py over
 one draft.  `grow_batch` builds several drafts' trees: together in the stacked frontier where
 that is the cheaper build, else one compact build each.
 """
@@ -34,15 +34,15 @@ from typing import Literal
 import attrs
 import torch
 
-from treespec.policies.sources import CandidateSource, FactorizedSource, ScorerSource
-from treespec.policies.stacked import SourceStack, assemble, stack_sources, stacked_selection
-from treespec.policies.stop import StopRule
 from treespec.interfaces import DraftOutput
+from treespec.policies.engine.candidates import Candidates, CandidateSource, FactorizedSource, ScorerSource, TopTokens
+from treespec.policies.engine.stacked import SourceStack, assemble, stack_sources, stacked_selection
+from treespec.policies.engine.stop import StopRule
 from treespec.reach import best_chain, reachable
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree
 
-__all__ = ["MODES", "Candidates", "Mode", "TopTokens", "assemble", "expand_frontier", "expand_frontier_batch", "finish",
+__all__ = ["MODES", "Mode", "assemble", "expand_frontier", "expand_frontier_batch", "finish",
            "frontier_selection", "grow_batch", "resolve", "resolve_batch"]
 
 Mode = Literal["reference", "compact", "static"]
@@ -53,18 +53,6 @@ _STABLE_SORT_MAX = 512  # up to this many candidates a stable sort beats buildin
 _CHUNK_MIN = 8  # fewest rows per scorer call when compact mode expands a depth in chunks
 _STACKED_CELLS_MAX = 4096  # CPU: most candidates per stacked level for drafts to grow together (measured) ...
 _STACKED_MIN_DRAFTS = 8  # ... and fewest drafts (benchmarks/bench_build_batch.py)
-
-
-# ---------------------------------------------------------------------------- candidates as data
-@attrs.frozen(eq=False)
-class TopTokens:
-    """Children at depth d: the top-k tokens of ``logprobs`` row d - 1 under every parent."""
-
-    logprobs: torch.Tensor  # [L, V] float32 log-probs (the draft's marginals, or a policy's own rows)
-    k: int  # candidates per depth (at most V)
-
-
-Candidates = TopTokens | FactorizedSource | ScorerSource
 
 
 def resolve(candidates: Candidates, budget: int, mode: Mode) -> CandidateSource:
@@ -385,7 +373,7 @@ class _Frontier:
 def frontier_selection(draft: DraftOutput, source: CandidateSource, budget: int, *,
                        static: bool) -> tuple[torch.Tensor, ...]:
     """(order, tokens, scores, depths, parents): the pool and its best min(B, P-1) nodes, canonical;
-    ``static``: the stacked frontier over this one draft (policies/stacked.py)."""
+    ``static``: the stacked frontier over this one draft (policies/engine/stacked.py)."""
     if static:
         stack = stack_sources([source])
         if stack is None:  # a single source always stacks; kept as a guard for new source kinds
@@ -457,7 +445,7 @@ def _stacks_cheaply(draft: DraftOutput, candidates: Sequence[Candidates], budget
 def expand_frontier_batch(drafts: Sequence[DraftOutput], stack: SourceStack, budgets: Sequence[int],
                           stop: StopRule | None = None) -> list[DraftTree]:
     """The static torch backend for S drafts of one depth at once: each tree bit for bit
-    `expand_frontier`'s for that draft alone (policies/stacked.py)."""
+    `expand_frontier`'s for that draft alone (policies/engine/stacked.py)."""
     device = drafts[0].logprobs.device
     roots = torch.cat([torch.full((1, 1), d.root_token, dtype=torch.int64, device=device) for d in drafts])
     orders, *pool = stacked_selection(roots, stack, budgets, drafts[0].depth)

@@ -33,7 +33,8 @@ import torch
 
 from treespec.interfaces import ConditionalScorer, Expansion
 
-__all__ = ["CandidateSource", "FactorizedSource", "ScorerSource", "check_children", "scorer_children"]
+__all__ = ["CandidateSource", "Candidates", "FactorizedSource", "ScorerSource", "TopTokens", "check_children",
+           "scorer_children"]
 
 
 class CandidateSource(ABC):
@@ -87,6 +88,17 @@ class ScorerSource(CandidateSource):
         out = scorer_children(self.scorer, states, depth, self.top_m, self.k)
         check_children(out.tokens, out.logprobs, out.states, (n,), depth, self.check_values)
         return out
+
+
+@attrs.frozen(eq=False)
+class TopTokens:
+    """Children at depth d: the top-k tokens of ``logprobs`` row d - 1 under every parent."""
+
+    logprobs: torch.Tensor  # [L, V] float32 log-probs (the draft's marginals, or a policy's own rows)
+    k: int  # candidates per depth (at most V)
+
+
+Candidates = TopTokens | FactorizedSource | ScorerSource  # what a best-first policy's ``candidates`` returns
 
 
 def scorer_children(scorer, states: torch.Tensor, depth: int, top_m: int, k: int) -> Expansion:

@@ -13,7 +13,7 @@ Contract
   leading [S] dimension on every tensor.
 
 `stacked_selection(roots, stack, budgets, depth)` grows S trees level by level with the
-frontier of policies/frontier.py in its static form -- every level of every sequence holds
+frontier of policies/engine/frontier.py in its static form -- every level of every sequence holds
 exactly ``min(B, n k)`` nodes, B the largest budget, so shapes depend on the budgets, the depth
 and the widths alone and nothing synchronises with the host (a GPU build can be captured in a CUDA
 graph) -- and returns each sequence's pool and canonical order.  A tree of budget B_s is a prefix
@@ -32,8 +32,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from treespec.policies.sources import CandidateSource, FactorizedSource, ScorerSource, check_children, scorer_children
 from treespec.interfaces import ConditionalScorer, Expansion
+from treespec.policies.engine.candidates import (
+    CandidateSource,
+    FactorizedSource,
+    ScorerSource,
+    check_children,
+    scorer_children,
+)
 from treespec.topk import order_key
 from treespec.tree import DraftTree
 
@@ -131,7 +137,7 @@ class _Level:
 
 
 class _StackedFrontier:
-    """Per-depth beam of width B for S sequences at once (the static form of policies/frontier.py's
+    """Per-depth beam of width B for S sequences at once (the static form of policies/engine/frontier.py's
     `_Frontier`: every node of the last level is expanded, the best B children per sequence kept)."""
 
     def __init__(self, roots: torch.Tensor, stack: SourceStack, width: int) -> None:

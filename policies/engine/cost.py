@@ -47,22 +47,15 @@ from typing import ClassVar, Literal
 import attrs
 import torch
 
-from treespec.policies.stop import StopRule
+from treespec.interfaces import DraftOutput, RoundPlan, RoundReport
+from treespec.policies.engine.stop import StopRule
+from treespec.pricing import feedback
 from treespec.pricing.calibration import Calibration, to_calibration
-from treespec.pricing.cost import (  # re-exported: the cost models' home is treespec.pricing.cost
-    COST_PRESETS,
-    ConvexCost,
-    CostModel,
-    LinearCost,
-    fit_convex_curve,
-    load_cost_model,
-)
-from treespec.interfaces import DraftOutput
+from treespec.pricing.cost import CostModel
 from treespec.tree import DraftTree
 
 __all__ = [
-    "COST_PRESETS", "CONVENTIONS", "Calibration", "ConvexCost", "CostAwareStop", "CostAware", "CostModel",
-    "check_convention", "check_cost_model", "LinearCost", "fit_convex_curve", "load_cost_model",
+    "CONVENTIONS", "CostAwareStop", "CostAware", "check_convention", "check_cost_model", "require_cost_model",
 ]
 
 CONVENTIONS = ("treespec", "published")
@@ -177,7 +170,8 @@ class CostAwareStop(StopRule):
 @attrs.frozen
 class CostAware:
     """Mixin of a cost-aware best-first policy: the machine's cost model, the accounting convention
-    and the stop rule they make (keyword-only fields, after the policy's own)."""
+    and the stop rule they make (keyword-only fields, after the policy's own), and the round hooks
+    through which live models learn (`treespec.pricing.feedback`)."""
 
     uses_cost_model: ClassVar[bool] = True
 
@@ -191,9 +185,26 @@ class CostAware:
         """Whether the round's tree paid for its draft, by the cost rule (`CostAwareStop.pays_for_draft`)."""
         return self.stop.pays_for_draft(draft, tree)
 
+    def plan_round(self) -> RoundPlan:
+        """What the live cost model asks of the next round; the curve and calibration it prices with."""
+        return feedback.plan_round(self.cost_model, self.calibration)
+
+    def observe_round(self, report: RoundReport) -> bool:
+        """The round's times to the live cost model, its node outcomes to the live calibration."""
+        return feedback.observe_round(self.cost_model, self.calibration, report)
+
+    def require_cost_model(self) -> CostModel:
+        """The cost model, or a ValueError saying where one comes from (before any work is done)."""
+        return require_cost_model(self.name, self.cost_model)
+
     @property
     def stop(self) -> CostAwareStop:
-        if self.cost_model is None:
-            raise ValueError(f"{self.name} needs the cost model of this machine: pass cost_model= (measured by "
-                             "treespec.pricing.profile.machine_profile or `treespec profile-cost`)")
-        return CostAwareStop(self.cost_model, self.convention, self.calibration)
+        return CostAwareStop(self.require_cost_model(), self.convention, self.calibration)
+
+
+def require_cost_model(name: str, cost_model: CostModel | None) -> CostModel:
+    """``cost_model``, or a ValueError telling the policy ``name`` where to get one."""
+    if cost_model is None:
+        raise ValueError(f"{name} needs the cost model of this machine: pass cost_model= (measured by "
+                         "treespec.pricing.profile.machine_profile or `treespec profile-cost`)")
+    return cost_model

@@ -11,9 +11,9 @@ one float32 addition.  Policies differ only in their `CandidateSource`.
 Because log-probs are <= 0 and float32 rounding is monotone, a child never beats its parent and a
 sibling never beats its elder, so the pop order is the global order on (score desc, rank path
 asc) and every prefix of it is prefix-closed.  That is what lets the torch backend replace the
-heap by a per-depth beam and one global selection (policies/frontier.py).
+heap by a per-depth beam and one global selection (policies/engine/frontier.py).
 
-What a policy provides: ``candidates(draft)``, its children as data (`frontier.TopTokens`, a
+What a policy provides: ``candidates(draft)``, its children as data (`candidates.TopTokens`, a
 `FactorizedSource` or a `ScorerSource`), ``validate(draft)``, and the fields ``budget`` and
 ``stop``.  What it may not assume: which backend or mode builds the tree, which top-k routine
 selects its tokens, or how many of its candidates are ever read; the shared builder resolves the
@@ -36,41 +36,21 @@ import networkx as nx
 import numpy as np
 import torch
 
-from treespec.policies.frontier import Candidates, Mode, expand_frontier, grow_batch, resolve
-from treespec.policies.sources import CandidateSource
-from treespec.policies.stop import StopRule
-from treespec.interfaces import BACKENDS, DraftOutput, TreePolicy
-from treespec.tree import DraftTree
+from treespec.interfaces import DraftOutput, TreePolicy, check_backend
+from treespec.policies.engine.candidates import Candidates, CandidateSource
+from treespec.policies.engine.frontier import Mode, expand_frontier, grow_batch, resolve
+from treespec.policies.engine.stop import StopRule
+from treespec.tree import DraftTree, check_budget, check_count
 
-__all__ = [
-    "MAX_BUDGET", "BestFirstPolicy", "budget_field", "check_backend", "check_budget", "check_logprobs",
-    "grow_graph", "grow_reference",
-]
-
-MAX_BUDGET = 8192  # largest tree budget: an [N, N] float32 mask of 256 MiB, a verify forward over N tokens
-
+__all__ = ["BestFirstPolicy", "budget_field", "check_logprobs", "grow_graph", "grow_reference"]
 
 # ---------------------------------------------------------------------------- input checks
-def check_budget(budget: int, name: str = "budget") -> int:
-    """``budget`` as an int >= 1; TypeError for a non-integer, ValueError below 1."""
-    if isinstance(budget, bool) or not isinstance(budget, int | np.integer):
-        raise TypeError(f"{name} must be an integer >= 1, got {budget!r}")
-    if budget < 1:
-        raise ValueError(f"{name} must be >= 1 (it counts non-root nodes), got {budget}")
-    if name == "budget" and budget > MAX_BUDGET:
-        raise ValueError(f"budget {budget} exceeds {MAX_BUDGET} nodes: a tree's [N, N] masks and the verify forward "
-                         f"over N tokens would not fit in memory (the published harnesses cap trees at 1024)")
-    return int(budget)
-
-
 def budget_field(default: int):
-    """An attrs field holding a count that must be an int >= 1 (budgets, widths)."""
-    return attrs.field(default=default, validator=lambda _, attribute, value: check_budget(value, attribute.name))
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    """An attrs field holding a count: the tree budget (`treespec.tree.check_budget`) for a field
+    named ``budget``, an integer >= 1 for any other (widths, fan-outs, depth caps)."""
+    def check(_, attribute, value) -> None:
+        (check_budget if attribute.name == "budget" else check_count)(value, attribute.name)
+    return attrs.field(default=default, validator=check)
 
 
 def check_logprobs(draft: DraftOutput) -> None:
@@ -121,7 +101,7 @@ class BestFirstPolicy(TreePolicy):
         return expand_frontier(draft, source, self.max_nodes(draft), self.stop, static=static)
 
     def source(self, draft: DraftOutput, mode: Mode) -> CandidateSource:
-        """This round's candidates resolved for one build ``mode`` (policies/frontier.py)."""
+        """This round's candidates resolved for one build ``mode`` (policies/engine/frontier.py)."""
         return resolve(self.candidates(draft), self.max_nodes(draft), mode)
 
     def max_nodes(self, draft: DraftOutput) -> int:
@@ -134,7 +114,7 @@ class BestFirstPolicy(TreePolicy):
 
     @abstractmethod
     def candidates(self, draft: DraftOutput) -> Candidates:
-        """This round's children as data: `frontier.TopTokens`, a `FactorizedSource` or a `ScorerSource`."""
+        """This round's children as data: `candidates.TopTokens`, a `FactorizedSource` or a `ScorerSource`."""
 
 
 # ---------------------------------------------------------------------------- networkx reference

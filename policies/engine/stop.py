@@ -1,4 +1,4 @@
-"""The stop-rule interface: what ends a best-first build early (policies/cost.py's cost rule is one).
+"""The stop-rule interface: what ends a best-first build early (policies/engine/cost.py's cost rule is one).
 
 Contract
 --------
