@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
 def load(dtype: str):
     from treespec.apps.bench import load_harness
     from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.methods import embedded_drafter_dir
+    from treespec.apps.loading import embedded_drafter_dir
 
     harness = load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")},
                            dtype=dtype)

@@ -45,7 +45,8 @@ from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.cost_source import CostSource
 from treespec.apps.datasets import load_prompts
 from treespec.apps.embedded import embedded_model_dir
-from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
+from treespec.apps.loading import embedded_drafter_dir
+from treespec.apps.methods import build_policy, parse_method
 from treespec.decoding import SpeculativeDecoder
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree

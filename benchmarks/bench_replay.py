@@ -26,7 +26,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
+from treespec.apps.loading import embedded_drafter_dir
+from treespec.apps.methods import build_policy, parse_method
 from treespec.apps.replay import RECORD_PRESETS, ReplayDrafts, Trace, evaluate, record_trace
 from treespec.apps.tiny import tiny_causal_lm
 from treespec.decoding import SpeculativeDecoder

@@ -27,8 +27,8 @@ from types import SimpleNamespace
 
 import torch
 
-from treespec.policies.dominotree import DominoTree
 from treespec.interfaces import DraftContext
+from treespec.policies.dominotree import DominoTree
 
 
 def _contexts(target, tokenizer, prompts: int, positions: int, taps) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -114,9 +114,9 @@ def main() -> None:
     import domino_adapter
     import dominotree
 
-    from treespec.drafters.domino import DominoDrafter
     from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.methods import embedded_drafter_dir
+    from treespec.apps.loading import embedded_drafter_dir
+    from treespec.drafters.domino import DominoDrafter
     from treespec.target import TargetModel
 
     dtype = getattr(torch, args.dtype)

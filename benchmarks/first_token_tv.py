@@ -34,10 +34,10 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.api import load_drafter, load_target
 from treespec.apps.datasets import encode_chat, load_prompts
 from treespec.apps.embedded import embedded_model_dir
-from treespec.apps.methods import build_policy, embedded_drafter_dir, parse_method
+from treespec.apps.loading import embedded_drafter_dir, load_drafter, load_target
+from treespec.apps.methods import build_policy, parse_method
 from treespec.decoding import SequenceState, checked_draft, cut_proposals, fitted_tree, policy_tree
 from treespec.interfaces import SamplingParams
 from treespec.sampling import sampling_key, target_probs

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.apps.api import load_drafter
 from treespec.apps.embedded import SMOLLM2_135M_INSTRUCT, cache_root, is_converted
-from treespec.apps.methods import embedded_drafter_dir
+from treespec.apps.loading import embedded_drafter_dir, load_drafter
 
 KINDS = ("dflash", "domino")
 
@@ -50,8 +49,8 @@ def test_shipped_drafters_decode_losslessly_and_accept_drafts(method):
     """float32 target: the tree's output equals AR's token for token, and drafts are accepted."""
     from transformers import AutoTokenizer
 
-    from treespec.apps.api import load_target
     from treespec.apps.datasets import encode_chat
+    from treespec.apps.loading import load_target
     from treespec.apps.methods import build_policy, parse_method
     from treespec.decoding import SpeculativeDecoder
 

@@ -242,3 +242,19 @@ def test_generate_takes_sampling_as_one_typed_value():
     assert greedy.tokens.tolist() == treespec.generate(target, [1, 2, 3], max_new_tokens=8).tokens.tolist()
     with pytest.raises(ValueError, match="give either sampling=SamplingParams"):
         treespec.generate(target, [1, 2, 3], max_new_tokens=2, sampling=SamplingParams(), temperature=0.5)
+
+
+def test_generate_wraps_a_text_prompt_in_the_chat_template_when_asked():
+    """``chat=True`` is ``treespec generate --chat``: the text as one user turn of the tokenizer's chat
+    template (the generation equals decoding those ids), and token ids with chat=True are refused."""
+    from test_bench_runner import CharTokenizer
+
+    from treespec.apps.datasets import encode_chat
+
+    target, tokenizer = tiny_target(vocab=128), CharTokenizer()
+    chat = treespec.generate(target, "hi", tokenizer=tokenizer, chat=True, max_new_tokens=6, stop_token_ids=[])
+    ids = encode_chat(tokenizer, ["hi"])
+    assert ids == [1 + ord(c) % 126 for c in "user:hi|assistant:"]
+    assert chat.tokens.tolist() == treespec.generate(target, ids, max_new_tokens=6, stop_token_ids=[]).tokens.tolist()
+    with pytest.raises(ValueError, match="chat=True wraps a text prompt"):
+        treespec.generate(target, [1, 2, 3], chat=True, max_new_tokens=2)

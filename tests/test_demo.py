@@ -39,10 +39,10 @@ def test_verdict_names_equality_near_ties_and_failures():
 
 
 def test_demo_names_missing_drafters(monkeypatch, tmp_path, capsys):
-    import treespec.apps.methods
+    import treespec.apps.loading
     from treespec.apps.cli import main
 
-    monkeypatch.setattr(treespec.apps.methods, "embedded_drafter_dir", lambda kind: tmp_path / kind)
+    monkeypatch.setattr(treespec.apps.loading, "embedded_drafter_dir", lambda kind: tmp_path / kind)
     assert main(["demo"]) == 2
     assert "embedded drafters are not installed" in capsys.readouterr().err
 

@@ -20,7 +20,8 @@ from test_target import random_prompts, tiny_model
 
 import treespec.apps.bench as ab
 from treespec.apps.cli import main
-from treespec.apps.methods import build_policy, drafter_dirs, parse_method
+from treespec.apps.loading import drafter_dirs
+from treespec.apps.methods import build_policy, parse_method
 from treespec.apps.replay import RecordConfig, evaluate, record_trace
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter

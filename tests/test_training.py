@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from treespec.drafters.training import BlockRecipe, TrainConfig, decay_weights, init_from_target, new_drafter
 from treespec.apps.training.trainer import DrafterTrainer
+from treespec.drafters.training import BlockRecipe, TrainConfig, decay_weights, init_from_target, new_drafter
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +123,9 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
-    from treespec.drafters.domino import DominoDrafter
-    from treespec.apps.api import load_drafter
     from treespec.apps.commands.train_drafter import export_drafter
+    from treespec.apps.loading import load_drafter
+    from treespec.drafters.domino import DominoDrafter
 
     trainer = make(target, tmp_path, kind=kind)
     trainer.train(sequences(), until=2, progress=False)
@@ -508,8 +508,8 @@ def test_a_run_saved_before_a_config_field_existed_resumes_at_its_default(target
 def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_frequent_tokens(target, tmp_path, kind):
     """``--init`` of a 24-token head into a 32-token run: every weight as saved, the saved tokens kept and
     the 8 most frequent others added; each saved token's logit is the saved drafter's; it trains on."""
-    from treespec.drafters.training import warm_start
     from treespec.apps.training.vocabulary import response_token_counts
+    from treespec.drafters.training import warm_start
 
     data, vocab, cfg, first = _trained_start(target, tmp_path / "a", kind, steps=10)
     counts = response_token_counts(data, 64)

@@ -96,13 +96,15 @@ class BatchDecoder:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  stop_token_ids: Iterable[int] | None = None,
                  generators: Sequence[torch.Generator | None] | None = None, backend: str = "torch",
-                 position_keyed: bool = True, first_token: str = "round") -> list[GenerationResult]:
+                 position_keyed: bool = True, first_token: str = "round",
+                 sampling: SamplingParams | None = None) -> list[GenerationResult]:
         """Up to ``max_new_tokens`` (one value, or one per prompt) new tokens after each prompt;
         ``first_token`` as in `SpeculativeDecoder.generate` (``"prefill"``: each sequence's first
-        token is the target's after its prompt, from one batched forward timed with the prefill)."""
+        token is the target's after its prompt, from one batched forward timed with the prefill);
+        ``sampling`` in place of the four sampling keywords, as there."""
         start = time.perf_counter()
         check_first_token(first_token)
-        sampling = SamplingParams(temperature, top_k, top_p, position_keyed)
+        sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
         if self.policy is not None and self.policy.samples_from_draft and not sampling.greedy:
             raise ValueError(f"the {self.policy.name} policy samples its trees at temperature > 0, which batched "
                              "decoding does not do yet; decode its sequences one at a time (treespec.generate)")

@@ -225,14 +225,17 @@ class SpeculativeDecoder:
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: Iterable[int] | None = None,
                  generator: torch.Generator | None = None, backend: str = "torch",
-                 position_keyed: bool = True, first_token: str = "round") -> GenerationResult:
+                 position_keyed: bool = True, first_token: str = "round",
+                 sampling: SamplingParams | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([P] or [1, P]).
 
         ``first_token="round"`` (default): the first round anchors on the prompt's last token and
         yields the first new token.  ``"prefill"``: the published loops' counting: the whole prompt is
         prefilled, the target's own token after it (argmax, or a draw at T > 0) is the first new
-        token and the first round's anchor, and rounds (so τ) start after it.  Same output."""
-        sampling = SamplingParams(temperature, top_k, top_p, position_keyed)
+        token and the first round's anchor, and rounds (so τ) start after it.  Same output.
+        ``sampling`` gives temperature, top-k, top-p and position keying as one value, in place of
+        the four keywords."""
+        sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
         prompt = check_single_batch(input_ids).to(self.target.device)
         check_backend(backend)
         check_request(self.target, prompt, max_new_tokens)

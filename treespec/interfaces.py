@@ -376,6 +376,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @classmethod
+    def of(cls, sampling: SamplingParams | None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           position_keyed: bool = True) -> SamplingParams:
+        """``sampling`` as given, or one built from the loose keywords (which must then be left at
+        their defaults): the decoders' ``generate`` take either form, never both."""
+        if sampling is None:
+            return cls(temperature, top_k, top_p, position_keyed)
+        if (temperature, top_k, top_p, position_keyed) != (0.0, 0, 1.0, True):
+            raise ValueError("give either sampling=SamplingParams(...) or temperature/top_k/top_p/position_keyed, "
+                             "not both")
+        return sampling
+
 
 @attrs.frozen(eq=False)
 class Proposals:

@@ -9,7 +9,8 @@ Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample`
 ``torch.Generator``.
 
 * ``model``: a local model directory, a transformers causal LM, or a `TargetModel`.
-* ``prompt``: a string (tokenized with the model directory's tokenizer, or ``tokenizer=``), or
+* ``prompt``: a string (tokenized with the model directory's tokenizer, or ``tokenizer=``; with
+  ``chat=True`` wrapped in its chat template as one user turn, as ``treespec generate --chat``), or
   token ids ([P] / [1, P] tensor or a list of ints).  A list of prompts (strings, tensors or lists
   of ints) is decoded as one batch (`treespec.batch_decoding.BatchDecoder`: one target forward per
   round for all of them) and gives a list of outputs, each equal to that prompt's own ``generate``
@@ -36,7 +37,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -44,6 +44,8 @@ import torch
 
 from treespec import registry
 from treespec.apps.cost_source import CostSource, method_policy, persist_live
+from treespec.apps.datasets import encode_chat
+from treespec.apps.loading import load_drafter, load_target, load_tokenizer
 from treespec.apps.methods import MethodSpec
 from treespec.batch_decoding import BatchDecoder
 from treespec.decoding import SpeculativeDecoder
@@ -53,10 +55,9 @@ from treespec.stats import GenerationStats
 from treespec.target import TargetModel
 from treespec.tree import check_budget
 
-__all__ = ["GenerateOutput", "generate", "load_drafter", "load_target", "load_tokenizer"]
+__all__ = ["GenerateOutput", "generate"]
 
 PathLike = str | os.PathLike
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @attrs.frozen(eq=False)
@@ -66,33 +67,6 @@ class GenerateOutput:
     tokens: torch.Tensor  # [n_new] int64 generated ids (prompt excluded)
     text: str | None  # the decoded tokens when a tokenizer is known, else None
     stats: GenerationStats  # per-round tau and stage times, prefill time
-
-
-def load_target(model: PathLike | TargetModel | torch.nn.Module, *, dtype: torch.dtype | str = "auto",
-                device: str | torch.device = "cpu", float32_head: bool | None = None) -> TargetModel:
-    """A `TargetModel` from a directory, a transformers model, or itself.
-
-    ``float32_head``: the final norm and LM head of a bf16/fp16 target in float32 (None: on).
-    """
-    if isinstance(model, TargetModel):
-        return model
-    if isinstance(model, torch.nn.Module):
-        return TargetModel(model, float32_head=float32_head)
-    if not Path(model).is_dir():
-        raise FileNotFoundError(f"no local model directory at {model}")
-    return TargetModel.from_local(model, dtype=dtype, device=device, float32_head=float32_head)
-
-
-def load_drafter(drafter: Drafter | PathLike | None, **kwargs: Any) -> Drafter | None:
-    """A drafter instance from itself, a registered name, or a DFlash / Domino checkpoint directory."""
-    if drafter is None or isinstance(drafter, Drafter):
-        return drafter
-    if Path(drafter).is_dir():
-        return registry.create("drafter", "checkpoint", path=drafter, **kwargs)
-    if str(drafter) not in registry.available("drafter") and (
-            isinstance(drafter, os.PathLike) or os.sep in str(drafter) or Path(drafter).exists()):
-        raise FileNotFoundError(f"no drafter checkpoint directory at {drafter}")
-    return registry.create("drafter", str(drafter), **kwargs)
 
 
 def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any], target: TargetModel,
@@ -112,16 +86,6 @@ def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any]
     return built, lambda: persist_live(target, profile(), [(cost, drafter)])
 
 
-def load_tokenizer(path: PathLike) -> Any:
-    """The tokenizer of a local model directory; a clear error when the directory has none."""
-    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
-        # transformers 5 would build an empty tokenizer here; refuse instead of encoding garbage
-        raise ValueError(f"no tokenizer files in {path}: pass tokenizer= or token ids")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-
-
 def _tokenizer(model: Any, tokenizer: Any, needed: bool) -> Any:
     """The given tokenizer, or the model directory's; a directory without one is fine for token ids."""
     if tokenizer is not None or not isinstance(model, (str, os.PathLike)):
@@ -134,11 +98,15 @@ def _tokenizer(model: Any, tokenizer: Any, needed: bool) -> Any:
         return None
 
 
-def _input_ids(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any) -> torch.Tensor:
+def _input_ids(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any, chat: bool) -> torch.Tensor:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass a model directory or tokenizer=")
+        if chat:  # one user turn in the tokenizer's chat template, ending with the assistant's prompt
+            return torch.tensor(encode_chat(tokenizer, [prompt]), dtype=torch.int64)
         return torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.int64)
+    if chat:
+        raise ValueError("chat=True wraps a text prompt in the chat template; token ids are used as given")
     ids = torch.as_tensor(prompt)
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"prompt token ids must be integers, got dtype {ids.dtype}")
@@ -181,12 +149,14 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
              device: str | torch.device = "cpu", backend: str = "torch", position_keyed: bool = True,
              drafter_kwargs: dict[str, Any] | None = None, policy_kwargs: dict[str, Any] | None = None,
              cost_model: str | CostModel | CostSource = "live",
-             sampling: SamplingParams | None = None) -> GenerateOutput | list[GenerateOutput]:
+             sampling: SamplingParams | None = None, chat: bool = False) -> GenerateOutput | list[GenerateOutput]:
     """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring).
 
     ``sampling`` (a `SamplingParams`) gives temperature, top-k, top-p and position keying as one typed
     value, in place of the Hugging Face style ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p``
-    (which must then be left at their defaults)."""
+    (which must then be left at their defaults).  ``chat=True`` wraps each text prompt in the
+    tokenizer's chat template as one user turn (an instruct model answers it; a raw prompt may get
+    an end-of-turn token at once)."""
     sampling = _sampling(sampling, do_sample, temperature, top_k, top_p, position_keyed)
     batch = _is_batch(prompt)
     prompts = list(prompt) if batch else [prompt]
@@ -200,10 +170,8 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
                             if draft_model is not None else (None, lambda: None))
     checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
     stops = _stop_ids(stop_token_ids if stop_token_ids is not None else eos_token_id, tokenizer, target)
-    options = {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
-               "top_p": sampling.top_p, "stop_token_ids": stops, "backend": backend,
-               "position_keyed": sampling.position_keyed}
-    ids = [_input_ids(p, tokenizer) for p in prompts]
+    options = {"max_new_tokens": max_new_tokens, "sampling": sampling, "stop_token_ids": stops, "backend": backend}
+    ids = [_input_ids(p, tokenizer, chat) for p in prompts]
     if batch:
         generators = [torch.Generator().manual_seed(seed) if seed is not None else None for _ in ids]
         results = BatchDecoder(target, draft_model, tree_policy, checker).generate(ids, generators=generators, **options)

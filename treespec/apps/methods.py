@@ -30,20 +30,19 @@ caller (the harness measures it, `treespec.pricing.profile`), never a built-in p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 
 from treespec import registry
-from treespec.interfaces import Drafter, TreePolicy
+from treespec.interfaces import TreePolicy
 from treespec.pricing.calibration import Calibration, to_calibration
 from treespec.pricing.cost import CostModel
 from treespec.tree import check_budget
 
-__all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "MethodSpec", "build_policy", "default_drafter",
-           "drafter_dirs", "drafter_names", "drafter_role", "embedded_drafter_dir", "load_named_drafter", "method_name",
-           "needed_role", "parse_method", "policy_class", "prices_trees", "with_budget", "with_options"]
+__all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "MethodSpec", "build_policy", "default_drafter", "drafter_names",
+           "drafter_role", "method_name", "needed_role", "parse_method", "policy_class", "prices_trees", "with_budget",
+           "with_options"]
 
 # The drafter a method runs over when it names none, by what its policy needs (its ``uses_scorer``).
 DEFAULT_DRAFTERS = {"marginal": "dflash", "conditional": "domino"}
@@ -248,48 +247,3 @@ def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
         if calibration is not None and not calibration.identity:
             kwargs.setdefault("calibration", calibration)
     return registry.create("policy", method.policy, **kwargs)
-
-
-def drafter_dirs(names, given: list[str], flags: Mapping[str, Path | None] | None = None, *,
-                 embedded: bool = True) -> dict[str, Path]:
-    """NAME -> checkpoint directory for each drafter of ``names``: from ``given`` (``NAME=DIR`` texts
-    of ``--drafter``) or ``flags`` (``--dflash DIR``-style, by name), else the embedded target's own
-    drafter when ``embedded``; a missing one, an unknown name or a malformed flag is refused by name."""
-    dirs = {name: Path(path) for name, path in (flags or {}).items() if path is not None}
-    known = drafter_names() if given else []
-    for item in given:
-        name, eq, path = item.partition("=")
-        if not eq or not name or not path:
-            raise ValueError(f"--drafter takes NAME=DIR, got {item!r}")
-        if name not in known:
-            raise ValueError(f"--drafter {item}: unknown drafter {name!r}; available: {', '.join(known)}")
-        dirs[name] = Path(path)
-    out = {}
-    for name in names:
-        if name in dirs:
-            out[name] = dirs[name]
-        elif embedded and name in DEFAULT_DRAFTERS.values():
-            out[name] = embedded_drafter_dir(name)
-        else:
-            raise ValueError(f"a method runs over the {name} drafter: give its checkpoint with --drafter {name}=DIR")
-    return out
-
-
-def load_named_drafter(name: str, path: str | Path) -> Drafter:
-    """The registered drafter ``name`` loaded from ``path`` through its declared loader (its class's
-    ``from_pretrained``); a missing folder or a drafter with no loader is refused by name."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no {name} drafter checkpoint at {path}: pass --drafter {name}=DIR, or leave out "
-                                f"the methods that need the {name} drafter")
-    try:
-        return registry.resolve("drafter", name).from_pretrained(path)
-    except NotImplementedError as exc:
-        raise ValueError(f"the {name} drafter: {exc}") from None
-
-
-def embedded_drafter_dir(kind: str) -> Path:
-    """Directory of the drafter shipped for the embedded SmolLM2 target ("dflash" or "domino")."""
-    if kind not in ("dflash", "domino"):
-        raise ValueError(f"embedded drafters are 'dflash' and 'domino', got {kind!r}")
-    return Path(__file__).resolve().parents[1] / "assets" / f"smollm2-135m-instruct-{kind}"

@@ -19,13 +19,13 @@ import attrs
 import torch
 
 from treespec import registry
+from treespec.apps.cost_source import CostSource, method_policy, persist_live
 from treespec.apps.datasets import encode_chat
 from treespec.apps.methods import MethodSpec
-from treespec.apps.cost_source import CostSource, method_policy, persist_live
 from treespec.batch_decoding import BatchDecoder
-from treespec.pricing.cost import CostModel
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, TreePolicy
+from treespec.pricing.cost import CostModel
 from treespec.pricing.profile import CostProfile, machine_profile
 from treespec.target import TargetModel
 
@@ -108,7 +108,7 @@ class Harness:
 def load_harness(model_dir: str | Path, drafter_dirs: dict[str, str | Path], *, dtype: torch.dtype | str = "auto",
                  device: str | torch.device = "cpu", float32_head: bool | None = None) -> Harness:
     """The target, its tokenizer and the drafters ("dflash" / "domino" -> checkpoint), from local files."""
-    from treespec.apps.assemble import Parts
+    from treespec.apps.loading import Parts
 
     parts = Parts.load(model_dir, drafter_dirs, dtype=dtype, device=device, float32_head=float32_head)
     return Harness(parts.target, Chat(parts.tokenizer), dict(parts.drafters))

@@ -148,7 +148,7 @@ def _report(out_dir: Path, resamples: int) -> int:
 def _drafter_dirs(args: argparse.Namespace, methods) -> dict[str, Path]:
     """The checkpoint of each drafter the methods name: --drafter NAME=DIR (or --dflash / --domino),
     else the embedded one where the embedded target ships it."""
-    from treespec.apps.methods import drafter_dirs
+    from treespec.apps.loading import drafter_dirs
 
     return drafter_dirs(sorted({m.drafter for m in methods if m.drafter}), args.drafter,
                         {"dflash": args.dflash, "domino": args.domino})

@@ -87,9 +87,10 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
 def run(args: argparse.Namespace) -> int:
     from treespec.apps import bench
     from treespec.apps.bench.records import read_records
-    from treespec.apps.embedded import cache_root, embedded_model_dir
-    from treespec.apps.methods import DEFAULT_DRAFTERS, DEMO_METHODS, drafter_dirs, embedded_drafter_dir
     from treespec.apps.cost_source import CostSource
+    from treespec.apps.embedded import cache_root, embedded_model_dir
+    from treespec.apps.loading import drafter_dirs, embedded_drafter_dir
+    from treespec.apps.methods import DEFAULT_DRAFTERS, DEMO_METHODS
 
     start = time.perf_counter()
     if args.threads:

@@ -23,7 +23,6 @@ from treespec.apps.commands import CPU_DTYPES, DTYPES
 from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
 
-
 _DEFAULT_PROMPT = "What is speculative decoding?"
 
 
@@ -133,11 +132,11 @@ def read_tree_record(path: Path) -> tuple[DraftTree, list | None, list | None]:
 def _from_model(args: argparse.Namespace):
     import torch
 
-    from treespec.apps.api import load_drafter, load_target, load_tokenizer
+    from treespec.apps.cost_source import CostSource, method_policy
     from treespec.apps.datasets import encode_chat
     from treespec.apps.embedded import embedded_model_dir
+    from treespec.apps.loading import load_drafter, load_target, load_tokenizer
     from treespec.apps.methods import parse_method
-    from treespec.apps.cost_source import CostSource, method_policy
     from treespec.pricing.profile import machine_profile
 
     method = parse_method(args.method)
@@ -157,7 +156,7 @@ def _from_model(args: argparse.Namespace):
 
 
 def _embedded_drafter(kind: str, model: Path | None) -> Path:
-    from treespec.apps.methods import embedded_drafter_dir
+    from treespec.apps.loading import embedded_drafter_dir
 
     if model is not None:
         raise SystemExit("treespec draw: --model needs --drafter (the embedded drafters fit the embedded target only)")
@@ -170,8 +169,8 @@ def _embedded_drafter(kind: str, model: Path | None) -> Path:
 def _trace_label(trace, model: Path | None):
     """token -> text with the tokenizer of --model, or of the embedded target when the trace names
     it; token ids when neither is at hand."""
-    from treespec.apps.api import load_tokenizer
     from treespec.apps.embedded import embedded_model_dir
+    from treespec.apps.loading import load_tokenizer
 
     source = model
     if source is None and trace.meta["target"].get("name") == "smollm2-135m-instruct":

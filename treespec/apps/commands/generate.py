@@ -6,8 +6,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from treespec import registry
 from treespec.apps.commands import DTYPES
 from treespec.interfaces import SamplingParams
@@ -54,14 +52,6 @@ def typed_settings(args: argparse.Namespace) -> SamplingParams:
         raise ValueError("--" + str(exc).replace("top_k", "top-k").replace("top_p", "top-p")) from None
 
 
-def _prompt_ids(tokenizer, text: str, chat: bool) -> torch.Tensor:
-    if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return torch.tensor(tokenizer(text)["input_ids"])
-
-
 def _summary(stats) -> str:
     stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.stage_totals().items())
     return (f"{stats.new_tokens} tokens, {len(stats.rounds)} rounds, mean tau {stats.mean_tau:.2f}, "
@@ -69,7 +59,8 @@ def _summary(stats) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.apps.api import generate, load_target, load_tokenizer
+    from treespec.apps.api import generate
+    from treespec.apps.loading import load_target, load_tokenizer
 
     try:
         sampling = typed_settings(args)
@@ -88,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        out = generate(target, _prompt_ids(tokenizer, args.prompt, args.chat), tokenizer=tokenizer,
+        out = generate(target, args.prompt, chat=args.chat, tokenizer=tokenizer,
                        drafter=args.drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
                        max_new_tokens=args.max_new_tokens, sampling=sampling,
                        stop_token_ids=args.stop_token_id, seed=args.seed, backend=args.backend)

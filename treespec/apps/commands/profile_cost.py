@@ -55,9 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.apps.api import load_drafter, load_target
     from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.methods import embedded_drafter_dir
+    from treespec.apps.loading import embedded_drafter_dir, load_drafter, load_target
     from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
 
     try:
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     measure = refresh_profile if args.fresh else machine_profile
     profile = measure(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats, progress=True)
     if args.calibrate and drafters:
-        from treespec.apps.api import load_tokenizer
+        from treespec.apps.loading import load_tokenizer
 
         tokenizer = load_tokenizer(args.model or embedded_model_dir())
         for drafter, name in zip(drafters, paths):

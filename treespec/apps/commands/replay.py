@@ -120,7 +120,7 @@ def _record(args: argparse.Namespace) -> int:
     parts = args.out.with_name(args.out.name + ".parts")  # one file per recorded prompt: a rerun resumes
     if args.overwrite and parts.exists():
         shutil.rmtree(parts)
-    from treespec.apps.assemble import Parts
+    from treespec.apps.loading import Parts
 
     loaded = Parts.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False)
     target, tokenizer, name, drafters = loaded.target, loaded.tokenizer, loaded.name, dict(loaded.drafters)
@@ -145,7 +145,7 @@ def _record(args: argparse.Namespace) -> int:
 def _drafter_dirs(args: argparse.Namespace) -> dict[str, Path]:
     """The drafters to record: --dflash / --domino (by default, with the embedded target, its shipped
     ones) and any --drafter NAME=DIR."""
-    from treespec.apps.methods import drafter_dirs, embedded_drafter_dir
+    from treespec.apps.loading import drafter_dirs, embedded_drafter_dir
 
     dirs = {kind: getattr(args, kind) for kind in _KINDS}
     if args.model is None:

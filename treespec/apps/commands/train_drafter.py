@@ -238,6 +238,6 @@ def run(args: argparse.Namespace) -> int:
 
 def export_drafter(source: Path, out: Path, dtype: torch.dtype) -> Path:
     """Reload the checkpoint at ``source`` (strictly) and save it in ``dtype`` at ``out``."""
-    from treespec.apps.api import load_drafter
+    from treespec.apps.loading import load_drafter
 
     return load_drafter(source, dtype=dtype).save_pretrained(out)
