@@ -36,6 +36,7 @@ import sys
 import time
 from collections import defaultdict
 
+import attrs
 import numpy as np
 import torch
 
@@ -128,55 +129,80 @@ def main() -> None:
         steps = " / ".join(f"{profile.verify_in_steps(n, live=False):.2f}" for n in (1, 2, 5, 17))
         print(f"\n## profile {rep + 1} ({time.perf_counter() - start:.0f} s): verify of 1 / 2 / 5 / 17 tokens = "
               f"{steps} AR steps", flush=True)
-        decoders, models = {}, {}
-        hows = ("profile", "live") + (("root-only",) if args.root_only_arms else ())
-        for name in FIXED + [f"{m}:{how}" for m in COST_AWARE for how in hows]:
-            method = parse_method(name.partition(":")[0])
-            drafter = drafters.get(method.drafter) if method.drafter else None
-            pricing = ()
-            if name.partition(":")[2]:
-                model = profile.cost_model(drafter, live=False)
-                models[name] = model
-                priced = (model, calibrations[method.drafter])  # the CLI's rule, live or fixed
-                pricing = CostSource(live=name.endswith(":live")).price(lambda: priced)
-            policy = (root_only_policy(name, models[name]) if name.endswith(":root-only")
-                      else build_policy(method, *pricing))
-            decoders[name] = SpeculativeDecoder(target, drafter, policy)
+        decoders, models = make_arms(args, target, drafters, profile, calibrations)
         for decoder in decoders.values():  # warm-up
             decoder.generate(ids[0], max_new_tokens=8)
-        times, tokens, taus, errors = defaultdict(float), defaultdict(int), defaultdict(list), defaultdict(list)
-        trees = defaultdict(list)  # per method: whether each drafted round built more than the root
-        stages = defaultdict(lambda: defaultdict(float))  # per method: seconds by where the decode time went
-        seconds = defaultdict(list)  # (phase, what): measured verify / draft + build seconds of rounds
-        per_prompt = defaultdict(list)  # per method: (seconds, tokens) of each prompt, in prompt order
-        hog = None
-        for i, prompt in enumerate(ids):
-            if args.hog is not None and hog is None and i >= args.hog * len(ids):
-                hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                print(f"(CPU hog started before prompt {i + 1})", flush=True)
-            for name, decoder in decoders.items():
-                decoder.gate.reset()
-                out = decoder.generate(prompt, max_new_tokens=args.max_new_tokens)
-                phase = "hog" if hog is not None else "quiet"
-                for key in (name, (name, phase)):
-                    times[key] += out.stats.decode_time
-                    tokens[key] += out.stats.new_tokens
-                per_prompt[name].append((out.stats.decode_time, out.stats.new_tokens))
-                account(stages[name], out.stats)
-                trees[name] += [r.tree_size > 1 for r in out.stats.rounds if r.drafted and not r.explored]
-                if name in FIXED:
-                    collect(seconds, phase, name, out.stats.rounds)
-                taus[name] += out.stats.taus
-                if name in models:
-                    alone, live = round_errors(out, prompt.numel(), models[name])
-                    errors[name, "profile"] += alone
-                    errors[name, "live"] += live
-        if hog is not None:
-            hog.kill()
-        print_table(decoders, times, tokens, taus, errors, trees, models, per_prompt, hogged=hog is not None)
-        print_costs(seconds, {name: d.policy.cost_model for name, d in decoders.items() if name.endswith(":live")},
-                    models, ctx=int(statistics.median(p.numel() for p in ids)))
-        print_stages(stages)
+        tally, hogged = run_arms(args, decoders, models, ids)
+        print_table(decoders, tally.times, tally.tokens, tally.taus, tally.errors, tally.trees, models,
+                    tally.per_prompt, hogged=hogged)
+        print_costs(tally.seconds, {name: d.policy.cost_model for name, d in decoders.items()
+                                    if name.endswith(":live")}, models, ctx=int(statistics.median(p.numel() for p in ids)))
+        print_stages(tally.stages)
+
+
+def make_arms(args, target, drafters, profile, calibrations) -> tuple[dict, dict]:
+    """(name -> decoder, name -> the profile's cost model of each priced arm): the fixed trees and every
+    cost-aware method priced by the profile, live and (with --root-only-arms) by the root-only rule."""
+    decoders, models = {}, {}
+    hows = ("profile", "live") + (("root-only",) if args.root_only_arms else ())
+    for name in FIXED + [f"{m}:{how}" for m in COST_AWARE for how in hows]:
+        method = parse_method(name.partition(":")[0])
+        drafter = drafters.get(method.drafter) if method.drafter else None
+        pricing = ()
+        if name.partition(":")[2]:
+            model = profile.cost_model(drafter, live=False)
+            models[name] = model
+            priced = (model, calibrations[method.drafter])  # the CLI's rule, live or fixed
+            pricing = CostSource(live=name.endswith(":live")).price(lambda: priced)
+        policy = (root_only_policy(name, models[name]) if name.endswith(":root-only")
+                  else build_policy(method, *pricing))
+        decoders[name] = SpeculativeDecoder(target, drafter, policy)
+    return decoders, models
+
+
+@attrs.define
+class Tally:
+    """What the arms measured, keyed by arm (and by (arm, phase) where the hog splits a run)."""
+
+    times: dict = attrs.field(factory=lambda: defaultdict(float))
+    tokens: dict = attrs.field(factory=lambda: defaultdict(int))
+    taus: dict = attrs.field(factory=lambda: defaultdict(list))
+    errors: dict = attrs.field(factory=lambda: defaultdict(list))
+    trees: dict = attrs.field(factory=lambda: defaultdict(list))  # whether each drafted round built past the root
+    stages: dict = attrs.field(factory=lambda: defaultdict(lambda: defaultdict(float)))  # where decode time went
+    seconds: dict = attrs.field(factory=lambda: defaultdict(list))  # (phase, what): fixed arms' stage seconds
+    per_prompt: dict = attrs.field(factory=lambda: defaultdict(list))  # (seconds, tokens) per prompt, in order
+
+    def add(self, name: str, phase: str, out, prompt_len: int, models: dict) -> None:
+        for key in (name, (name, phase)):
+            self.times[key] += out.stats.decode_time
+            self.tokens[key] += out.stats.new_tokens
+        self.per_prompt[name].append((out.stats.decode_time, out.stats.new_tokens))
+        account(self.stages[name], out.stats)
+        self.trees[name] += [r.tree_size > 1 for r in out.stats.rounds if r.drafted and not r.explored]
+        if name in FIXED:
+            collect(self.seconds, phase, name, out.stats.rounds)
+        self.taus[name] += out.stats.taus
+        if name in models:
+            alone, live = round_errors(out, prompt_len, models[name])
+            self.errors[name, "profile"] += alone
+            self.errors[name, "live"] += live
+
+
+def run_arms(args, decoders: dict, models: dict, ids) -> tuple[Tally, bool]:
+    """Every arm on every prompt, prompt-major; the hog (--hog F) starts before prompt F * len(ids)."""
+    tally, hog = Tally(), None
+    for i, prompt in enumerate(ids):
+        if args.hog is not None and hog is None and i >= args.hog * len(ids):
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            print(f"(CPU hog started before prompt {i + 1})", flush=True)
+        for name, decoder in decoders.items():
+            decoder.gate.reset()
+            out = decoder.generate(prompt, max_new_tokens=args.max_new_tokens)
+            tally.add(name, "hog" if hog is not None else "quiet", out, prompt.numel(), models)
+    if hog is not None:
+        hog.kill()
+    return tally, hog is not None
 
 
 def collect(seconds, phase: str, name: str, rounds) -> None:

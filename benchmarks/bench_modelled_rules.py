@@ -121,34 +121,45 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     cache, first = {}, None
     for method in methods:
-        drafts, policy = policy_for(trace, method, cache, given)
-        model = model_of(trace, method.drafter, given, steps) if method.drafter else None
-        if model is not None and getattr(policy, "uses_cost_model", False):
-            policy = attrs.evolve(policy, cost_model=model)  # priced with the model given (C_d as set)
-        if model is not None and charged is not None:
-            model = model_of(trace, method.drafter, charged, steps)
-        rows, rounds_all = [], []
-        for p in range(trace.num_prompts):
-            rounds = replay_rounds(trace, drafts, policy, p, gate=DraftGate(args.backoff))
-            rounds_all += rounds
-            rows.append(prompt_seconds(trace, p, rounds, model) if model is not None else (1.0, 1.0, 1))
-        spent, ar = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
-        speed = lambda idx, s=spent, a=ar: float(a[idx].sum() / s[idx].sum())  # noqa: E731
-        n = len(rows)
-        lo, hi = bootstrap_interval(speed, n, args.resamples, seed=0)
-        ratio = "--"
-        if first is None:
-            first = (spent, ar)
-        else:
-            s0, a0 = first
-            paired = lambda idx: speed(idx) / float(a0[idx].sum() / s0[idx].sum())  # noqa: E731
-            rlo, rhi = bootstrap_interval(paired, n, args.resamples, seed=1)
-            ratio = f"{paired(np.arange(n)):.3f} [{rlo:.3f}, {rhi:.3f}]"
-        tau = sum(r.tau for r in rounds_all) / len(rounds_all)
-        drafted = sum(r.drafted for r in rounds_all) / len(rounds_all)
-        size = sum(r.tree_size for r in rounds_all if r.drafted) / max(1, sum(r.drafted for r in rounds_all))
-        print(f"| {method.name} | {tau:.2f} | {100 * drafted:.0f} % | {size:.1f} | "
-              f"{speed(np.arange(n)):.3f}× [{lo:.3f}, {hi:.3f}] | {ratio} |", flush=True)
+        spent, ar, rounds = modelled_rows(args, trace, method, cache, given, charged, steps)
+        first = first or (spent, ar)
+        print(table_row(method.name, spent, ar, rounds, None if first[0] is spent else first, args.resamples),
+              flush=True)
+
+
+def modelled_rows(args, trace, method, cache, given, charged, steps):
+    """([n] modelled seconds, [n] AR seconds) per prompt of ``method`` replayed, and every replayed round."""
+    drafts, policy = policy_for(trace, method, cache, given)
+    model = model_of(trace, method.drafter, given, steps) if method.drafter else None
+    if model is not None and type(policy).uses_cost_model:
+        policy = attrs.evolve(policy, cost_model=model)  # priced with the model given (C_d as set)
+    if model is not None and charged is not None:
+        model = model_of(trace, method.drafter, charged, steps)
+    rows, rounds_all = [], []
+    for p in range(trace.num_prompts):
+        rounds = replay_rounds(trace, drafts, policy, p, gate=DraftGate(args.backoff))
+        rounds_all += rounds
+        rows.append(prompt_seconds(trace, p, rounds, model) if model is not None else (1.0, 1.0, 1))
+    return np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), rounds_all
+
+
+def table_row(name: str, spent, ar, rounds, first, resamples: int) -> str:
+    """One markdown row: τ, drafted share, mean tree, modelled speed over AR with its interval, and the
+    ratio to the first method paired by prompt (``first``: its (spent, ar); None for the first itself)."""
+    speed = lambda idx: float(ar[idx].sum() / spent[idx].sum())  # noqa: E731
+    n = len(spent)
+    lo, hi = bootstrap_interval(speed, n, resamples, seed=0)
+    ratio = "--"
+    if first is not None:
+        s0, a0 = first
+        paired = lambda idx: speed(idx) / float(a0[idx].sum() / s0[idx].sum())  # noqa: E731
+        rlo, rhi = bootstrap_interval(paired, n, resamples, seed=1)
+        ratio = f"{paired(np.arange(n)):.3f} [{rlo:.3f}, {rhi:.3f}]"
+    tau = sum(r.tau for r in rounds) / len(rounds)
+    drafted = sum(r.drafted for r in rounds) / len(rounds)
+    size = sum(r.tree_size for r in rounds if r.drafted) / max(1, sum(r.drafted for r in rounds))
+    return (f"| {name} | {tau:.2f} | {100 * drafted:.0f} % | {size:.1f} | "
+            f"{speed(np.arange(n)):.3f}× [{lo:.3f}, {hi:.3f}] | {ratio} |")
 
 
 if __name__ == "__main__":

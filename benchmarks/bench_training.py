@@ -81,7 +81,7 @@ def _draft_ms(trainer: DrafterTrainer, target, rounds: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, required=True, help="distill-data directory")
     parser.add_argument("--cache", type=Path, required=True, help="teacher cache of that directory")
@@ -93,7 +93,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mask-token-id", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-training"))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
 
     from treespec.apps.models import load_frozen_model
@@ -114,6 +118,11 @@ def main() -> None:
                 labels[name] += n
     print(f"{torch.get_num_threads()} thread(s); {args.steps} timed steps per arm on {args.data} "
           f"({args.preset}); draft vocabulary {args.vocab}: coverage {coverage(vocab, counts):.2%} of these responses")
+    report(args, trainers, seconds, labels, target)
+
+
+def report(args, trainers, seconds, labels, target) -> None:
+    """Labels per CPU-second and ms per step of each arm, then the draft forward's time per round."""
     print(f"{'arm':40s} {'labels/CPU-s':>12s} {'ms/step':>8s}")
     for name in trainers:
         print(f"{name:40s} {labels[name] / seconds[name]:12.0f} {1000 * seconds[name] / args.steps:8.0f}")

@@ -100,7 +100,7 @@ def _tie_broken(draft):
                        position=draft.position, scorer=scorer), base
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--published", type=Path, required=True, help="a clone of slin-zhq/Domino-Tree")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -109,7 +109,11 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=8, help="draft rounds per prompt")
     parser.add_argument("--top-m", type=int, default=64)
     parser.add_argument("--node-topk", type=int, default=8)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     sys.path.insert(0, str(args.published))
     import domino_adapter
     import dominotree
@@ -128,7 +132,11 @@ def main() -> None:
     drafter.bind(target)
     contexts = _contexts(target, tokenizer, args.prompts, args.positions, drafter.tap_layers)
     print(f"{len(contexts)} rounds, {args.dtype}, top_m {args.top_m}, node_topk {args.node_topk}")
-    mods = (dominotree, domino_adapter)
+    compare(args, (dominotree, domino_adapter), target, drafter, contexts)
+
+
+def compare(args, mods, target, drafter, contexts) -> None:
+    """Per budget, both drafts' labels and both backends: how many rounds build the released tree."""
     drafts = []
     with torch.no_grad():
         for sequence, features in contexts:

@@ -206,10 +206,6 @@ def _random_drafters(target, device: str, dry: bool) -> dict:
 
 def check_decoding(device: str, dry: bool, new_tokens: int) -> None:
     """AR and every registered policy end to end on the GPU; outputs against AR; live costs after 50 rounds."""
-    from treespec import registry
-    from treespec.apps.methods import build_policy, parse_method
-    from treespec.decoding import SpeculativeDecoder
-    from treespec.pricing.live_cost import LiveCost
     from treespec.pricing.profile import machine_profile
 
     print(f"\n## 4. end-to-end decoding on {device}")
@@ -221,16 +217,28 @@ def check_decoding(device: str, dry: bool, new_tokens: int) -> None:
           + " / ".join(f"{profile.verify_in_steps(n):.2f}" for n in (1, 2, 5, 17)) + " AR steps", flush=True)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.vocab_size, (64,), generator=gen) for _ in range(3)]
+    lives = decode_every_method(target, drafters, profile, prompts, new_tokens)
+    for name, live in lives.items():
+        report_live(name, live, target, drafters, prompts, new_tokens)
+
+
+def decode_every_method(target, drafters, profile, prompts, new_tokens: int) -> dict:
+    """AR and every registered policy at budget 16 on ``prompts``, each output checked against AR's;
+    returns the live cost models of the cost-aware methods, by method name."""
+    from treespec import registry
+    from treespec.apps.methods import build_policy, parse_method
+    from treespec.decoding import SpeculativeDecoder
+    from treespec.pricing.live_cost import LiveCost
+
     names = ["ar", "dflash", "domino"] + [f"{n}@16" for n in registry.available("policy") if n != "chain"]
-    reference = None
-    lives = {}
+    reference, lives = None, {}
     print("| method | tau | ms per round: draft / build / verify / commit | = AR |")
     print("|---|---|---|---|")
     for name in names:
         method = parse_method(name)
         drafter = drafters.get(method.drafter) if method.drafter else None
         pricing = ()
-        if drafter is not None and getattr(registry.resolve("policy", method.policy), "uses_cost_model", False):
+        if drafter is not None and registry.resolve("policy", method.policy).uses_cost_model:
             pricing = (LiveCost(profile.cost_model(drafter)),)
             lives[name] = pricing[0]
         decoder = SpeculativeDecoder(target, drafter, build_policy(method, *pricing))
@@ -245,17 +253,24 @@ def check_decoding(device: str, dry: bool, new_tokens: int) -> None:
         print(f"| {name} | {tau:.2f} | {stages} | {same}/{len(prompts)} |", flush=True)
         if same != len(prompts):
             raise SystemExit(f"{name}: output differs from AR's")
-    for name, live in lives.items():
-        method = parse_method(name)
-        decoder = SpeculativeDecoder(target, drafters[method.drafter], build_policy(method, live))
-        while len(live.observations) < 50:
-            decoder.generate(prompts[len(live.observations) % len(prompts)], max_new_tokens=new_tokens)
-        curve, prior = live.snapshot(), live.prior
-        ctx = curve.contexts[0]
-        row = lambda m: " / ".join(f"{1e3 * float(m.verify_cost(torch.tensor([float(n)]), ctx)[0]):.2f}"  # noqa: E731
-                                   for n in (1, 2, 5, 17, 33))
-        print(f"{name} after {len(live.observations)} rounds ({live.refits} re-fits), verify ms at n = 1 / 2 / 5 / 17 "
-              f"/ 33, ctx {ctx}: profile {row(prior)}; live {row(curve)}; support {live.support()}", flush=True)
+    return lives
+
+
+def report_live(name: str, live, target, drafters, prompts, new_tokens: int) -> None:
+    """Decode with ``live`` until it has 50 rounds, then its curve beside the profile's."""
+    from treespec.apps.methods import build_policy, parse_method
+    from treespec.decoding import SpeculativeDecoder
+
+    method = parse_method(name)
+    decoder = SpeculativeDecoder(target, drafters[method.drafter], build_policy(method, live))
+    while len(live.observations) < 50:
+        decoder.generate(prompts[len(live.observations) % len(prompts)], max_new_tokens=new_tokens)
+    curve, prior = live.snapshot(), live.prior
+    ctx = curve.contexts[0]
+    row = lambda m: " / ".join(f"{1e3 * float(m.verify_cost(torch.tensor([float(n)]), ctx)[0]):.2f}"  # noqa: E731
+                               for n in (1, 2, 5, 17, 33))
+    print(f"{name} after {len(live.observations)} rounds ({live.refits} re-fits), verify ms at n = 1 / 2 / 5 / 17 "
+          f"/ 33, ctx {ctx}: profile {row(prior)}; live {row(curve)}; support {live.support()}", flush=True)
 
 
 def main() -> None:

@@ -131,7 +131,7 @@ def floor(law: torch.Tensor, samples: int, repeats: int, generator: torch.Genera
     return tv(counts, law)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=4, help="first-turn prompts per dataset")
     parser.add_argument("--samples", type=int, default=160, help="first rounds per prompt and method (K)")
@@ -145,6 +145,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.prompts < 1 or args.samples < 1 or args.repeats < 1:
         parser.error("--prompts, --samples and --repeats must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     model_dir = embedded_model_dir()
     target = load_target(model_dir, dtype=args.dtype)
     from transformers import AutoTokenizer
@@ -157,25 +162,9 @@ def main() -> None:
     print(f"{len(prompts)} prompts, K = {args.samples} first rounds each; {torch.get_num_threads()} threads, "
           f"target {target.dtype}")
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        sampling = SamplingParams(temperature, 0, args.top_p)
-        observed = {arm.label: [] for arm in rows}
-        numerics = {arm.label: [] for arm in rows}  # TV of the verified root law from AR's
-        floors = []
         start = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            for kind in ("dflash", "domino"):
-                first = FirstRound(target, drafters[kind], prompt)
-                law = first.law(sampling)
-                for arm in (a for a in rows if a.drafter == kind):
-                    counts, verified = torch.zeros_like(law), torch.zeros_like(law)
-                    for k in range(args.samples):
-                        token, root_law = first.first_token(arm, sampling, seed=1_000_003 * i + k)
-                        counts[token] += 1
-                        verified += root_law / args.samples
-                    observed[arm.label].append(float(tv(counts, verified)))
-                    numerics[arm.label].append(float(tv(verified, law)))
-            floors.append(floor(law, args.samples, args.repeats, torch.Generator().manual_seed(i)))
-        floor_sums = torch.stack(floors).sum(0)  # [repeats] summed over the prompts
+        observed, numerics, floor_sums = measure(args, target, drafters, prompts, rows,
+                                                 SamplingParams(temperature, 0, args.top_p))
         print(f"\nT = {temperature}, top-p {args.top_p} ({time.perf_counter() - start:.0f} s): floor (K draws "
               f"from p itself) mean TV {float(floor_sums.mean()) / len(prompts):.3f}")
         print("| method | mean first-token TV | floor | p-value | numerics |")
@@ -185,6 +174,28 @@ def main() -> None:
             pvalue = float((floor_sums >= total).double().mean())
             print(f"| {arm.label} | {total / len(prompts):.3f} | {float(floor_sums.mean()) / len(prompts):.3f} | "
                   f"{pvalue:.3f} | {sum(numerics[arm.label]) / len(prompts):.4f} |", flush=True)
+
+
+def measure(args, target, drafters, prompts, rows, sampling: SamplingParams):
+    """Per arm, each prompt's TV of K first tokens from the verified root law, and that law's TV from
+    AR's (the numerics); and [repeats] floors summed over the prompts (K draws from p itself)."""
+    observed = {arm.label: [] for arm in rows}
+    numerics = {arm.label: [] for arm in rows}  # TV of the verified root law from AR's
+    floors = []
+    for i, prompt in enumerate(prompts):
+        for kind in ("dflash", "domino"):
+            first = FirstRound(target, drafters[kind], prompt)
+            law = first.law(sampling)
+            for arm in (a for a in rows if a.drafter == kind):
+                counts, verified = torch.zeros_like(law), torch.zeros_like(law)
+                for k in range(args.samples):
+                    token, root_law = first.first_token(arm, sampling, seed=1_000_003 * i + k)
+                    counts[token] += 1
+                    verified += root_law / args.samples
+                observed[arm.label].append(float(tv(counts, verified)))
+                numerics[arm.label].append(float(tv(verified, law)))
+        floors.append(floor(law, args.samples, args.repeats, torch.Generator().manual_seed(i)))
+    return observed, numerics, torch.stack(floors).sum(0)
 
 
 if __name__ == "__main__":

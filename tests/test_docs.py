@@ -80,3 +80,42 @@ def test_bench_report_rederives_byte_for_byte(tmp_path, run):
         assert (tmp_path / name).read_bytes() == (folder / name).read_bytes(), f"{name} differs"
     for plot in ("tau_hist.svg", "budget_curves.svg"):
         assert (folder / plot).is_file(), f"docs/figures/{run}/{plot} is missing"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """Links between pages name files that exist and, after '#', a heading of that page."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(root)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)}
+                if anchor not in anchors:
+                    broken.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_benchmarks_index_lists_every_script_and_no_main_runs_long():
+    """benchmarks/README.md names every script once; no function there is over 40 lines."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    listed = re.findall(r"^\| `(\w+\.py)` \|", (folder / "README.md").read_text(), flags=re.M)
+    assert sorted(listed) == sorted(p.name for p in folder.glob("*.py"))
+    long = [f"{p.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)" for p in folder.glob("*.py")
+            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.FunctionDef)
+            and n.end_lineno - n.lineno + 1 > 40]
+    assert long == []

@@ -44,6 +44,8 @@ def test_entry_point_registration(monkeypatch):
 def test_cli_list_and_example(capsys):
     assert main(["list", "policy"]) == 0
     assert "ddtree" in capsys.readouterr().out
+    assert main(["list", "command"]) == 0
+    assert {"bench", "demo", "list", "replay"} <= set(capsys.readouterr().out.split(": ")[1].strip().split(", "))
     assert main(["example", "--prompts", "1", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
     assert "every method's output equals AR's token for token" in out and "dominotree@16" in out
