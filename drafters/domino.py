@@ -54,7 +54,7 @@ from treespec.drafters._layers import DFlashModel
 from treespec.drafters.config import ConfigError, DFlashConfig
 from treespec.drafters.dflash import DFlashDrafter
 from treespec.interfaces import Expansion, RecordableScorer
-from treespec.pricing.hardware import reduced_precision
+from treespec.target import reduced_precision
 from treespec.topk import exact_topk, top_set
 
 if TYPE_CHECKING:

@@ -42,11 +42,26 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.pricing.hardware import reduced_precision
 from treespec.tree import DraftTree
 
-__all__ = ["SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
+__all__ = ["DTYPE_NAMES", "SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
            "check_device", "crop_cache", "select_taps", "spread_layers", "tap_features", "use_float32_head"]
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float64": torch.float64}
+
+
+def reduced_precision(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a 16-bit float (bf16 or fp16): where the kernels' float32 paths apply."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def stored_dtype(config) -> torch.dtype | None:
+    """The dtype a Hugging Face config says its weights are stored in (None: it names none)."""
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        return DTYPE_NAMES.get(stored)
+    return stored if isinstance(stored, torch.dtype) else None
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
 
@@ -89,22 +104,23 @@ class TargetModel:
         self.length = 0
 
     @classmethod
-    def from_local(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
+    def from_local(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "checkpoint",
+                   device: str | torch.device = "cpu",
                    attn_implementation: str = "sdpa", max_positions: int | None = None,
                    float32_head: bool | None = None) -> TargetModel:
         """Load a causal LM from a local directory (safetensors; never remote code).
 
-        ``dtype="auto"`` is this machine's faster dtype for the model (`treespec.pricing.hardware`);
-        ``float32_head``: see the module docstring (None: on for bf16/fp16)."""
+        ``dtype``: a torch dtype, one of `DTYPE_NAMES`, or ``"checkpoint"`` (the stored dtype); the
+        machine's faster dtype (``"auto"``) is chosen by the apps' loader (`treespec.apps.loading.load_target`,
+        through `treespec.pricing.hardware`); ``float32_head``: see the module docstring (None: on for
+        bf16/fp16)."""
         from transformers import AutoConfig, AutoModelForCausalLM
-
-        from treespec.pricing.hardware import resolve_dtype
 
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a Hugging Face model directory")
         check_device(device)
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        dtype = resolve_dtype(dtype, device=device, config=config)
+        dtype = _load_dtype(dtype, config)
         _check_safetensors(Path(path))
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
@@ -325,3 +341,16 @@ def select_taps(features: torch.Tensor, have: Sequence[int], want: Sequence[int]
         raise ValueError(f"taps {missing} are not among the features' taps {list(have)}")
     width = features.shape[1] // len(have)
     return torch.cat([features[:, have.index(t) * width:(have.index(t) + 1) * width] for t in want], dim=1)
+
+
+def _load_dtype(dtype: torch.dtype | str, config) -> torch.dtype | str:
+    """The dtype ``from_local`` loads with: ``dtype`` itself, a named one, or the stored one for
+    ``"checkpoint"`` (transformers' ``"auto"`` where the config names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    if dtype == "checkpoint":
+        return stored_dtype(config) or "auto"
+    raise ValueError(f"unknown dtype {dtype!r} for TargetModel.from_local; expected checkpoint or one of "
+                     f"{', '.join(DTYPE_NAMES)} (treespec.apps.loading.load_target also takes auto)")

@@ -50,7 +50,24 @@ def load_target(model: PathLike | TargetModel | torch.nn.Module, *, dtype: torch
         return TargetModel(model, float32_head=float32_head)
     if not Path(model).is_dir():
         raise FileNotFoundError(f"no local model directory at {model}")
-    return TargetModel.from_local(model, dtype=dtype, device=device, float32_head=float32_head)
+    return TargetModel.from_local(model, dtype=_resolved_dtype(model, dtype, device), device=device,
+                                  float32_head=float32_head)
+
+
+def _resolved_dtype(path: PathLike, dtype: torch.dtype | str, device: str | torch.device) -> torch.dtype | str:
+    """``dtype`` for `TargetModel.from_local`: ``"auto"`` becomes this machine's faster dtype for the
+    model (measured once and cached, `treespec.pricing.hardware`), bf16 on CUDA, or the stored one."""
+    if dtype != "auto":
+        return dtype
+    from transformers import AutoConfig
+
+    from treespec.pricing.hardware import resolve_dtype
+
+    if not (Path(path) / "config.json").is_file():
+        return dtype  # from_local names the missing config
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    resolved = resolve_dtype("auto", device=device, config=config)
+    return "checkpoint" if resolved == "auto" else resolved
 
 
 def load_tokenizer(path: PathLike) -> Any:

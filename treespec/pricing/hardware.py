@@ -32,22 +32,17 @@ from typing import Any
 import attrs
 import torch
 
+from treespec.target import DTYPE_NAMES, stored_dtype
+
 __all__ = [
-    "CACHE_ENV", "DTYPE_NAMES", "DtypeChoice", "cache_root", "choose_dtype", "digest", "linear_shapes", "machine_identity",
-    "machine_file", "measure_linear_speed", "read_cached", "reduced_precision", "resolve_dtype", "write_cached",
+    "CACHE_ENV", "DtypeChoice", "cache_root", "choose_dtype", "digest", "linear_shapes", "machine_identity",
+    "machine_file", "measure_linear_speed", "read_cached", "resolve_dtype", "write_cached",
 ]
 
 CACHE_ENV = "TREESPEC_CACHE"
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-               "float64": torch.float64}
 _ROWS = (1, 17)  # an AR step and a budget-16 tree verify
 _STREAM_ELEMENTS = 24 * 2**20  # weights streamed per benchmark pass: 96 MB in fp32, beyond a CPU cache
 _PRINTED: set[str] = set()  # choices already reported in this process
-
-
-def reduced_precision(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is a 16-bit float (bf16 or fp16): where the kernels' float32 paths apply."""
-    return dtype in (torch.bfloat16, torch.float16)
 
 
 def cache_root() -> Path:
@@ -189,13 +184,6 @@ def choose_dtype(speed: Mapping[str, Mapping[int, float]]) -> DtypeChoice:
     return DtypeChoice(torch.float32, detail)
 
 
-def _stored_dtype(config: Any) -> torch.dtype | None:
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(stored, str):
-        return DTYPE_NAMES.get(stored)
-    return stored if isinstance(stored, torch.dtype) else None
-
-
 def resolve_dtype(dtype: torch.dtype | str, *, device: str | torch.device = "cpu", config: Any = None,
                   cache_dir: Path | None = None,
                   benchmark: Callable[[Mapping], Mapping] = measure_linear_speed) -> torch.dtype | str:
@@ -209,13 +197,13 @@ def resolve_dtype(dtype: torch.dtype | str, *, device: str | torch.device = "cpu
     if dtype in DTYPE_NAMES:
         return DTYPE_NAMES[dtype]
     if dtype == "checkpoint":  # the stored dtype itself where the config names one; else transformers' "auto"
-        stored = _stored_dtype(config) if config is not None else None
+        stored = stored_dtype(config) if config is not None else None
         return stored if stored is not None else "auto"
     if dtype != "auto":
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, checkpoint or one of {', '.join(DTYPE_NAMES)}")
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    if config is None or _stored_dtype(config) == torch.float64:
+    if config is None or stored_dtype(config) == torch.float64:
         return "auto"
     return cpu_dtype_choice(config, cache_dir=cache_dir, benchmark=benchmark).dtype
 

@@ -1,6 +1,6 @@
 """Subcommands of the ``treespec`` CLI (one module each, imported lazily)."""
 
-from treespec.pricing.hardware import DTYPE_NAMES
+from treespec.target import DTYPE_NAMES
 
 # --dtype names shared by the subcommands: the kernel's dtype names, and "auto" (the faster of bf16
 # and fp32 for the target on this CPU, measured once (treespec.pricing.hardware), bf16 on CUDA) and
