@@ -1,5 +1,7 @@
 """Test-session settings shared by every test module."""
 
+import os
+
 import torch
 from bigram_drafter import NAME as BIGRAM
 from bigram_drafter import BigramDrafter
@@ -10,6 +12,7 @@ from treespec import register
 # The tests run tiny models whose ops are too small to gain from intra-op threads; on a shared CPU
 # extra threads only add synchronisation stalls (seen here: 20-40x slower small ops under load).
 torch.set_num_threads(1)
+os.environ["TREESPEC_THREADS"] = "1"  # and the commands run in-process keep it (their default: the free cores)
 
 # A policy added as a user adds one (tests/sibling_capped.py): registered, never listed elsewhere.
 register("policy", NAME, SiblingCapped)

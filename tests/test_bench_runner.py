@@ -37,7 +37,7 @@ VOCAB, EOS = 128, 0
 METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree")
 EXPANDED = ("ar", "dflash", "domino", "ddtree@4", "caddtree@4", "dominotree@4")
 TEMPERATURES = (0.0, 1.0)
-TIMES = ("decode_time", "prefill_time", "stage_times", "run", "cost_models", "cost_rounds")  # what depends on the run and the machine
+TIMES = ("decode_time", "prefill_time", "stage_times", "run", "cost_models", "cost_rounds", "load")  # what depends on the run and the machine
 
 
 class CharTokenizer:

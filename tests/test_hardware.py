@@ -10,6 +10,7 @@ import torch
 from test_target import tiny_model
 
 from treespec.pricing import hardware
+from treespec.pricing.conditions import Load
 from treespec.pricing.profile import CostProfile, machine_profile
 from treespec.target import TargetModel
 
@@ -17,8 +18,9 @@ from treespec.target import TargetModel
 def fake_speed(bf16_1: float, bf16_17: float, fp32_1: float = 1.0, fp32_17: float = 2.0):
     calls = []
 
-    def benchmark(shapes):
-        calls.append(shapes)
+    def benchmark(shapes, rows=(1, 17), repeats=5):
+        if rows == (1, 17):  # a full measurement (a re-check of a cached choice asks for 17 rows alone)
+            calls.append(shapes)
         return {"bfloat16": {1: bf16_1, 17: bf16_17}, "float32": {1: fp32_1, 17: fp32_17}}
 
     return benchmark, calls
@@ -92,7 +94,7 @@ def test_a_cached_choice_with_missing_fields_is_measured_again(tmp_path, capsys)
     del record["dtype"]
     path.write_text(json.dumps(record))
     hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
-    assert len(calls) == 2 and "fields missing" in capsys.readouterr().err
+    assert len(calls) == 2 and "dtype None is not one the probe chooses" in capsys.readouterr().err
 
 
 def test_a_real_micro_benchmark_measures_both_dtypes_quickly():
@@ -166,3 +168,59 @@ def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_pat
     assert again.calibration(Named("w2")).identity  # the same drafter trained further starts uncalibrated
     record = again.to_record() | {"calibrations": {"a-drafter@w1": 0.9}}  # a profile written before the power
     assert type(again).from_record(record).calibration(Named()) == Calibration(0.9, 1.0)
+
+
+class Meter:
+    """A `LoadMeter` stand-in that reports a fixed load of other processes."""
+
+    def __init__(self, others: float, spare: float = 0.0) -> None:
+        self.load = Load(others, 0.0, 1.0, spare)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> Load:
+        return self.load
+
+
+@pytest.mark.parametrize("record, rule", [
+    ({"dtype": "float64"}, "dtype 'float64' is not one the probe chooses (bfloat16 or float32)"),
+    ({"seconds": {"bfloat16": {"1": -5.0, "17": 1.0}, "float32": {"1": 1.0, "17": 2.0}}},
+     "seconds must be finite and positive"),
+    ({"seconds": {"bfloat16": {"1": float("nan"), "17": 1.0}, "float32": {"1": 1.0, "17": 2.0}}},
+     "seconds must be finite and positive"),
+    ({"seconds": {"bfloat16": {"1": 0.5, "17": 1.0}, "float32": {"1": 1.0, "17": 2.0}}}, "choose the other dtype"),
+])
+def test_a_cached_choice_that_fails_its_checks_is_set_aside_naming_the_file_and_the_rule(tmp_path, capsys, record,
+                                                                                          rule):
+    config = tiny_model(dtype=torch.float32).config
+    bench, calls = fake_speed(0.5, 28.0)
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    (path,) = tmp_path.glob("dtype-*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), **record}))
+    capsys.readouterr()
+    assert hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench).dtype == torch.float32
+    err = capsys.readouterr().err
+    assert f"setting aside the cached measurement {path}" in err and rule in err and len(calls) == 2
+    assert (tmp_path / (path.name + ".rejected")).is_file()  # kept for a look, never used
+    assert json.loads(path.read_text())["dtype"] == "float32"  # measured again
+
+
+def test_a_choice_measured_while_another_process_took_the_cores_is_not_cached(tmp_path):
+    config = tiny_model(dtype=torch.float32).config
+    bench, calls = fake_speed(0.5, 28.0)
+    busy = hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench, meter=lambda: Meter(1.0))
+    assert "not cached: other processes used 1.00 cores" in busy.reason and not list(tmp_path.glob("dtype-*.json"))
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench, meter=lambda: Meter(1.0, spare=1.0))
+    assert len(calls) == 2 and len(list(tmp_path.glob("dtype-*.json"))) == 1  # a load on a spare core: cached
+
+
+def test_a_cached_choice_the_re_check_contradicts_is_measured_again(tmp_path, capsys):
+    config = tiny_model(dtype=torch.float32).config
+    slow, calls = fake_speed(0.5, 28.0)
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=slow)
+    fast, fast_calls = fake_speed(0.5, 1.0)  # bf16 now 2x faster at 17 rows: float32 no longer holds
+    assert hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=fast).dtype == torch.bfloat16
+    assert "no longer holds" in capsys.readouterr().err and len(fast_calls) == 1
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=fast)
+    assert len(fast_calls) == 1  # the re-check agrees with the new cache

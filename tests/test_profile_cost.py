@@ -66,19 +66,23 @@ def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(t
     target = TargetModel(Qwen3ForCausalLM(cfg))
     profile = machine_profile(target, repeats=1)
     measured = profile.cost_model()
-    live = LiveCost(measured)
-    for _ in range(24):
-        live.observe(17, 100, 3 * float(measured.verify_cost(torch.tensor([17.0]), 100)[0]))
-    assert persist_live(target, profile, [(measured, None)]) is None  # nothing live: nothing written
-    saved = persist_live(target, profile, [(live, None)])
+    live, lopsided = LiveCost(measured), LiveCost(measured)
+    for _ in range(24):  # a machine 2x slower at every size; and one whose trees alone cost 3x
+        for n in (1, 17):
+            live.observe(n, 100, 2 * float(measured.verify_cost(torch.tensor([float(n)]), 100)[0]))
+        lopsided.observe(17, 100, 3 * float(measured.verify_cost(torch.tensor([17.0]), 100)[0]))
+    assert persist_live(target, profile, [(measured, None)]) == (None, "no live cost model observed a round")
+    kept, why = persist_live(target, profile, [(lopsided, None)])  # trees at 3x the AR step's price: refused
+    assert kept is None and "implausible" in why and "AR steps where the profile measured" in why
+    saved, why = persist_live(target, profile, [(live, None)])
     again = machine_profile(target, repeats=1)  # read from the cache, not measured
-    assert again == saved and again.live_rounds == 24
+    assert why == "" and again == saved and again.live_rounds == 48
     for n in (2, 17, 33):
         assert float(again.cost_model().verify_cost(torch.tensor([float(n)]), 128)[0]) == pytest.approx(
-            3 * float(measured.verify_cost(torch.tensor([float(n)]), 128)[0]), rel=1e-6)
+            2 * float(measured.verify_cost(torch.tensor([float(n)]), 128)[0]), rel=1e-6)
     assert again.cost_model(live=False) == measured
     text = describe_profile(again, [], [])
-    assert "live correction: 24 decoding rounds" in text and "(24 rounds)" in text and "live-corrected" in text
+    assert "live correction: 48 decoding rounds" in text and "(24 rounds)" in text and "live-corrected" in text
     assert "none yet" in describe_profile(profile, [], [])
     calibrated = attrs.evolve(again, calibrations={"some drafter": Calibration(0.8, 1.1)})
     save_profile(target, calibrated)

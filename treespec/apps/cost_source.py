@@ -12,7 +12,8 @@ policy gets: each call gives a new `LiveCost` and `LiveCalibration`, so policies
 `method_policy` builds a method's policy and prices it when its policy declares ``uses_cost_model``
 (the one place an app does both).  `persist_live` writes what the live cost models learned back
 into this machine's profile cache (`CostProfile.with_live`, under the profile's own key), so the
-next run starts from the corrected curve; a live calibration is not written back (it learns from
+next run starts from the corrected curve, unless the curve is implausible against the measured
+profile or the caller's run was disturbed by another process (the caller does not ask then); a live calibration is not written back (it learns from
 the prompts of one run, and re-learns in a few hundred nodes; the profile keeps the calibration
 fitted on its own prompts).  Fixed-size policies are never priced (they do not declare
 ``uses_cost_model``).
@@ -83,21 +84,28 @@ def method_policy(method: MethodSpec, drafter: Drafter | None, costs: CostSource
 
 
 def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | None]], *, sizes=None,
-                 contexts=None) -> object | None:
+                 contexts=None) -> tuple[object | None, str]:
     """Write what the live models among ``priced`` ((cost model, drafter) per priced policy) learned into
-    the machine's profile cache; returns the updated profile (None when no live model observed a round).
-    The verify curve is the one of the live model that observed the most tree rounds; each drafter's
-    draft + build cost is its own policy's."""
-    from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, save_profile
+    the machine's profile cache; returns (the updated profile, "") or (None, why nothing was written):
+    no live model observed a round, the profile itself was measured under another process's load, or
+    the learned curve breaks the plausibility rules against the measured profile
+    (`treespec.pricing.profile.implausible_live`).  The verify curve is the one of the live model that
+    observed the most tree rounds; each drafter's draft + build cost is its own policy's."""
+    from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, implausible_live, save_profile
 
     lives = [(c, d) for c, d in priced if isinstance(c, LiveCost) and c.observations]
     if not lives:
-        return None
+        return None, "no live cost model observed a round"
+    if profile.disturbed:
+        return None, f"the profile it corrects was measured while {profile.disturbed}"
     trees = lambda live: sum(n for k, n in live.support().items() if k > 1)  # noqa: E731
     best = max(lives, key=lambda item: (trees(item[0]), len(item[0].observations)))[0]
     updated = profile.with_live(best)
     for live, drafter in lives:
         if drafter is not None:
             updated = updated.with_live_draft(live, drafter)
+    broken = implausible_live(updated)
+    if broken is not None:
+        return None, f"the learned curve is implausible: {broken}"
     save_profile(target, updated, sizes=sizes or PROFILE_SIZES, contexts=contexts or PROFILE_CONTEXTS)
-    return updated
+    return updated, ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -36,13 +37,16 @@ from treespec.target import DTYPE_NAMES, stored_dtype
 
 __all__ = [
     "CACHE_ENV", "DtypeChoice", "cache_root", "choose_dtype", "digest", "linear_shapes", "machine_identity",
-    "machine_file", "measure_linear_speed", "read_cached", "resolve_dtype", "write_cached",
+    "machine_file", "measure_linear_speed", "read_cached", "recheck_dtype", "resolve_dtype", "set_aside",
+    "write_cached", "check_dtype_record",
 ]
 
 CACHE_ENV = "TREESPEC_CACHE"
 _ROWS = (1, 17)  # an AR step and a budget-16 tree verify
 _STREAM_ELEMENTS = 24 * 2**20  # weights streamed per benchmark pass: 96 MB in fp32, beyond a CPU cache
 _PRINTED: set[str] = set()  # choices already reported in this process
+CHOICES = ("bfloat16", "float32")  # the dtypes the probe chooses between
+RECHECK_MARGIN = 1.3  # a cached dtype more than this much slower at 17 rows on a re-check is measured again
 
 
 def cache_root() -> Path:
@@ -121,40 +125,41 @@ def linear_shapes(config: Any) -> dict[tuple[int, int], int]:
     return shapes
 
 
-def _median_time(fn: Callable[[], Any], budget: float = 0.05, repeats: int = 5) -> float:
-    """Median seconds of ``fn`` over up to ``repeats`` runs after a warm-up; a single run once a
-    run alone exceeds ``budget`` (slow dtypes are measured once)."""
-    start = time.perf_counter()
-    fn()  # warm-up
-    if time.perf_counter() - start > 4 * budget:
-        return time.perf_counter() - start
-    times: list[float] = []
-    while len(times) < repeats and sum(times) < budget or not times:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def measure_linear_speed(shapes: Mapping[tuple[int, int], int], dtypes=(torch.bfloat16, torch.float32),
-                         rows=_ROWS) -> dict[str, dict[int, float]]:
+                         rows=_ROWS, repeats: int = 5, budget: float = 3.0) -> dict[str, dict[int, float]]:
     """dtype name -> rows -> estimated seconds of the matmuls of one forward over ``shapes``.
 
     A forward streams every weight from memory once, so the benchmark streams copies of the MLP's
     up-projection (the most common large shape) totalling at least `_STREAM_ELEMENTS` weights,
-    more than a CPU cache holds, and scales the time to the target's weight count.
+    more than a CPU cache holds, and scales the time to the target's weight count.  The passes are
+    interleaved (every dtype and row count once per repeat, ``repeats`` times, fewer once ``budget``
+    seconds are spent) and each figure is the median of its passes, so a load that comes and goes
+    falls on both dtypes alike.
     """
     (out_dim, in_dim), _ = max(shapes.items(), key=lambda item: (item[1], item[0][0] * item[0][1]))
     copies = max(1, -(-_STREAM_ELEMENTS // (out_dim * in_dim)))
     scale = sum(o * i * count for (o, i), count in shapes.items()) / (copies * out_dim * in_dim)
-    speed: dict[str, dict[int, float]] = {}
+    passes = {}
     for dtype in dtypes:
         weights = [torch.full((out_dim, in_dim), 0.01, dtype=dtype) for _ in range(copies)]
-        name = str(dtype).removeprefix("torch.")
-        speed[name] = {}
         for n in rows:
             x = torch.full((n, in_dim), 0.01, dtype=dtype)
-            speed[name][n] = scale * _median_time(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+            passes[str(dtype).removeprefix("torch."), n] = lambda x=x, weights=weights: [
+                torch.nn.functional.linear(x, w) for w in weights]
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in passes}
+    for run in passes.values():  # warm-up
+        run()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for key, run in passes.items():
+            begin = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - begin)
+        if time.perf_counter() - start > budget:
+            break
+    speed: dict[str, dict[int, float]] = {}
+    for (name, n), seconds in times.items():
+        speed.setdefault(name, {})[n] = scale * sorted(seconds)[len(seconds) // 2]
     return speed
 
 
@@ -209,25 +214,87 @@ def resolve_dtype(dtype: torch.dtype | str, *, device: str | torch.device = "cpu
 
 
 def cpu_dtype_choice(config: Any, *, cache_dir: Path | None = None,
-                     benchmark: Callable[[Mapping], Mapping] = measure_linear_speed) -> DtypeChoice:
-    """This machine's `DtypeChoice` for a target of ``config`` (cached; measured when missing)."""
+                     benchmark: Callable[[Mapping], Mapping] = measure_linear_speed,
+                     meter: Callable[[], Any] | None = None) -> DtypeChoice:
+    """This machine's `DtypeChoice` for a target of ``config``: the cached one when it passes its checks
+    (`check_dtype_record`) and a cheap re-check (`recheck_dtype`), else measured, and cached unless
+    another process disturbed the measurement (``meter``: a `treespec.pricing.conditions.LoadMeter`
+    factory, by default over torch's current threads)."""
     shapes = linear_shapes(config)
     key = {"machine": machine_identity(), "shapes": sorted([list(s), c] for s, c in shapes.items())}
     path = machine_file("dtype", key, cache_dir)
-    cached = read_cached(path, key)
-    choice = None
-    if cached is not None:
-        try:
-            choice = DtypeChoice(DTYPE_NAMES[cached["dtype"]], str(cached["reason"]))
-        except (KeyError, TypeError):
-            print(f"treespec: ignoring the cached measurement {path} (fields missing); measuring again",
-                  file=sys.stderr)
+    choice = _cached_choice(path, key, shapes, benchmark)
     if choice is None:
+        load_meter = (meter or _default_meter)()
+        load_meter.start()
         speed = benchmark(shapes)
+        load = load_meter.stop()
         choice = choose_dtype(speed)
-        write_cached(path, key, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
-                                 "seconds": {d: {str(n): s for n, s in v.items()} for d, v in speed.items()}})
+        if load.disturbed:
+            choice = attrs.evolve(choice, reason=f"{choice.reason}; not cached: {load.describe()} while it was measured")
+        else:
+            write_cached(path, key, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
+                                     "seconds": {d: {str(n): s for n, s in v.items()} for d, v in speed.items()}})
     if path.name not in _PRINTED:
         _PRINTED.add(path.name)
         print(f"treespec: dtype {choice.describe()}", file=sys.stderr)
     return choice
+
+
+def _default_meter():
+    from treespec.pricing.conditions import LoadMeter
+
+    return LoadMeter(torch.get_num_threads())
+
+
+def check_dtype_record(record: Mapping[str, Any]) -> str | None:
+    """The rule a cached dtype choice breaks, or None: its dtype is one the probe chooses among, its
+    seconds are finite and positive for both dtypes at 1 and 17 rows, and they choose that dtype."""
+    dtype = record.get("dtype")
+    if dtype not in CHOICES:
+        return f"dtype {dtype!r} is not one the probe chooses ({' or '.join(CHOICES)})"
+    try:
+        speed = {d: {int(n): float(s) for n, s in record["seconds"][d].items()} for d in CHOICES}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "its seconds are missing or malformed"
+    if any(set(v) != set(_ROWS) or not all(math.isfinite(s) and s > 0 for s in v.values()) for v in speed.values()):
+        return f"its seconds must be finite and positive at {' and '.join(map(str, _ROWS))} rows"
+    if str(choose_dtype(speed).dtype).removeprefix("torch.") != dtype:
+        return "its seconds choose the other dtype"
+    return None
+
+
+def recheck_dtype(choice: DtypeChoice, shapes, benchmark: Callable[..., Mapping] = measure_linear_speed) -> bool:
+    """A cheap second look at a cached choice: one interleaved pass of each dtype at 17 rows twice
+    (a few hundredths of a second); False when the chosen dtype is now slower than the other by
+    more than `RECHECK_MARGIN` (the cache was made under other conditions: measure again)."""
+    speed = benchmark(shapes, rows=(max(_ROWS),), repeats=2)
+    chosen = str(choice.dtype).removeprefix("torch.")
+    other = next(d for d in CHOICES if d != chosen)
+    return speed[chosen][max(_ROWS)] <= RECHECK_MARGIN * speed[other][max(_ROWS)]
+
+
+def _cached_choice(path: Path, key: Mapping, shapes, benchmark) -> DtypeChoice | None:
+    """The cached choice at ``path``, or None (with one line naming the file and the rule) to measure again."""
+    record = read_cached(path, key)
+    if record is None:
+        return None
+    broken = check_dtype_record(record)
+    if broken is not None:
+        set_aside(path, broken)
+        return None
+    choice = DtypeChoice(DTYPE_NAMES[record["dtype"]], str(record.get("reason", "")))
+    if not recheck_dtype(choice, shapes, benchmark):
+        print(f"treespec: the cached dtype choice {path} no longer holds ({choice.describe()}; a re-check found "
+              f"it more than {RECHECK_MARGIN:g}x slower); measuring again", file=sys.stderr)
+        return None
+    return choice
+
+
+def set_aside(path: Path, rule: str) -> None:
+    """Move a cached file that fails its checks to ``NAME.rejected`` (kept for a look), saying why."""
+    print(f"treespec: setting aside the cached measurement {path}: {rule}; measuring again", file=sys.stderr)
+    try:
+        path.replace(path.with_name(path.name + ".rejected"))
+    except OSError:
+        pass

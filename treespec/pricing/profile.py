@@ -26,6 +26,7 @@ the demo prints.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -35,18 +36,22 @@ from pathlib import Path
 import attrs
 import torch
 
+from treespec.interfaces import DraftContext, Drafter
 from treespec.pricing.calibration import Calibration, to_calibration
 from treespec.pricing.cost import ConvexCost, fit_verify_curve
-from treespec.pricing.hardware import digest, machine_file, machine_identity, read_cached, write_cached
-from treespec.interfaces import DraftContext, Drafter
+from treespec.pricing.hardware import digest, machine_file, machine_identity, read_cached, set_aside, write_cached
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
 
-__all__ = ["PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile", "calibration_key", "machine_profile", "refresh_profile",
-           "save_profile", "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
+__all__ = ["LIVE_BOUND", "LIVE_DRAFT_BOUND", "LIVE_SHAPE_BOUND", "PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile",
+           "calibration_key", "check_profile", "implausible_live", "machine_profile", "refresh_profile", "save_profile",
+           "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
 
 PROFILE_SIZES = (*range(1, 18), 24, 33)  # tree tokens n (root included) of the verify samples
 PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
+LIVE_BOUND = 3.0  # a live-corrected verify time lies within this factor of the measured one, either way
+LIVE_SHAPE_BOUND = 1.5  # ... and its price in AR steps within this factor of the measured price, either way
+LIVE_DRAFT_BOUND = 8.0  # a live draft + build time is at most this many times the measured draft
 _FORMAT = 1  # version of the cached JSON
 
 
@@ -124,6 +129,7 @@ class CostProfile:
     # the live-corrected curve decoding runs left (`with_live`): (n, context, seconds, rounds it rests on)
     live_verify: tuple[tuple[int, int, float, int], ...] = ()
     live_drafts: Mapping[str, tuple[float, int]] = attrs.field(factory=dict)  # identity -> (draft + build s, rounds)
+    disturbed: str = ""  # measured while another process took its cores (what it took): not cached
 
     def calibration(self, drafter: Drafter | str | None) -> Calibration:
         """The drafter's fitted calibration (`treespec.pricing.calibration`), the identity (its probabilities
@@ -201,14 +207,73 @@ class CostProfile:
 
     @classmethod
     def from_record(cls, record: Mapping) -> CostProfile:
+        """The profile a record holds; a ValueError naming the rule its values break (`check_profile`)."""
         if record.get("format") != _FORMAT:
             raise ValueError(f"profile format {record.get('format')!r}, expected {_FORMAT}")
         verify = tuple((int(n), int(c), float(s)) for n, c, s in record["verify"])
         calibrations = {str(k): Calibration.from_record(v) for k, v in dict(record.get("calibrations", {})).items()}
         live = tuple((int(n), int(c), float(s), int(r)) for n, c, s, r in record.get("live_verify", []))
         live_drafts = {str(k): (float(s), int(r)) for k, (s, r) in dict(record.get("live_drafts", {})).items()}
-        return cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations, live,
-                   live_drafts)
+        profile = cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations, live,
+                      live_drafts)
+        broken = check_profile(profile)
+        if broken is not None:
+            raise ValueError(broken)
+        return profile
+
+
+def _seconds_ok(values) -> bool:
+    return all(math.isfinite(s) and s > 0 for s in values)
+
+
+def check_profile(profile: CostProfile) -> str | None:
+    """The rule a profile's measured values break, or None: at least one verify sample, every tree
+    size >= 1 and context >= 0, every time (verify, draft, live) finite and positive."""
+    if not profile.verify:
+        return "it holds no verify samples"
+    if any(n < 1 or c < 0 for n, c, _ in profile.verify):
+        return "a verify sample's tree size is below 1 or its context below 0"
+    if not _seconds_ok(s for _, _, s in profile.verify):
+        return "verify seconds must be finite and positive"
+    if not _seconds_ok(profile.drafts.values()):
+        return "draft seconds must be finite and positive"
+    if not _seconds_ok([s for _, _, s, _ in profile.live_verify] + [s for s, _ in profile.live_drafts.values()]):
+        return "live-corrected seconds must be finite and positive"
+    return None
+
+
+def implausible_live(profile: CostProfile) -> str | None:
+    """The rule a profile's live correction breaks against the profile measured quietly, or None.
+
+    A live curve corrects each size of the measured one by what decoding rounds cost, and a CPU's own
+    dips (a 5-token verify cheaper than a 2-token one) are measured and stay; what a busy machine
+    teaches is not that.  So, per context: each size's live time lies within `LIVE_BOUND` times the
+    measured one either way, and its price in AR steps (C_v(n) / C_v(1)) within `LIVE_SHAPE_BOUND`
+    times the measured price either way (a 17-token verify learned at a quarter of a one-token step,
+    where the profile measured 1.6, is an artifact of a load on the one-token steps); each drafter's
+    live draft + build time lies within [1/2, `LIVE_DRAFT_BOUND`] times its measured draft (the live
+    figure adds the build)."""
+    measured = {(n, c): s for n, c, s in profile.verify}
+    live = {(n, c): s for n, c, s, _ in profile.live_verify}
+    for (n, c), s in sorted(live.items()):
+        base = measured.get((n, c))
+        if base is None:
+            return f"its live curve has a size (n = {n}, context {c}) the profile did not measure"
+        if not 1 / LIVE_BOUND <= s / base <= LIVE_BOUND:
+            return (f"its live {n}-token verify at context {c} is {s / base:.2f}x the measured one "
+                    f"(bound: {LIVE_BOUND:g}x either way)")
+        one, one_base = live.get((1, c)), measured.get((1, c))
+        if n > 1 and one and one_base:
+            shape = (s / one) / (base / one_base)
+            if not 1 / LIVE_SHAPE_BOUND <= shape <= LIVE_SHAPE_BOUND:
+                return (f"its live {n}-token verify at context {c} costs {s / one:.2f} AR steps where the profile "
+                        f"measured {base / one_base:.2f} (bound: {LIVE_SHAPE_BOUND:g}x either way)")
+    for ident, (seconds, _) in profile.live_drafts.items():
+        base = profile.drafts.get(ident)
+        if base is not None and not 0.5 <= seconds / base <= LIVE_DRAFT_BOUND:
+            return (f"its live draft + build is {seconds / base:.2f}x the measured draft "
+                    f"(bound: 1/2 to {LIVE_DRAFT_BOUND:g}x)")
+    return None
 
 
 def calibration_key(drafter: Drafter) -> str:
@@ -224,6 +289,8 @@ def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     correction made over them go; the drafters' calibrations (keyed by their weights) stay."""
     fresh = machine_profile(target, drafters, sizes=sizes, contexts=contexts, repeats=repeats, cache=False,
                             cache_dir=cache_dir, progress=progress)
+    if fresh.disturbed:
+        return fresh  # used, never cached (machine_profile said so)
     path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
     previous = _cached_profile(path, key)
     if previous is not None:
@@ -253,20 +320,33 @@ def _profile_file(target: TargetModel, sizes: Sequence[int], contexts: Sequence[
 
 
 def _cached_profile(path: Path, key: dict) -> CostProfile | None:
+    """The cached profile, None when it fails its checks (set aside, naming the file and the rule);
+    a live correction that breaks `implausible_live` is dropped (said, and the file rewritten without it)."""
     record = read_cached(path, key)
     if record is None:
         return None
     try:
-        return CostProfile.from_record(record)
+        profile = CostProfile.from_record(record)
     except (KeyError, TypeError, ValueError) as exc:
-        print(f"treespec: ignoring the cached cost profile {path} ({exc}); measuring again", file=sys.stderr)
+        set_aside(path, str(exc) or type(exc).__name__)
         return None
+    broken = implausible_live(profile)
+    if broken is not None:
+        print(f"treespec: dropping the live correction of the cached cost profile {path}: {broken}; pricing "
+              "with the profile as measured", file=sys.stderr)
+        profile = attrs.evolve(profile, live_verify=(), live_drafts={})
+        write_cached(path, key, profile.to_record())
+    return profile
 
 
 def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
                     contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 9, cache: bool = True,
-                    cache_dir: Path | None = None, progress: bool = False) -> CostProfile:
-    """This machine's `CostProfile` of ``target`` and ``drafters`` (cached; see the module docstring)."""
+                    cache_dir: Path | None = None, progress: bool = False,
+                    meter: Callable[[], object] | None = None) -> CostProfile:
+    """This machine's `CostProfile` of ``target`` and ``drafters`` (cached; see the module docstring).
+    A profile measured while another process took the cores it ran on (``meter``: a
+    `treespec.pricing.conditions.LoadMeter` factory, by default over torch's threads) is used but not
+    cached, and says so (``disturbed``)."""
     if any(n < 1 for n in sizes) or not sizes or not contexts or repeats < 1:
         raise ValueError("a profile needs sizes >= 1, at least one context and repeats >= 1")
     path, key, contexts = _profile_file(target, sizes, contexts, cache_dir)
@@ -277,6 +357,8 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
         return profile
     work = (len(contexts) if profile is None else 0) + len(missing)
     bar = _bar(work, progress)
+    load_meter = (meter or _default_meter)()
+    load_meter.start()
     if profile is None:
         verify = []
         for c in contexts:
@@ -290,10 +372,20 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
         bar.update(1)
     bar.close()
     target.reset()
-    profile = attrs.evolve(profile, drafts=drafts)
-    if cache:
+    load = load_meter.stop()
+    profile = attrs.evolve(profile, drafts=drafts, disturbed=load.describe() if load.disturbed else "")
+    if load.disturbed:
+        print(f"treespec: the cost profile was measured while {load.describe()}: used for this run, not "
+              "cached", file=sys.stderr)
+    elif cache:
         write_cached(path, key, profile.to_record())
     return profile
+
+
+def _default_meter():
+    from treespec.pricing.conditions import LoadMeter
+
+    return LoadMeter(torch.get_num_threads())
 
 
 def _bar(total: int, enabled: bool):

@@ -7,12 +7,28 @@ method shares), `measure` (every method on one prompt turn), `batched` (S turns 
 derived files) and `plots`.  The names below are the public face.
 """
 
-from treespec.apps.bench.config import BENCH_PRESETS, METHODS, BenchConfig, Shard, bench_prompts, expand_methods, pair_seed
+from treespec.apps.bench.config import (
+                                        BENCH_PRESETS,
+                                        METHODS,
+                                        BenchConfig,
+                                        Shard,
+                                        bench_prompts,
+                                        expand_methods,
+                                        pair_seed,
+)
 from treespec.apps.bench.harness import Chat, Harness, load_harness
 from treespec.apps.bench.lossless import GAP_TOLERANCE, Divergence, decision_gap, first_difference, read_divergences
 from treespec.apps.bench.merge import merge_shards
-from treespec.apps.bench.outdir import (DIVERGENCES, RECORDS, SETTINGS, prepare_out, run_settings, shard_paths,
-                                        weights_identity, write_settings)
+from treespec.apps.bench.outdir import (
+                                        DIVERGENCES,
+                                        RECORDS,
+                                        SETTINGS,
+                                        prepare_out,
+                                        run_settings,
+                                        shard_paths,
+                                        weights_identity,
+                                        write_settings,
+)
 from treespec.apps.bench.records import BenchRecord, read_records
 from treespec.apps.bench.report import Report, write_report
 from treespec.apps.bench.runner import resume_shard, run_shard

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from treespec.apps.bench.measure import Runner, Turn, method_fields
+from treespec.apps.bench.measure import Runner, Turn, method_fields, rotated
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
@@ -73,15 +73,27 @@ class BatchRunner(Runner):
         return [out[i] if i in alive else [] for i in range(len(prompts))]
 
     def measure_batch(self, turns: Sequence[Turn]) -> dict[str, list[BenchRecord]]:
-        """Every method on one batch of turns, AR first; method name -> one record per turn."""
-        return {m.name: self._batch_records(m, turns) for m in self.methods}
+        """Every method on one batch of turns, in an order rotated from batch to batch; method name ->
+        one record per turn (the methods' order); a disturbed batch is measured again once, as unbatched."""
+        records = self._batch_once(turns)
+        if any(r.disturbed for rows in records.values() for r in rows):
+            self.harness.disturbed += 1
+            if self.harness.threads.adapt():
+                records = self._batch_once(turns)
+        return {m.name: records[m.name] for m in self.methods}
+
+    def _batch_once(self, turns: Sequence[Turn]) -> dict[str, list[BenchRecord]]:
+        return {m.name: self._batch_records(m, turns) for m in rotated(self.methods, turns[0].seed)}
 
     def _batch_records(self, method: MethodSpec, turns: Sequence[Turn]) -> list[BenchRecord]:
         temperature = turns[0].temperature
+        meter = self.harness.threads.meter()
+        meter.start()
         results = self.decoders[method.name].generate(
             [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,
             stop_token_ids=self.stops, generators=[torch.Generator().manual_seed(t.seed) for t in turns],
             backend=self.config.backend, first_token=self.config.first_token)
+        load = meter.stop().to_record()
         decode = max(r.stats.decode_time for r in results)  # the batch's wall time, first round to last
         longest = max(results, key=lambda r: len(r.stats.rounds)).stats.stage_totals()  # the batch's stage times
         total = max(1, sum(r.tokens.numel() for r in results))
@@ -92,5 +104,6 @@ class BatchRunner(Runner):
                 **method_fields(method), temperature=temperature, dataset=turn.prompt.dataset,
                 prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed, tokens=result.tokens.tolist(),
                 taus=result.stats.taus, decode_time=decode * share, prefill_time=result.stats.prefill_time * share,
-                stage_times={k: v * share for k, v in longest.items()}, batch_size=len(turns), run=self.run_id))
+                stage_times={k: v * share for k, v in longest.items()}, batch_size=len(turns), run=self.run_id,
+                threads=meter.threads, load=load))
         return records

@@ -25,6 +25,7 @@ from treespec.apps.methods import MethodSpec
 from treespec.batch_decoding import BatchDecoder
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter, TreePolicy
+from treespec.pricing.conditions import ThreadChoice, ThreadControl
 from treespec.pricing.cost import CostModel
 from treespec.pricing.profile import CostProfile, machine_profile
 from treespec.target import TargetModel
@@ -64,6 +65,10 @@ class Harness:
     profile: CostProfile | None = None  # this machine's, measured (or read from the cache) on first need
     progress: bool = False  # progress bar while the profile is measured
     priced: list[tuple[CostModel, Drafter]] = attrs.field(factory=list)  # every policy priced, with its drafter
+    threads: ThreadControl = attrs.field(factory=lambda: ThreadControl(
+        ThreadChoice(torch.get_num_threads(), "torch's count"), fixed=True))  # chosen by the CLI from free cores
+    disturbed: int = 0  # measurements another process disturbed in this run (a run with any saves no costs)
+    not_saved: str = ""  # why persist_live wrote nothing (empty: it wrote, or was not asked)
 
     def decoders(self, methods: Sequence[MethodSpec]) -> dict[str, SpeculativeDecoder]:
         """One decoder per method over the shared target (AR: no drafter, no policy)."""
@@ -82,10 +87,15 @@ class Harness:
         return self.profile
 
     def persist_live(self) -> CostProfile | None:
-        """Write what the live cost models learned into this machine's profile cache (end of a run)."""
+        """Write what the live cost models learned into this machine's profile cache (end of a run);
+        nothing from a run another process disturbed (its rounds priced the load, not the machine) or
+        a curve that breaks the plausibility rules; ``not_saved`` then says why."""
         if not self.costs.uses_profile or self.profile is None:
             return None
-        updated = persist_live(self.target, self.profile, self.priced)
+        if self.disturbed:
+            self.not_saved = f"{self.disturbed} measurement(s) of this run were disturbed by another process"
+            return None
+        updated, self.not_saved = persist_live(self.target, self.profile, self.priced)
         self.profile = updated or self.profile
         return updated
 

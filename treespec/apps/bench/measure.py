@@ -3,8 +3,11 @@
 Contract
 --------
 `Runner(config, harness, methods)` holds one decoder per method.  ``conversation(prompt, T)``
-measures every turn of one conversation, AR first; turn t + 1 is asked after AR's answer to turn t,
-so it is the same prompt for every method.  Each method's generator is seeded with the turn's
+measures every turn of one conversation, the methods in an order rotated from turn to turn (so a
+load that comes and goes hits every method alike), each record holding the threads it ran with and
+what other processes took meanwhile; a turn another process disturbed is measured again once, after
+the threads are chosen again from the cores free now.  Turn t + 1 is asked after AR's answer to
+turn t, so it is the same prompt for every method.  Each method's generator is seeded with the turn's
 ``pair_seed``; every decoder's draft gate is reset at a conversation's start, so records do not
 depend on the shard layout, resumption or prompt order.  A turn that would overflow the context
 window ends its conversation (``skipped`` names it).  bench/batched.py measures S turns at a time.
@@ -29,7 +32,7 @@ from treespec.apps.methods import MethodSpec
 from treespec.decoding import SpeculativeDecoder
 from treespec.target import ContextOverflowError
 
-__all__ = ["Runner", "Turn", "method_fields"]
+__all__ = ["Runner", "Turn", "method_fields", "rotated"]
 
 
 def method_fields(method: MethodSpec) -> dict:
@@ -37,6 +40,13 @@ def method_fields(method: MethodSpec) -> dict:
     return {"method": method.name, "policy": method.policy or AR, "budget": method.budget or 0,
             "options": dict(method.options), "verifier": method.verifier, "drafter": method.drafter}
 
+
+
+def rotated(methods: list[MethodSpec], seed: int) -> list[MethodSpec]:
+    """``methods`` rotated by a turn's ``seed`` (its pair seed, so a resumed or sharded run rotates each
+    turn alike): over many turns every method runs at every place of the order equally often."""
+    start = seed % len(methods)
+    return methods[start:] + methods[:start]
 
 
 @attrs.frozen
@@ -80,18 +90,32 @@ class Runner:
             self.generate(m.name, ids, self.config.warmup_tokens, 0.0, 0)
 
     def measure(self, turn: Turn) -> dict[str, BenchRecord]:
-        """Every method on one turn, AR first; method name -> record."""
-        return {m.name: self._record(m, turn) for m in self.methods}
+        """Every method on one turn; method name -> record, in the methods' order.  The methods run in
+        an order rotated from turn to turn (`rotated`), so a load that comes and goes falls on every
+        place of the order alike; a turn another process disturbed is measured once more, after the
+        threads are chosen again from the cores free now (`ThreadControl.adapt`)."""
+        records = self._measure_once(turn)
+        if any(r.disturbed for r in records.values()):
+            self.harness.disturbed += 1
+            if self.harness.threads.adapt():
+                records = self._measure_once(turn)
+        return {m.name: records[m.name] for m in self.methods}
+
+    def _measure_once(self, turn: Turn) -> dict[str, BenchRecord]:
+        return {m.name: self._record(m, turn) for m in rotated(self.methods, turn.seed)}
 
     def _record(self, method: MethodSpec, turn: Turn) -> BenchRecord:
+        meter = self.harness.threads.meter()
+        meter.start()
         out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
+        load = meter.stop()
         s = out.stats
         models, rounds = cost_schedule(s.rounds) if method.priced else ([], [])
         return BenchRecord(
             **method_fields(method), temperature=turn.temperature, dataset=turn.prompt.dataset,
             prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus,
             decode_time=s.decode_time, prefill_time=s.prefill_time, stage_times=s.stage_totals(), run=self.run_id,
-            cost_models=models, cost_rounds=rounds)
+            cost_models=models, cost_rounds=rounds, threads=meter.threads, load=load.to_record())
 
     def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:
         ar = records[AR]

@@ -3,7 +3,9 @@
 Contract: records are the single source of truth of a bench run; every table and plot is derived
 from them, byte for byte reproducibly.  A record holds the generated tokens and a hash of them, so
 losslessness (equality with the autoregressive output) is checkable offline; the run that measured
-it (``run``), so a report can say when a cell pools runs measured under different conditions; and,
+it (``run``), so a report can say when a cell pools runs measured under different conditions; the
+threads it ran with and what other processes took meanwhile (``threads``, ``load``), so a turn another
+process disturbed is left out of speedups (`BenchRecord.disturbed`); and,
 for a cost-aware method, the cost curve each round was priced with (``cost_models`` and
 ``cost_rounds``; `priced_rounds` gives one model per round; a round calibrated live stores its
 calibration beside the curve, under ``"calibration"``), so a replay can build its trees again.
@@ -19,6 +21,7 @@ from pathlib import Path
 import attrs
 
 from treespec.apps.methods import method_name
+from treespec.pricing.conditions import Load
 
 __all__ = ["BenchRecord", "cost_schedule", "output_hash", "read_records", "write_records"]
 
@@ -54,6 +57,8 @@ class BenchRecord:
     drafter: str | None = None  # the registered drafter it ran over (None: AR, or a record made before it was kept)
     cost_models: list[dict] = attrs.field(factory=list)  # the distinct curves (and live calibrations) it priced with
     cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
+    threads: int = 0  # torch intra-op threads it ran with (0: a record made before they were kept)
+    load: dict = attrs.field(factory=dict)  # what other processes took meanwhile (`Load.to_record`; empty: unknown)
 
     def __attrs_post_init__(self) -> None:
         if not self.hash:
@@ -70,6 +75,12 @@ class BenchRecord:
         record's fields): the line of a budget curve, options, drafters and verifiers kept apart."""
         policy = None if self.policy == "ar" else self.policy
         return method_name(policy, self.drafter, None, self.options, self.verifier)
+
+    @property
+    def disturbed(self) -> bool:
+        """Whether other processes competed for its cores while it ran (`treespec.pricing.conditions`):
+        its time does not say what the method costs, and speedups leave its turn out."""
+        return bool(self.load) and Load(**self.load).disturbed
 
     @property
     def new_tokens(self) -> int:

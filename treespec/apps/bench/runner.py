@@ -6,7 +6,8 @@ Contract
 one `Harness` (bench/harness.py), a conversation at a time (bench/measure.py) or, with
 ``batch_size`` S > 1, S conversations at a time (bench/batched.py):
 
-* Methods come from `expand_methods` (bench/config.py); ``ar`` runs first in every cell.
+* Methods come from `expand_methods` (bench/config.py); AR is measured in every cell, the methods of a
+  turn in an order rotated from turn to turn (bench/measure.py).
 * Paired: every method sees the same prompt ids and a generator seeded with
   ``pair_seed(seed, dataset, prompt id, turn, temperature)``; with position-keyed sampling the
   outputs at T > 0 are then token-for-token comparable as well.

@@ -10,13 +10,16 @@ turn together, each still paired with its own AR run.
 Speedup of a method in a cell (dataset, temperature) = AR time per token / method time per token,
 both aggregated over the cell's prompts (total decode time / total new tokens), AR measured in the
 same run on the same prompts.  Intervals resample prompts with replacement, keeping each prompt's
-records together (paired).
+records together (paired).  Speeds are computed on the turns no other process disturbed
+(`BenchRecord.disturbed`: their times say what the load cost, not the method); τ and equality with
+AR on every turn.  `disturbed_note` says how many turns were left out.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -25,8 +28,8 @@ import numpy as np
 
 from treespec.apps.bench.records import BenchRecord
 
-__all__ = ["POOLED", "CellSummary", "PairComparison", "bootstrap_interval", "compare_pairs", "markdown_table",
-           "summarize", "time_per_token", "write_csv"]
+__all__ = ["POOLED", "CellSummary", "PairComparison", "bootstrap_interval", "compare_pairs", "disturbed_note",
+           "markdown_table", "summarize", "time_per_token", "undisturbed", "write_csv"]
 
 AR = "ar"
 POOLED = "all"  # the cell of every dataset together
@@ -108,6 +111,22 @@ def _time_per_token(rows: Sequence[BenchRecord], idx) -> float:
     return time_per_token(rows[i] for i in idx)
 
 
+def undisturbed(rows: list[list[BenchRecord]]) -> list[list[BenchRecord]]:
+    """The paired rows none of whose records another process disturbed (`BenchRecord.disturbed`):
+    the rows a speed comparison is made on."""
+    return [row for row in rows if not any(r.disturbed for r in row)]
+
+
+def _speed(num: Sequence[BenchRecord], den: Sequence[BenchRecord], resamples: int, seed: int) -> tuple[float, ...]:
+    """(ratio, lo, hi): time per token of ``num`` over that of ``den``, paired rows resampled together;
+    NaN when no row is left."""
+    n = len(num)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    ratio = lambda idx: _time_per_token(num, idx) / _time_per_token(den, idx)  # noqa: E731
+    return (ratio(np.arange(n)), *bootstrap_interval(ratio, n, resamples, seed))
+
+
 def summarize(records: Iterable[BenchRecord], *, resamples: int = 1000, seed: int = 0) -> list[CellSummary]:
     """One summary per (dataset, temperature, method), sorted; requires AR in every cell."""
     out = []
@@ -116,17 +135,16 @@ def summarize(records: Iterable[BenchRecord], *, resamples: int = 1000, seed: in
             raise ValueError(f"cell {dataset} T={temp} has no '{AR}' records: speedup needs AR measured alongside")
         for method in sorted(methods):
             rows = _paired(methods, [AR, method])
-            ar, me = [r[0] for r in rows], [r[1] for r in rows]
+            me = [r[1] for r in rows]
             taus = np.array([r.mean_tau for r in me])
             n = len(rows)
-            speed = lambda idx: _time_per_token(ar, idx) / _time_per_token(me, idx)  # noqa: E731
-            full = np.arange(n)
+            timed = undisturbed(rows)  # speed: the turns no other process disturbed
+            tpt = time_per_token(r[1] for r in timed)
             out.append(CellSummary(
                 dataset, temp, method, me[0].budget, n, float(taus.mean()),
                 *bootstrap_interval(lambda idx: float(taus[idx].mean()), n, resamples, seed),
-                speed(full), *bootstrap_interval(speed, n, resamples, seed),
-                1.0 / _time_per_token(me, full) if _time_per_token(me, full) else 0.0,
-                sum(a.hash == m.hash for a, m in rows) / n, me[0].family))
+                *_speed([r[0] for r in timed], [r[1] for r in timed], resamples, seed),
+                1.0 / tpt if tpt else 0.0, sum(a.hash == m.hash for a, m in rows) / n, me[0].family))
     return out
 
 
@@ -138,14 +156,12 @@ def compare_pairs(records: Iterable[BenchRecord], *, resamples: int = 1000, seed
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 rows = _paired(methods, [a, b])
-                ra, rb = [r[0] for r in rows], [r[1] for r in rows]
                 diff = np.array([x.mean_tau - y.mean_tau for x, y in rows])
-                ratio = lambda idx: _time_per_token(rb, idx) / _time_per_token(ra, idx)  # noqa: E731
-                n = len(rows)
+                timed = undisturbed(rows)  # speed: the turns no other process disturbed
                 out.append(PairComparison(
                     dataset, temp, a, b, float(diff.mean()),
-                    *bootstrap_interval(lambda idx: float(diff[idx].mean()), n, resamples, seed),
-                    ratio(np.arange(n)), *bootstrap_interval(ratio, n, resamples, seed)))
+                    *bootstrap_interval(lambda idx: float(diff[idx].mean()), len(rows), resamples, seed),
+                    *_speed([r[1] for r in timed], [r[0] for r in timed], resamples, seed)))
     return out
 
 
@@ -178,3 +194,15 @@ def markdown_table(summaries: Sequence[CellSummary]) -> str:
                          f"{s.tau:.2f} [{s.tau_lo:.2f}, {s.tau_hi:.2f}] | {s.tokens_per_second:.1f} | {s.lossless:.0%} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def disturbed_note(records: Iterable[BenchRecord]) -> str:
+    """A note when other processes disturbed some turns: how many, and that speeds leave them out."""
+    turns: dict[tuple, bool] = {}
+    for r in records:
+        turns[r.key] = turns.get(r.key, False) or r.disturbed
+    hit = sum(turns.values())
+    if not hit:
+        return ""
+    return (f"\nNote: {hit} of {len(turns)} prompt turns ran while another process took cores this run was using "
+            f"(records' ``load``); speedups and time ratios leave them out, τ and equality with AR count them.\n")

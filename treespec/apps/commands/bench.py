@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from treespec.apps import bench
-from treespec.apps.commands import DTYPES
+from treespec.apps.commands import DTYPES, add_threads_argument, start_threads
 from treespec.decoding import FIRST_TOKENS
 
 
@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "once and cached, corrected by the round times measured while decoding), profile "
                              "(the profile as measured), or a JSON file / preset:NAME (fixed)")
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    add_threads_argument(models)
     models.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
                         help="a bf16/fp16 target's final norm and LM head: in float32 (default; fewer exact "
                              "logit ties) or in the model's dtype")
@@ -172,8 +173,10 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     costs = CostSource.parse(args.cost_model)
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
+    threads = start_threads(args, ranks=shard.world)
     harness = bench.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
                                   float32_head=args.logits_dtype == "float32")
+    harness.threads = threads
     # the weights and the dtype actually used, so that a resume never mixes records of others
     settings = bench.run_settings(config, methods, {
         "model": bench.weights_identity(model), "drafters": {k: bench.weights_identity(p) for k, p in drafters.items()},
@@ -191,7 +194,8 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     if shard.rank == 0:
         bench.write_settings(args.out, settings)
     bench.run_shard(config, harness, args.out, shard, progress=not args.no_progress)
-    harness.persist_live()  # the next run starts from what this one learned about the machine
+    if harness.persist_live() is None and harness.not_saved:  # else the next run starts from what this one learned
+        print(f"treespec bench: live-corrected costs not saved: {harness.not_saved}", file=sys.stderr)
 
 
 def _run_distributed(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> int:

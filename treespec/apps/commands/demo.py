@@ -30,11 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import time_per_token
-from treespec.apps.commands import CPU_DTYPES, DTYPES
+from treespec.apps.commands import CPU_DTYPES, DTYPES, add_threads_argument, start_threads
 
 if TYPE_CHECKING:
     from treespec.apps.bench.lossless import Divergence
@@ -55,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-model", default="live",
                         help="cost model of the cost-aware methods: live (default: this machine's profile "
                              "corrected while decoding), profile, or a JSON file / preset:NAME")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 on this machine, measured once)")
     parser.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
@@ -64,19 +62,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
                  divergences: Sequence[Divergence] = ()) -> str:
-    """One row per method (in ``order``) over every prompt: mean tau, tokens/s, speedup, equality
-    with AR, and how many of the differing outputs first differ at a near-tie within the tolerance."""
+    """One row per method (in ``order``) over every prompt: mean tau, tokens/s and speedup (over the
+    turns no other process disturbed), equality with AR, and how many of the differing outputs
+    first differ at a near-tie within the tolerance."""
     by_method: dict[str, list[BenchRecord]] = defaultdict(list)
     for r in records:
         by_method[r.method].append(r)
     ties = Counter(d.method for d in divergences if d.gap <= d.tolerance)
     ar = {r.key: r for r in by_method["ar"]}
-    ar_tpt = time_per_token(by_method["ar"])
+    hit = {r.key for r in records if r.disturbed}  # turns left out of the speeds
+    ar_tpt = time_per_token(r for r in by_method["ar"] if r.key not in hit)
     width = max([16] + [len(m) + 2 for m in order if m in by_method])
     lines = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * (width + 43)]
     for method in (m for m in order if m in by_method):
         rows = by_method[method]
-        tpt = time_per_token(rows)
+        tpt = time_per_token(r for r in rows if r.key not in hit)
         taus = [t for r in rows for t in r.taus]
         equal = sum(r.hash == ar[r.key].hash for r in rows)
         lines.append(f"{method:<{width}}{sum(taus) / len(taus):>7.2f}{1 / tpt:>9.1f}{ar_tpt / tpt:>8.2f}x"
@@ -93,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.methods import DEFAULT_DRAFTERS, DEMO_METHODS
 
     start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = start_threads(args, announce=False)  # the header says the choice
     methods = tuple(args.methods.split(",")) if args.methods else DEMO_METHODS
     config = bench.BenchConfig(methods=methods, temperatures=(0.0,), datasets=_DATASETS, prompts=args.prompts,
                                 max_new_tokens=args.max_new_tokens)
@@ -113,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     harness = bench.load_harness(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype],
                                   float32_head=args.logits_dtype == "float32")
     harness.progress = True
+    harness.threads = threads
     harness.costs = CostSource.parse(args.cost_model)
     print(machine_header(harness, args.dtype), flush=True)
     out = args.out or fresh_run_dir(cache_root() / "demo")  # never another run's records: timings of other conditions
@@ -126,11 +126,29 @@ def run(args: argparse.Namespace) -> int:
     records = list(read_records(out / bench.RECORDS))
     print(pooled_table(records, [m.name for m in expanded], bench.read_divergences(out / bench.DIVERGENCES)))
     print("\n" + lossless_verdict(records, report.unacceptable))
+    print(conditions_line(records, harness.disturbed))
     if learned is not None:
         print(f"live-corrected costs (saved for the next run): {verify_line(learned)}")
+    elif harness.not_saved:
+        print(f"live-corrected costs not saved: {harness.not_saved}")
     print(f"records and full report (with confidence intervals): {out}")
     print(f"total time {time.perf_counter() - start:.0f} s")
     return 1 if report.unacceptable else 0
+
+
+def conditions_line(records: Sequence[BenchRecord], remeasured: int) -> str:
+    """What other processes did to the run: its turns, those measured again after a disturbance, and
+    those still disturbed (left out of the speeds)."""
+    turns = {r.key for r in records}
+    hit = {r.key for r in records if r.disturbed}
+    loads = [r.load["others"] for r in records if r.load.get("known")]
+    if not loads:
+        return "conditions: the load of other processes could not be read here (nothing marked disturbed)"
+    if not remeasured and not hit:
+        return (f"conditions: no turn disturbed (other processes used at most {max(loads):.2f} cores while a method "
+                "ran)")
+    return (f"conditions: {remeasured} measurement(s) disturbed by other processes and measured again after "
+            f"choosing threads anew; {len(hit)} of {len(turns)} turns still disturbed, left out of the speedups")
 
 
 def machine_header(harness, dtype_arg: str) -> str:
@@ -144,7 +162,8 @@ def machine_header(harness, dtype_arg: str) -> str:
     else:
         why = f"{dtype} ({'bf16 on CUDA' if harness.target.device.type == 'cuda' else 'as asked'})"
     profile = harness.machine_profile()
-    return (f"machine: {ident['cpu']}, {ident['cores']} cores, {ident['threads']} threads, torch {ident['torch']}\n"
+    return (f"machine: {ident['cpu']}, {ident['cores']} cores, torch {ident['torch']}\n"
+            f"{harness.threads.choice.describe()}\n"
             f"dtype {why}\n" + verify_line(profile, harness.drafters, live=harness.costs.live))
 
 

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import attrs
-import torch
 
+from treespec.apps.commands import add_threads_argument, start_threads
 from treespec.apps.datasets import DatasetError, encode_chat, load_prompts
 from treespec.apps.embedded import EmbeddedError
 from treespec.apps.models import load_frozen_model
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompts and target (and, sampled, the same temperature and seed) instead of "
                              "generating them again")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto (the faster here), bfloat16, float32, ...")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add_threads_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target runs")
 
 
@@ -111,8 +111,7 @@ def _summary(out_dir: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start_threads(args)
     try:
         cfg = _config(args)
         model, tokenizer, identity = load_frozen_model(args.model_dir, args.dtype, args.device)

@@ -15,8 +15,9 @@ import argparse
 import torch
 
 from treespec import registry
-from treespec.apps.methods import parse_method
+from treespec.apps.commands import add_threads_argument, start_threads
 from treespec.apps.cost_source import CostSource, method_policy
+from treespec.apps.methods import parse_method
 from treespec.decoding import SpeculativeDecoder
 from treespec.pricing.profile import machine_profile
 from treespec.target import TargetModel
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=4, help="random prompts")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per response")
     parser.add_argument("--seed", type=int, default=0, help="seeds the target, prompts and drafter corruption")
+    add_threads_argument(parser)
 
 
 def tiny_target(seed: int) -> TargetModel:
@@ -38,6 +40,7 @@ def tiny_target(seed: int) -> TargetModel:
 
 
 def run(args: argparse.Namespace) -> int:
+    start_threads(args)
     target = tiny_target(args.seed)
     oracle = {"dflash": registry.create("drafter", "oracle", config="typical", seed=args.seed),
               "domino": registry.create("drafter", "oracle", config="typical", seed=args.seed, conditional=True)}

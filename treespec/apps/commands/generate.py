@@ -7,7 +7,7 @@ import json
 import sys
 
 from treespec import registry
-from treespec.apps.commands import DTYPES
+from treespec.apps.commands import DTYPES, add_threads_argument, start_threads
 from treespec.interfaces import SamplingParams
 from treespec.tree import check_budget
 
@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="torch", choices=("torch", "networkx"),
                         help="policy backend: torch (fast) or networkx (the readable reference)")
     parser.add_argument("--json", action="store_true", help="print the stats as JSON instead of a summary")
+    add_threads_argument(parser)
 
 
 def typed_settings(args: argparse.Namespace) -> SamplingParams:
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         sampling = typed_settings(args)
+        start_threads(args)
     except ValueError as exc:
         print(f"treespec generate: {exc}", file=sys.stderr)
         return 2

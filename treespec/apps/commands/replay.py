@@ -25,7 +25,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.apps.commands import DTYPES
+from treespec.apps.commands import DTYPES, add_threads_argument, start_threads
 from treespec.tree import check_budget
 
 _KINDS = ("dflash", "domino")
@@ -62,7 +62,7 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-m", type=int, default=None, help="Domino candidates kept per depth (largest top_m)")
     parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                         help="target dtype (auto: the faster of bf16 and fp32 on this CPU, measured once)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_threads_argument(parser)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (and the parts of an interrupted run with other settings)")
 
@@ -110,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
 def _record(args: argparse.Namespace) -> int:
     from treespec.apps.replay import RECORD_PRESETS, record_trace
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start_threads(args)
     overrides = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("max_budget", args.max_budget),
                                    ("min_k", args.min_k), ("top_m", args.top_m)) if v is not None}
     config = attrs.evolve(RECORD_PRESETS[args.preset], **overrides)

@@ -12,9 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from treespec.apps.commands import CPU_DTYPES
+from treespec.apps.commands import CPU_DTYPES, add_threads_argument, start_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=32, help="teacher log-probs kept per position")
     parser.add_argument("--max-seq-len", type=int, default=384, help="sequences are cut at this length")
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto", help="dtype of the target forward")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target runs")
 
 
@@ -35,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.models import load_frozen_model
     from treespec.apps.training.teacher import TeacherCacheError, TeacherSpec, build_teacher_cache, default_cache_layers
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start_threads(args)
     try:
         layers = None if args.layers is None else tuple(int(x) for x in args.layers.split(","))
     except ValueError:

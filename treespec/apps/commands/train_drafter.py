@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.commands import CPU_DTYPES, DTYPES
+from treespec.apps.commands import CPU_DTYPES, DTYPES, add_threads_argument, start_threads
 from treespec.apps.training.teacher import TeacherCache, TeacherCacheError
 from treespec.apps.training.vocabulary import coverage, response_token_counts
 from treespec.training import TrainingRecipe, draft_vocabulary
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None, help="mask token (default: the tokenizer's unk/pad/eos)")
     parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="auto", help="dtype of the frozen target")
     parser.add_argument("--until", type=int, default=None, help="stop at this step (the schedule stays that of the full run)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target and the drafter train")
     parser.add_argument("--export", type=Path, default=None,
                         help="also write the trained drafter here in --export-dtype (the shipped form)")
@@ -191,8 +191,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.models import load_frozen_model
     from treespec.apps.training.trainer import DrafterTrainer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start_threads(args)
     recipe = _recipe(args.recipe)
     cfg = _config(args, recipe)
     if args.init is not None:

@@ -1,0 +1,239 @@
+"""The conditions a measurement runs under: which cores are free, and whether another process took them.
+
+Contract
+--------
+Timings on a small machine are only as good as the cores they ran on: two intra-op threads on two
+cores slow to a third of their speed the moment another process takes one core, while one thread on
+the free core keeps almost all of it.  This module reads the kernel's own accounting (Linux
+``/proc/stat`` per core, ``/proc/self/stat`` for this process) and answers two questions:
+
+* `choose_threads(window)`: how many intra-op threads to run: the cores of this process's affinity
+  mask that were not busy with other work over a short window (``window`` seconds; a core counts
+  as busy when other processes and the hypervisor, "steal", took more than `BUSY_SHARE` of it),
+  at least one.  The answer names its reason, e.g. ``1 of 2 cores (cpu1 97 % busy over 0.3 s)``.
+* `LoadMeter`: over a span of work (a bench turn, a dtype probe, a cost profile), the cores that
+  other processes used, in cores: busy time of the allowed cores not spent by this process, plus
+  time stolen by the hypervisor, per second.  A span is **disturbed** when that exceeds the cores
+  this process leaves free (allowed cores less its threads) by more than `DISTURBED_MARGIN`: another
+  process then competed for the cores this one was using.  A load that sits on a core the thread
+  choice left free does not disturb.
+
+Where the kernel does not offer these files (not Linux), `choose_threads` keeps torch's own count
+and says so, and a `LoadMeter` reads no load (``Load.known`` False): nothing is marked disturbed.
+Every reader takes its clock and file paths as arguments, so tests drive it with fake ones.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+
+__all__ = ["BUSY_SHARE", "DISTURBED_MARGIN", "CpuTimes", "Load", "LoadMeter", "ThreadChoice", "allowed_cores",
+           "busy_shares", "choose_threads", "read_cpu_times"]
+
+BUSY_SHARE = 0.5  # a core whose time went more than half to other work is not free
+DISTURBED_MARGIN = 0.3  # cores of others' load beyond the free ones that mark a span disturbed
+
+
+@attrs.frozen
+class CpuTimes:
+    """One reading of the kernel's accounting, in clock ticks since boot."""
+
+    busy: dict[int, int]  # core -> ticks not idle (user, nice, system, irq, softirq, steal)
+    total: dict[int, int]  # core -> all ticks
+    steal: dict[int, int]  # core -> ticks the hypervisor gave to other guests
+    own: int  # this process's user + system ticks (every thread, every core)
+    clock: float  # seconds on the caller's clock when it was read
+
+
+def read_cpu_times(stat: Path = Path("/proc/stat"), own: Path = Path("/proc/self/stat"),
+                   clock: Callable[[], float] = time.perf_counter) -> CpuTimes | None:
+    """The per-core ticks of ``stat`` and this process's of ``own``; None where they cannot be read."""
+    try:
+        lines = stat.read_text().splitlines()
+        fields = own.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    busy, total, steal = {}, {}, {}
+    for line in lines:
+        name, *values = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        ticks = [int(v) for v in values[:8]] + [0] * (8 - len(values[:8]))  # user nice system idle iowait irq softirq steal
+        core = int(name[3:])
+        total[core] = sum(ticks)
+        busy[core] = total[core] - ticks[3] - ticks[4]
+        steal[core] = ticks[7]
+    own_ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return CpuTimes(busy, total, steal, own_ticks, clock())
+
+
+def busy_shares(before: CpuTimes, after: CpuTimes, cores: Sequence[int]) -> dict[int, float]:
+    """core -> share of its ticks between the readings that were busy (steal included)."""
+    shares = {}
+    for core in cores:
+        spent = after.total.get(core, 0) - before.total.get(core, 0)
+        shares[core] = (after.busy.get(core, 0) - before.busy.get(core, 0)) / spent if spent > 0 else 0.0
+    return shares
+
+
+def allowed_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask; every core where there is none)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+@attrs.frozen
+class ThreadChoice:
+    """How many intra-op threads to run, and why."""
+
+    threads: int
+    reason: str  # one line, for the user
+    measured: bool = True  # False: nothing could be read, torch's own count kept
+
+    def describe(self) -> str:
+        return f"threads {self.threads}: {self.reason}"
+
+
+def choose_threads(window: float = 0.3, *, cores: Sequence[int] | None = None, default: int | None = None,
+                   reader: Callable[[], CpuTimes | None] = read_cpu_times,
+                   sleep: Callable[[float], None] = time.sleep) -> ThreadChoice:
+    """The cores of ``cores`` (this process's) that were free over ``window`` seconds (module docstring);
+    ``default`` (torch's count) where the kernel's accounting cannot be read."""
+    cores = list(cores if cores is not None else allowed_cores())
+    before = reader()
+    sleep(window)
+    after = reader()
+    if before is None or after is None:
+        kept = default or len(cores)
+        return ThreadChoice(kept, "the machine's load cannot be read here; torch's own count", measured=False)
+    shares = busy_shares(before, after, cores)
+    busy = {c: s for c, s in shares.items() if s > BUSY_SHARE}
+    threads = max(1, len(cores) - len(busy))
+    seconds = after.clock - before.clock
+    if not busy:
+        return ThreadChoice(threads, f"all {len(cores)} cores free over {seconds:.1f} s")
+    taken = ", ".join(f"cpu{c} {100 * s:.0f} % busy" for c, s in sorted(busy.items()))
+    return ThreadChoice(threads, f"{threads} of {len(cores)} cores free ({taken} over {seconds:.1f} s)")
+
+
+@attrs.frozen
+class Load:
+    """What other processes took while a span of work ran."""
+
+    others: float  # cores used by other processes and the hypervisor (steal), on average over the span
+    steal: float  # of which stolen by the hypervisor, in cores
+    seconds: float  # the span's length
+    spare: float  # cores the span left free (allowed cores less its threads)
+    known: bool = True  # False: the load could not be read
+
+    @property
+    def disturbed(self) -> bool:
+        """Other work competed for the cores this span was using (module docstring)."""
+        return self.known and self.others > self.spare + DISTURBED_MARGIN
+
+    def describe(self) -> str:
+        if not self.known:
+            return "load unknown"
+        steal = f", {self.steal:.2f} stolen" if self.steal >= 0.05 else ""
+        return f"other processes used {self.others:.2f} cores{steal} (free for them: {self.spare:g})"
+
+    def to_record(self) -> dict:
+        return {"others": round(self.others, 4), "steal": round(self.steal, 4), "seconds": round(self.seconds, 4),
+                "spare": self.spare, "known": self.known}
+
+
+UNKNOWN = Load(0.0, 0.0, 0.0, 0.0, known=False)
+
+
+class LoadMeter:
+    """Others' load over a span of work run with ``threads`` threads in each of ``ranks`` processes
+    of the run (module docstring)."""
+
+    def __init__(self, threads: int, *, ranks: int = 1, cores: Sequence[int] | None = None,
+                 reader: Callable[[], CpuTimes | None] = read_cpu_times) -> None:
+        self.cores = list(cores if cores is not None else allowed_cores())
+        self.threads = threads
+        self.spare = max(0, len(self.cores) - threads * ranks)
+        self.reader = reader
+        self._start: CpuTimes | None = None
+
+    def start(self) -> None:
+        self._start = self.reader()
+
+    def stop(self) -> Load:
+        """The load since `start` (`UNKNOWN` where it could not be read)."""
+        before, after = self._start, self.reader()
+        if before is None or after is None:
+            return UNKNOWN
+        ticks = [after.total.get(c, 0) - before.total.get(c, 0) for c in self.cores]
+        per_core = sum(ticks) / len(ticks) if ticks else 0
+        if per_core <= 0:
+            return Load(0.0, 0.0, after.clock - before.clock, self.spare)
+        busy = sum(after.busy.get(c, 0) - before.busy.get(c, 0) for c in self.cores)
+        steal = sum(after.steal.get(c, 0) - before.steal.get(c, 0) for c in self.cores)
+        others = max(0.0, (busy - (after.own - before.own)) / per_core)
+        return Load(others, steal / per_core, after.clock - before.clock, self.spare)
+
+
+@attrs.define
+class ThreadControl:
+    """The intra-op threads of a run: given (``--threads``: never changed), or chosen from the cores
+    free at start and chosen again after a measurement another process disturbed."""
+
+    choice: ThreadChoice  # the current threads (of each process of the run) and why
+    fixed: bool = False  # given by the user: kept whatever the load
+    report: Callable[[str], None] = print  # where a change of threads is said
+    ranks: int = 1  # processes of the run sharing the cores (bench ranks), each with these threads
+
+    @classmethod
+    def start(cls, threads: int | None = None, *, reason: str = "as asked", report: Callable[[str], None] = print,
+              ranks: int = 1, chooser: Callable[..., ThreadChoice] = choose_threads) -> ThreadControl:
+        """``threads`` if given (>= 1; ``reason`` says who asked), else the free cores shared among
+        ``ranks`` processes; sets torch's intra-op threads."""
+        import torch
+
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"--threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+            return cls(ThreadChoice(threads, reason), fixed=True, report=report, ranks=ranks)
+        choice = _shared(chooser(default=torch.get_num_threads()), ranks)
+        if choice.measured:
+            torch.set_num_threads(choice.threads)
+        return cls(choice, report=report, ranks=ranks)
+
+    @property
+    def threads(self) -> int:
+        return self.choice.threads
+
+    def meter(self) -> LoadMeter:
+        """A meter of others' load over a span run with the current threads (every rank's)."""
+        return LoadMeter(self.threads, ranks=self.ranks)
+
+    def adapt(self, chooser: Callable[..., ThreadChoice] = choose_threads) -> bool:
+        """After a disturbed measurement: the threads chosen again from the cores free now (said when they
+        change); True when the measurement should be made again (always, unless the threads were given)."""
+        if self.fixed:
+            return False
+        import torch
+
+        choice = _shared(chooser(default=self.threads * self.ranks), self.ranks)
+        if choice.measured and choice.threads != self.threads:
+            torch.set_num_threads(choice.threads)
+            self.report(f"treespec: another process took cores: {choice.describe()} (was {self.threads})")
+            self.choice = choice
+        return True
+
+
+def _shared(choice: ThreadChoice, ranks: int) -> ThreadChoice:
+    """``choice``'s free cores split among ``ranks`` processes (at least one thread each)."""
+    if ranks == 1 or not choice.measured:
+        return choice
+    return ThreadChoice(max(1, choice.threads // ranks), f"{choice.reason}, shared by {ranks} ranks")
