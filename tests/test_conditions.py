@@ -1,0 +1,236 @@
+"""Measurements a busy machine cannot corrupt: the thread choice from the free cores, a run that
+knows it was disturbed (measured again, left out of speeds), arms in a rotated order, and cached
+costs that stay plausible.  Every reading of the machine is faked: /proc files written by the test,
+a scripted load, mocked core counts."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import torch
+from test_bench_runner import CONFIG, make_harness, prompt_files
+from test_target import tiny_model
+
+from treespec.apps import bench as ab
+from treespec.apps.bench.measure import rotated
+from treespec.apps.bench.records import BenchRecord
+from treespec.apps.bench.summary import disturbed_note, summarize
+from treespec.apps.methods import parse_method
+from treespec.pricing import conditions
+from treespec.pricing.conditions import (
+    DISTURBED_MARGIN,
+    CpuTimes,
+    Load,
+    LoadMeter,
+    ThreadChoice,
+    ThreadControl,
+    choose_threads,
+    read_cpu_times,
+)
+from treespec.pricing.profile import machine_profile
+from treespec.target import TargetModel
+
+
+def times(busy: dict[int, int], total: dict[int, int], own: int = 0, clock: float = 0.0) -> CpuTimes:
+    return CpuTimes(busy, total, {c: 0 for c in busy}, own, clock)
+
+
+class Script:
+    """A reader returning scripted `CpuTimes` in turn (None: the kernel's files cannot be read)."""
+
+    def __init__(self, *readings) -> None:
+        self.readings = list(readings)
+
+    def __call__(self):
+        return self.readings.pop(0)
+
+
+def test_the_kernels_accounting_is_read_per_core_and_for_this_process(tmp_path):
+    stat, own = tmp_path / "stat", tmp_path / "self"
+    stat.write_text("cpu  30 0 10 60 0 0 0 0 0 0\ncpu0 10 0 5 80 5 0 0 0 0 0\ncpu1 20 0 5 20 0 0 0 5 0 0\n"
+                    "intr 1 2 3\n")
+    own.write_text("42 (python3 (x)) R 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15")  # utime 11, stime 12
+    read = read_cpu_times(stat, own, clock=lambda: 7.0)
+    assert read == CpuTimes({0: 15, 1: 30}, {0: 100, 1: 50}, {0: 0, 1: 5}, 23, 7.0)
+    assert read_cpu_times(tmp_path / "missing", own) is None
+
+
+def test_the_thread_choice_leaves_out_a_core_another_process_keeps_busy():
+    quiet = choose_threads(0, cores=[0, 1], reader=Script(times({0: 0, 1: 0}, {0: 0, 1: 0}),
+                                                          times({0: 2, 1: 3}, {0: 30, 1: 30}, clock=0.3)),
+                           sleep=lambda s: None)
+    assert quiet.threads == 2 and quiet.reason == "all 2 cores free over 0.3 s"
+    busy = choose_threads(0, cores=[0, 1], reader=Script(times({0: 0, 1: 0}, {0: 0, 1: 0}),
+                                                         times({0: 29, 1: 1}, {0: 30, 1: 30}, clock=0.3)),
+                          sleep=lambda s: None)
+    assert busy.threads == 1 and busy.reason == "1 of 2 cores free (cpu0 97 % busy over 0.3 s)"
+    everything = choose_threads(0, cores=[0, 1], reader=Script(times({0: 0, 1: 0}, {0: 0, 1: 0}),
+                                                               times({0: 30, 1: 30}, {0: 30, 1: 30})),
+                                sleep=lambda s: None)
+    assert everything.threads == 1  # never fewer than one
+    blind = choose_threads(0, cores=[0, 1], default=3, reader=Script(None, None), sleep=lambda s: None)
+    assert blind.threads == 3 and not blind.measured
+
+
+def test_a_span_is_disturbed_only_when_others_take_the_cores_it_uses():
+    """Others' load is the cores' busy time less this process's own; a load on a core the thread
+    choice left free is not a disturbance, one on the cores in use is."""
+    def load(threads: int, busy: int, own: int) -> Load:
+        meter = LoadMeter(threads, cores=[0, 1], reader=Script(times({0: 0, 1: 0}, {0: 0, 1: 0}),
+                                                               times({0: busy // 2, 1: busy - busy // 2},
+                                                                     {0: 100, 1: 100}, own=own, clock=1.0)))
+        meter.start()
+        return meter.stop()
+
+    alone = load(2, busy=190, own=190)  # this process kept both cores busy: nobody else ran
+    assert alone.others == 0.0 and not alone.disturbed
+    hogged = load(2, busy=200, own=100)  # a hog took a core this two-thread run was using
+    assert hogged.others == pytest.approx(1.0) and hogged.disturbed
+    beside = load(1, busy=200, own=100)  # the same hog beside a one-thread run, on the core it left free
+    assert beside.spare == 1 and not beside.disturbed
+    assert Load(0.25, 0.0, 1.0, 0).disturbed is (0.25 > DISTURBED_MARGIN)
+    unknown = LoadMeter(2, cores=[0, 1], reader=Script(None, None))
+    unknown.start()
+    blind = unknown.stop()
+    assert not blind.known and not blind.disturbed
+
+
+def test_threads_given_are_kept_and_chosen_ones_follow_the_load(monkeypatch):
+    said = []
+    given = ThreadControl.start(2, reason="as asked (--threads)", report=said.append)
+    assert given.fixed and not given.adapt(lambda default: ThreadChoice(1, "busy")) and torch.get_num_threads() == 2
+    choices = iter([ThreadChoice(2, "all 2 cores free"), ThreadChoice(1, "1 of 2 cores free (cpu1 99 % busy)")])
+    chosen = ThreadControl.start(report=said.append, chooser=lambda default: next(choices))
+    assert chosen.threads == 2 and torch.get_num_threads() == 2
+    assert chosen.adapt(lambda default: next(choices)) and chosen.threads == 1 and torch.get_num_threads() == 1
+    assert said == ["treespec: another process took cores: threads 1: 1 of 2 cores free (cpu1 99 % busy) (was 2)"]
+    ranks = ThreadControl.start(report=said.append, ranks=2, chooser=lambda default: ThreadChoice(2, "all free"))
+    assert ranks.threads == 1 and ranks.meter().spare == max(0, len(conditions.allowed_cores()) - 2)
+    torch.set_num_threads(1)
+
+
+def test_rotation_puts_every_method_at_every_place_equally_often():
+    methods = [parse_method(m) for m in ("ar", "dflash", "ddtree@4", "dominotree@4")]
+    places = {m.name: [0] * 4 for m in methods}
+    for seed in range(400, 440):
+        for place, m in enumerate(rotated(methods, seed)):
+            places[m.name][place] += 1
+    assert all(counts == [10, 10, 10, 10] for counts in places.values())
+
+
+class ScriptedThreads(ThreadControl):
+    """A run's threads whose meters report a scripted load per measurement: a load that comes and goes."""
+
+    def __init__(self, loads) -> None:
+        super().__init__(ThreadChoice(2, "all 2 cores free"), report=lambda line: None)
+        self.loads = loads  # the others' cores of each measurement in turn (the last repeats)
+        self.adapted = 0
+
+    def meter(self):
+        others = self.loads.pop(0) if len(self.loads) > 1 else self.loads[0]
+
+        class Fixed:
+            threads, spare = 2, 0
+
+            def start(self):
+                pass
+
+            def stop(self):
+                return Load(others, 0.0, 0.1, 0)
+
+        return Fixed()
+
+    def adapt(self, chooser=None) -> bool:
+        self.adapted += 1
+        return True
+
+
+def test_a_turn_a_passing_load_disturbed_is_measured_again_and_a_lasting_one_left_out(tmp_path):
+    """Two methods, two turns of one prompt each.  Passing load: the first measurement of turn one is
+    disturbed, the turn is measured again clean.  Lasting load: both attempts disturbed, the turn is
+    kept flagged; the report leaves it out of the speeds and says so; no costs are saved."""
+    config = attrs.evolve(CONFIG, methods=("ar", "ddtree@4"), temperatures=(0.0,), prompts=1,
+                          datasets=prompt_files(tmp_path)[:1], warmup_tokens=0)
+    for name, loads, still in (("passing", [1.0, 0.0], 0), ("lasting", [1.0], 1)):
+        harness = make_harness()
+        harness.threads = ScriptedThreads(list(loads))
+        out = tmp_path / name
+        ab.run_shard(config, harness, out, progress=False)
+        ab.merge_shards(out)
+        records = list(ab.read_records(out / ab.RECORDS))
+        assert harness.disturbed == 1 and harness.threads.adapted == 1  # one disturbed turn, measured again
+        assert sum(r.disturbed for r in records) == 2 * still and all(r.threads == 2 for r in records)
+        report = ab.write_report(out, resamples=20)
+        assert ("1 of 1 prompt turns ran while another process took cores" in report.table) == bool(still)
+        harness.profile = harness.machine_profile()  # as a priced run would have it
+        assert harness.persist_live() is None and "disturbed by another process" in harness.not_saved
+
+
+def record(method: str, prompt: str, seconds: float, others: float = 0.0) -> BenchRecord:
+    return BenchRecord(method=method, policy="ar" if method == "ar" else "ddtree", budget=0 if method == "ar" else 4,
+                       temperature=0.0, dataset="d", prompt_id=prompt, turn=0, seed=1, tokens=[1] * 10, taus=[1] * 10,
+                       decode_time=seconds, prefill_time=0.0, stage_times={}, threads=2,
+                       load=Load(others, 0.0, seconds, 0).to_record())
+
+
+def test_disturbed_turns_are_left_out_of_the_paired_speedups():
+    clean = [record("ar", p, 1.0) for p in "abc"] + [record("ddtree@4", p, 0.5) for p in "abc"]
+    hit = [record("ar", "d", 1.0), record("ddtree@4", "d", 9.0, others=1.0)]  # the method ran under a hog
+    (ar, tree) = summarize(clean + hit, resamples=50)
+    assert tree.method == "ddtree@4" and tree.speedup == pytest.approx(2.0) and tree.prompts == 4
+    assert tree.speedup_lo == pytest.approx(2.0) and tree.speedup_hi == pytest.approx(2.0)
+    assert "1 of 4 prompt turns ran while another process took cores" in disturbed_note(clean + hit)
+    assert disturbed_note(clean) == ""
+
+
+def tiny_profile_target() -> TargetModel:
+    return TargetModel(tiny_model(vocab=64, hidden=32, layers=2))
+
+
+@pytest.mark.parametrize("verify, rule", [
+    ([], "it holds no verify samples"),
+    ([[1, 8, -5.0]], "verify seconds must be finite and positive"),
+    ([[1, 8, float("nan")]], "verify seconds must be finite and positive"),
+])
+def test_a_corrupt_cached_profile_is_set_aside_and_measured_again(tmp_path, capsys, verify, rule):
+    target = tiny_profile_target()
+    machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("profile-*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "verify": verify}))
+    again = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert f"setting aside the cached measurement {path}: {rule}" in err
+    assert all(s > 0 for _, _, s in again.verify) and (tmp_path / (path.name + ".rejected")).is_file()
+
+
+def test_an_implausible_saved_curve_is_dropped_at_load_naming_the_rule(tmp_path, capsys):
+    """A live curve learned under load (trees at a quarter of the one-token step) is refused; the
+    profile's own measured values, dips included, stand."""
+    target = tiny_profile_target()
+    profile = machine_profile(target, sizes=(1, 2, 5), contexts=(8,), repeats=1, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("profile-*.json")
+    seconds = {n: s for n, _, s in profile.verify}
+    record = json.loads(path.read_text())
+    record["live_verify"] = [[1, 8, 2 * seconds[1], 40], [2, 8, seconds[2] / 2, 40], [5, 8, seconds[5] / 2, 40]]
+    path.write_text(json.dumps(record))
+    again = machine_profile(target, sizes=(1, 2, 5), contexts=(8,), repeats=1, cache_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert f"dropping the live correction of the cached cost profile {path}" in err and "AR steps" in err
+    assert again.live_verify == () and again.verify == profile.verify
+    assert json.loads(path.read_text())["live_verify"] == []  # rewritten without it: said once
+
+
+def test_a_profile_measured_under_load_is_used_but_not_cached(tmp_path, capsys):
+    class Busy:
+        def start(self):
+            pass
+
+        def stop(self):
+            return Load(1.0, 0.0, 1.0, 0)
+
+    target = tiny_profile_target()
+    busy = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path, meter=Busy)
+    assert busy.disturbed and not list(tmp_path.glob("profile-*.json"))
+    assert "used for this run, not cached" in capsys.readouterr().err
