@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from treespec.apps.methods import MethodSpec, build_policy
+from treespec.interfaces import Drafter, TreePolicy
 from treespec.pricing.calibration import Calibration, LiveCalibration
 from treespec.pricing.cost import CostModel, resolve_cost_model
-from treespec.interfaces import Drafter, TreePolicy
 from treespec.pricing.live_cost import LiveCost, LiveSettings
 
 __all__ = ["CostSource", "method_policy", "persist_live"]

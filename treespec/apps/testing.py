@@ -35,9 +35,9 @@ import torch
 
 from treespec import registry
 from treespec.apps.tiny import tiny_causal_lm
-from treespec.pricing.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import BACKENDS, DraftContext, DraftOutput, TreePolicy
+from treespec.pricing.cost import LinearCost
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
 

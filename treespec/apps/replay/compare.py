@@ -196,9 +196,9 @@ def per_prompt_rows(results: Sequence[ReplayResult], prompt_ids: Sequence[str]) 
 def plot_sweep(rows: Sequence[ComparisonRow], path: str | Path) -> Path:
     """tau against budget with 95 % intervals, one line per policy and options (chains dashed,
     level), and, with a baseline, tau - baseline with its paired intervals around a zero line."""
-    from treespec.apps.bench.plots import budget_axis, interval_axes, save_figure
-
     import matplotlib.pyplot as plt
+
+    from treespec.apps.bench.plots import budget_axis, interval_axes, save_figure
 
     with_base = any(r.baseline for r in rows)
     fig, axes = plt.subplots(1, 2 if with_base else 1, figsize=(10 if with_base else 5.5, 3.8), squeeze=False)

@@ -24,10 +24,10 @@ from treespec.analysis import accepted_length
 from treespec.apps.methods import MethodSpec, build_policy, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.pricing.calibration import Calibration
-from treespec.pricing.cost import CostModel, cost_model_from_dict
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
 from treespec.interfaces import TreePolicy
+from treespec.pricing.calibration import Calibration
+from treespec.pricing.cost import CostModel, cost_model_from_dict
 from treespec.tree import DraftTree
 
 __all__ = ["ReplayResult", "ReplayRound", "check_replayable", "evaluate", "policy_for", "replay_priced",

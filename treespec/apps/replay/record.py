@@ -30,7 +30,16 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.replay.trace import FORMAT, VERSION, DrafterRecord, ScorerRecord, Trace, TraceError, merge_traces, scorer_class
+from treespec.apps.replay.trace import (
+    FORMAT,
+    VERSION,
+    DrafterRecord,
+    ScorerRecord,
+    Trace,
+    TraceError,
+    merge_traces,
+    scorer_class,
+)
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, RecordableScorer, TreePolicy
 from treespec.pricing.profile import machine_profile
