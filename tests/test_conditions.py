@@ -163,7 +163,7 @@ def test_a_turn_a_passing_load_disturbed_is_measured_again_and_a_lasting_one_lef
         assert harness.disturbed == 1 and harness.threads.adapted == 1  # one disturbed turn, measured again
         assert sum(r.disturbed for r in records) == 2 * still and all(r.threads == 2 for r in records)
         report = ab.write_report(out, resamples=20)
-        assert ("1 of 1 prompt turns ran while another process took cores" in report.table) == bool(still)
+        assert ("every one of the 1 prompt turns ran while another process" in report.table) == bool(still)
         harness.profile = harness.machine_profile()  # as a priced run would have it
         assert harness.persist_live() is None and "disturbed by another process" in harness.not_saved
 
@@ -183,6 +183,8 @@ def test_disturbed_turns_are_left_out_of_the_paired_speedups():
     assert tree.speedup_lo == pytest.approx(2.0) and tree.speedup_hi == pytest.approx(2.0)
     assert "1 of 4 prompt turns ran while another process took cores" in disturbed_note(clean + hit)
     assert disturbed_note(clean) == ""
+    (_, everything) = summarize(hit, resamples=10)  # every turn hit: the speeds are the disturbed ones, said so
+    assert everything.speedup == pytest.approx(1 / 9) and "every one of the 1 prompt turns" in disturbed_note(hit)
 
 
 def tiny_profile_target() -> TargetModel:

@@ -89,12 +89,19 @@ def test_live_round_returns_the_verified_tree_of_that_round():
         live_round(target, drafter, DDTree(budget=6), prompt, 0)
 
 
-def test_draw_command_refuses_ambiguous_or_unmatched_sources(tree, tmp_path):
+def test_draw_command_refuses_ambiguous_or_unmatched_sources(tree, tmp_path, capsys):
+    """Bad arguments exit 2 (as argparse does), naming the problem, before any model loads; an
+    existing output is never replaced without --overwrite."""
     record = tmp_path / "tree.json"
     record.write_text(json.dumps(tree.to_dict()))
-    with pytest.raises(SystemExit, match="one source of trees, not --tree and --drafter"):
-        main(["draw", "--tree", str(record), "--drafter", str(tmp_path), "--out", str(tmp_path / "t.dot")])
-    with pytest.raises(SystemExit, match="--model needs --drafter"):  # refused before any model loads
-        main(["draw", "--model", str(tmp_path), "--out", str(tmp_path / "t.dot")])
-    with pytest.raises(SystemExit, match="AR builds no draft tree"):
-        main(["draw", "--method", "ar", "--out", str(tmp_path / "t.dot")])
+    for args, message in (
+            (["--tree", str(record), "--drafter", str(tmp_path)], "one source of trees, not --tree and --drafter"),
+            (["--model", str(tmp_path)], "--model needs --drafter"),
+            (["--method", "ar"], "AR builds no draft tree")):
+        assert main(["draw", *args, "--out", str(tmp_path / "t.dot")]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["draw", "--tree", str(record), "--out", str(tmp_path / "t.dot")]) == 0
+    before = (tmp_path / "t.dot").read_text()
+    assert main(["draw", "--tree", str(record), "--out", str(tmp_path / "t.dot")]) == 2
+    assert "--out" in capsys.readouterr().err and (tmp_path / "t.dot").read_text() == before
+    assert main(["draw", "--tree", str(record), "--out", str(tmp_path / "t.dot"), "--overwrite"]) == 0

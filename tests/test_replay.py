@@ -319,13 +319,13 @@ def test_cli_records_and_evaluates_a_trace(small, tmp_path, capsys):
         assert [r["taus"] for r in rows if r["method"] == method] == live
     assert main(["replay", "info", str(out)]) == 0
     assert '"max_new_tokens": 12' in capsys.readouterr().out
-    assert main(["replay", "eval", str(out), "--methods", "nosuch@4"]) == 1
+    assert main(["replay", "eval", str(out), "--methods", "nosuch@4"]) == 2  # a bad argument, as argparse exits
     assert "unknown policy 'nosuch'" in capsys.readouterr().err
     assert not out.with_name(out.name + ".parts").exists()  # the parts go once the trace is written
     record = ["replay", "record", "--out", str(out), "--model", str(tmp_path / "target"), "--dflash",
               str(tmp_path / "dflash"), "--prompt-ids", str(tmp_path / "prompts.json"), "--max-new-tokens", "4"]
     before = out.read_bytes()
-    assert main(record) == 1  # an existing trace is never silently replaced
+    assert main(record) == 2  # an existing trace is never silently replaced
     assert f"{out} exists; pass --overwrite" in capsys.readouterr().err and out.read_bytes() == before
     assert main([*record, "--overwrite"]) == 0 and Trace.load(out).max_new_tokens == 4
 

@@ -114,7 +114,7 @@ def test_cli_sweeps_with_a_baseline_into_a_new_folder(world, trace_file, tmp_pat
     assert [int(r["tokens"]) for r in mine] == [sum(t) for t in expected.taus]
     assert (out / "budget_curves.svg").read_bytes().startswith(b"<?xml")
     before = (out / "table.md").read_bytes()
-    assert main(args) == 1  # a used folder is never silently rewritten
+    assert main(args) == 2  # a used folder is never silently rewritten
     assert "pass --overwrite" in capsys.readouterr().err and (out / "table.md").read_bytes() == before
     assert main([*args, "--overwrite"]) == 0
 
@@ -127,7 +127,7 @@ def test_cli_sweeps_with_a_baseline_into_a_new_folder(world, trace_file, tmp_pat
     (["--set", "nosuch=1"], "has an option 'nosuch'"),
 ])
 def test_cli_names_bad_sweep_flags(trace_file, capsys, flags, message):
-    assert main(["replay", "eval", str(trace_file), "--methods", "eagle2", *flags]) == 1
+    assert main(["replay", "eval", str(trace_file), "--methods", "eagle2", *flags]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -219,8 +219,8 @@ def test_traces_of_other_answers_are_not_paired(world, trace_file, retrained, tm
                     other.drafters), "same --max-new-tokens")]
     for i, (bad, message) in enumerate(cases):
         path = bad.save(tmp_path / f"bad{i}.safetensors")
-        assert main(["replay", "eval", str(trace_file), "--methods", "ddtree@8", "--against", str(path)]) == 1
+        assert main(["replay", "eval", str(trace_file), "--methods", "ddtree@8", "--against", str(path)]) == 2
         assert message in capsys.readouterr().err
     assert main(["replay", "eval", str(trace_file), "--methods", "ddtree@8", "--against", str(trace_file),
-                 "--baseline", "dflash"]) == 1
+                 "--baseline", "dflash"]) == 2
     assert "name one" in capsys.readouterr().err

@@ -38,6 +38,7 @@ from treespec.decoding import (
     DraftGate,
     SequenceState,
     Stopwatch,
+    built_trees,
     check_first_token,
     check_request,
     checked_draft,
@@ -205,7 +206,7 @@ class BatchDecoder:
     def _build(self, rows: list[_Row], backend: str) -> None:
         """Each row's tree: the policy's for the drafting rows (one ``build_batch``), the root alone otherwise."""
         drafted = [r for r in rows if r.draft is not None]
-        built = self.policy.build_batch([r.draft for r in drafted], backend=backend) if drafted else []
+        built = built_trees(self.policy, [r.draft for r in drafted], backend) if drafted else []
         for row in rows:
             row.tree = DraftTree.root_only(row.seq.anchor, device=self.target.device)
         for row, tree in zip(drafted, built, strict=True):

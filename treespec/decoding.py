@@ -54,7 +54,7 @@ mismatch between draft and target, and on NaN target logits.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -81,7 +81,7 @@ from treespec.tree import DraftTree
 
 __all__ = ["DRAFT_BACKOFF", "DRAFT_PATIENCE", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder",
            "check_first_token", "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round",
-           "cut_proposals", "fitted_tree", "limit_depth", "policy_tree"]
+           "cut_proposals", "fitted_tree", "limit_depth", "policy_tree", "PolicyError", "built_tree", "built_trees", "checked_tree"]
 
 FIRST_TOKENS = ("round", "prefill")  # where the first new token comes from (see SpeculativeDecoder.generate)
 DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
@@ -192,11 +192,7 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """The subtree of nodes at depth <= ``max_depth`` (node order kept, parents re-indexed)."""
     if tree.max_depth <= max_depth:
         return tree
-    keep = tree.depths <= max_depth  # closed under ancestors: depths grow along every path
-    new_index = torch.cumsum(keep.to(torch.int64), 0) - 1  # [N] old -> new index for kept nodes
-    parents = tree.parents[keep]
-    parents = torch.where(parents >= 0, new_index[parents.clamp_min(0)], parents)
-    return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep])
+    return tree.select(tree.depths <= max_depth)  # closed under ancestors: depths grow along every path
 
 
 class SpeculativeDecoder:
@@ -349,13 +345,63 @@ def checked_parts(drafter: Drafter | None, policy: TreePolicy | None, verifier: 
     return verifier
 
 
+class PolicyError(ValueError):
+    """A policy could not build a round's tree, or built one its draft does not allow; the message
+    names the policy (the apps add the method)."""
+
+
+_BUILD_ERRORS = (ValueError, TypeError, IndexError, KeyError, RuntimeError, AttributeError, NotImplementedError)
+
+
+def built_tree(policy: TreePolicy, draft: DraftOutput, backend: str = "torch") -> DraftTree:
+    """``policy.build(draft)``, checked (`checked_tree`); whatever the build raises comes back as a
+    `PolicyError` naming the policy.  Live decoding, replay, drawing and the test kit build through it."""
+    try:
+        tree = policy.build(draft, backend=backend)
+    except _BUILD_ERRORS as exc:
+        raise PolicyError(f"the {policy.name} policy could not build its tree: {type(exc).__name__}: {exc}") from exc
+    return checked_tree(tree, draft, policy)
+
+
+def built_trees(policy: TreePolicy, drafts: Sequence[DraftOutput], backend: str = "torch") -> list[DraftTree]:
+    """``policy.build_batch(drafts)``, each tree checked as `built_tree` checks it."""
+    try:
+        trees = policy.build_batch(drafts, backend=backend)
+    except _BUILD_ERRORS as exc:
+        raise PolicyError(f"the {policy.name} policy could not build its trees: {type(exc).__name__}: {exc}") from exc
+    return [checked_tree(tree, draft, policy) for tree, draft in zip(trees, drafts, strict=True)]
+
+
+def checked_tree(tree: DraftTree, draft: DraftOutput, policy: TreePolicy) -> DraftTree:
+    """``tree`` if ``policy`` may have built it from ``draft``: a `DraftTree` (its own invariants
+    hold), the draft's root token, at most the policy's ``budget`` non-root nodes, no deeper than
+    the draft, every token in the draft's vocabulary; else a `PolicyError` naming what is wrong."""
+    name = policy.name
+    if not isinstance(tree, DraftTree):
+        raise PolicyError(f"the {name} policy returned {type(tree).__name__}, not a DraftTree")
+    if tree.root_token != draft.root_token:
+        raise PolicyError(f"the {name} policy's tree has root token {tree.root_token}; its root must be the "
+                          f"draft's anchor, token {draft.root_token}")
+    if policy.budget is not None and tree.budget > policy.budget:
+        raise PolicyError(f"the {name} policy's tree has {tree.budget} non-root nodes; its budget is {policy.budget}")
+    if tree.max_depth > draft.depth:
+        raise PolicyError(f"the {name} policy's tree reaches depth {tree.max_depth}; the draft has {draft.depth}")
+    if int(tree.tokens.min()) < 0 or int(tree.tokens.max()) >= draft.vocab_size:
+        raise PolicyError(f"the {name} policy's tree holds a token outside the vocabulary [0, {draft.vocab_size})")
+    return tree
+
+
 def policy_tree(policy: TreePolicy, draft: DraftOutput, backend: str, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[DraftTree, Proposals | None]:
     """The round's tree: sampled with a seed fresh from ``generator`` where the policy samples from
-    the draft and T > 0, built otherwise (no proposals)."""
-    if policy.samples_from_draft and not sampling.greedy:
-        return policy.sample(draft, sampling=sampling, seed=sampling_key(generator), backend=backend)
-    return policy.build(draft, backend=backend), None
+    the draft and T > 0, built otherwise (no proposals); checked as `built_tree` checks."""
+    if not (policy.samples_from_draft and not sampling.greedy):
+        return built_tree(policy, draft, backend), None
+    try:
+        tree, proposals = policy.sample(draft, sampling=sampling, seed=sampling_key(generator), backend=backend)
+    except _BUILD_ERRORS as exc:
+        raise PolicyError(f"the {policy.name} policy could not sample its tree: {type(exc).__name__}: {exc}") from exc
+    return checked_tree(tree, draft, policy), proposals
 
 
 def cut_proposals(proposals: Proposals | None, tree: DraftTree, fitted: DraftTree) -> Proposals | None:

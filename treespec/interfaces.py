@@ -288,6 +288,7 @@ class TreePolicy(ABC):
     uses_scorer: ClassVar[str] = "never"  # the draft's ConditionalScorer: "never", "optional" or "required"
     uses_cost_model: ClassVar[bool] = False  # takes cost_model=; harnesses pass the machine's profile
     samples_from_draft: ClassVar[bool] = False  # tree tokens are drawn from the draft's rows (not chosen)
+    budget: int | None = None  # most non-root nodes its trees hold (a field of most policies; None: no fixed cap)
 
     @abstractmethod
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:

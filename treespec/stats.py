@@ -7,7 +7,6 @@ inside a policy.  Acceptance length tau counts accepted draft tokens plus the bo
 from __future__ import annotations
 
 import statistics
-
 from typing import TYPE_CHECKING
 
 import attrs

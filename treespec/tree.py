@@ -280,6 +280,40 @@ class DraftTree:
                 and torch.equal(a.depths, b.depths)
                 and torch.equal(a.scores.view(torch.int32), b.scores.view(torch.int32)))
 
+    def select(self, keep: torch.Tensor) -> DraftTree:
+        """The nodes where ``keep`` [N] bool is set, node order kept, parents re-indexed; ``keep`` must
+        hold the root and be closed under ancestors (a depth cut, a score cut)."""
+        if not bool(keep.all()):
+            if not bool(keep[0]) or bool((keep[1:] & ~keep[self.parents[1:].clamp_min(0)]).any()):
+                raise TreeError("select: the kept nodes must hold the root and every kept node's parent")
+        elif len(keep) == len(self):
+            return self
+        new_index = torch.cumsum(keep.to(torch.int64), 0) - 1  # [N] old -> new index for kept nodes
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, new_index[parents.clamp_min(0)], parents)
+        return DraftTree(self.tokens[keep], parents, self.depths[keep], self.scores[keep], check=False)
+
+    def canonical(self) -> DraftTree:
+        """This tree with its nodes in canonical order: the pop order of a best-first max-heap, score
+        descending, ties by rank path (`rank_paths`: sibling ranks by score, then token).  Every
+        built-in policy returns it; any tree whose scores never rise from a parent to a child has
+        one (a TreeError otherwise)."""
+        scores = self.scores.tolist()
+        order = sorted(range(1, len(self)), key=lambda i: (-scores[i], self.rank_paths[i]))
+        if order == list(range(1, len(self))):
+            return self
+        position = {old: new for new, old in enumerate([0, *order])}
+        parents = [-1] + [position[int(self.parents[i])] for i in order]
+        if any(p >= i for i, p in enumerate(parents) if i):
+            raise TreeError("no canonical order: a node scores above its parent (scores are path log-probs)")
+        index = torch.tensor([0, *order], dtype=torch.int64, device=self.device)
+        return DraftTree(self.tokens[index], torch.tensor(parents, dtype=torch.int64, device=self.device),
+                         self.depths[index], self.scores[index], check=False)
+
+    def same_tree(self, other: DraftTree) -> bool:
+        """Equality up to node order: the canonical forms are `equal`."""
+        return len(self) == len(other) and self.canonical().equal(other.canonical())
+
     # ------------------------------------------------------------------ derived, cached
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:

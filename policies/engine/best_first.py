@@ -37,12 +37,12 @@ import numpy as np
 import torch
 
 from treespec.interfaces import DraftOutput, TreePolicy, check_backend
-from treespec.policies.engine.candidates import Candidates, CandidateSource
+from treespec.policies.engine.candidates import Candidates, CandidateSource, check_candidates, padded
 from treespec.policies.engine.frontier import Mode, expand_frontier, grow_batch, resolve
 from treespec.policies.engine.stop import StopRule
 from treespec.tree import DraftTree, check_budget, check_count
 
-__all__ = ["BestFirstPolicy", "budget_field", "check_logprobs", "grow_graph", "grow_reference"]
+__all__ = ["BestFirstPolicy", "budget_field", "check_logprobs", "grow_graph", "grow_reference", "possible"]
 
 # ---------------------------------------------------------------------------- input checks
 def budget_field(default: int):
@@ -75,8 +75,8 @@ class BestFirstPolicy(TreePolicy):
         check_backend(backend)
         self.validate(draft)
         if backend == "networkx":
-            return grow_reference(draft, self.source(draft, "reference"), self.max_nodes(draft), self.stop)
-        return self.build_torch(draft)
+            return possible(grow_reference(draft, self.source(draft, "reference"), self.max_nodes(draft), self.stop))
+        return possible(self.build_torch(draft))
 
     def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
         """`build` of every draft, bit for bit; the torch backend grows the drafts' trees together
@@ -87,7 +87,8 @@ class BestFirstPolicy(TreePolicy):
         for draft in drafts:
             self.validate(draft)
         budgets = [self.max_nodes(draft) for draft in drafts]
-        return grow_batch(drafts, [self.candidates(draft) for draft in drafts], budgets, self.stop)
+        trees = grow_batch(drafts, [self.checked_candidates(draft) for draft in drafts], budgets, self.stop)
+        return [possible(tree) for tree in trees]
 
     def build_graph(self, draft: DraftOutput) -> nx.DiGraph:
         """The networkx reference's graph itself (node attributes token, depth, score, path)."""
@@ -101,8 +102,13 @@ class BestFirstPolicy(TreePolicy):
         return expand_frontier(draft, source, self.max_nodes(draft), self.stop, static=static)
 
     def source(self, draft: DraftOutput, mode: Mode) -> CandidateSource:
-        """This round's candidates resolved for one build ``mode`` (policies/engine/frontier.py)."""
-        return resolve(self.candidates(draft), self.max_nodes(draft), mode)
+        """This round's candidates, checked, resolved for one build ``mode`` (policies/engine/frontier.py)
+        and padded to the draft's depth (fewer lists than depths: no deeper)."""
+        return padded(resolve(self.checked_candidates(draft), self.max_nodes(draft), mode), draft.depth)
+
+    def checked_candidates(self, draft: DraftOutput) -> Candidates:
+        """`candidates`, refused by `check_candidates` when they break the contract (naming the policy)."""
+        return check_candidates(self.candidates(draft), draft, self.name)
 
     def max_nodes(self, draft: DraftOutput) -> int:
         """The most non-root nodes this build may return."""
@@ -115,6 +121,14 @@ class BestFirstPolicy(TreePolicy):
     @abstractmethod
     def candidates(self, draft: DraftOutput) -> Candidates:
         """This round's children as data: `candidates.TopTokens`, a `FactorizedSource` or a `ScorerSource`."""
+
+
+def possible(tree: DraftTree) -> DraftTree:
+    """``tree`` without its nodes of score -inf (a child whose log-prob is -inf is no child,
+    policies/engine/candidates.py); in pop order they come last, so what stays is a prefix of it."""
+    if len(tree) == 1 or not bool(torch.isneginf(tree.scores[-1])):
+        return tree
+    return tree.select(~torch.isneginf(tree.scores))
 
 
 # ---------------------------------------------------------------------------- networkx reference

@@ -35,7 +35,14 @@ import attrs
 import torch
 
 from treespec.interfaces import DraftOutput
-from treespec.policies.engine.candidates import Candidates, CandidateSource, FactorizedSource, ScorerSource, TopTokens
+from treespec.policies.engine.candidates import (
+    Candidates,
+    CandidateSource,
+    FactorizedSource,
+    ScorerSource,
+    TopTokens,
+    padded,
+)
 from treespec.policies.engine.stacked import SourceStack, assemble, stack_sources, stacked_selection
 from treespec.policies.engine.stop import StopRule
 from treespec.reach import best_chain, reachable
@@ -405,7 +412,8 @@ def grow_batch(drafts: Sequence[DraftOutput], candidates: Sequence[Candidates], 
     if len(kinds) > 1:
         raise ValueError("the drafts of one batch must share a device")
     stacked = kinds != {"cpu"} or _stacks_cheaply(drafts[0], candidates, budgets)
-    sources = resolve_batch(candidates, budgets, "static" if stacked else "compact")
+    sources = [padded(s, d.depth) for s, d in zip(resolve_batch(candidates, budgets, "static" if stacked else "compact"),
+                                                  drafts, strict=True)]
     if not stacked:
         return [expand_frontier(d, src, b, stop) for d, src, b in zip(drafts, sources, budgets, strict=True)]
     trees: list[DraftTree | None] = [None] * len(drafts)

@@ -29,19 +29,21 @@ caller (the harness measures it, `treespec.pricing.profile`), never a built-in p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
 
 from treespec import registry
+from treespec.decoding import PolicyError
 from treespec.interfaces import TreePolicy
 from treespec.pricing.calibration import Calibration, to_calibration
 from treespec.pricing.cost import CostModel
 from treespec.tree import check_budget
 
 __all__ = ["DEFAULT_DRAFTERS", "DEMO_METHODS", "MethodSpec", "build_policy", "default_drafter", "drafter_names",
-           "drafter_role", "method_name", "needed_role", "parse_method", "policy_class", "prices_trees", "with_budget",
+           "drafter_role", "method_name", "naming", "needed_role", "parse_method", "policy_class", "prices_trees", "with_budget",
            "with_options"]
 
 # The drafter a method runs over when it names none, by what its policy needs (its ``uses_scorer``).
@@ -225,6 +227,16 @@ def prices_trees(policy: str) -> bool:
     """Whether the registered policy ``policy`` declares ``uses_cost_model`` (needs a cost model):
     the one place the apps ask."""
     return bool(getattr(policy_class(policy), "uses_cost_model", False))
+
+
+@contextlib.contextmanager
+def naming(method: MethodSpec) -> Iterator[None]:
+    """Within it, a policy's error (`treespec.decoding.PolicyError`) names ``method`` too: bench, replay
+    and draw build every method's trees inside one."""
+    try:
+        yield
+    except PolicyError as exc:
+        raise PolicyError(f"method {method.name}: {exc}") from exc
 
 
 def policy_class(name: str) -> type[TreePolicy]:

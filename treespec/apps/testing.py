@@ -2,24 +2,27 @@
 
 Contract
 --------
-``check_policy(policy)`` takes a registered name, a policy class or factory (called with
-``budget=B``, and ``cost_model=`` when it declares ``uses_cost_model``), or one instance, and
-raises `PolicyCheckError` (an AssertionError, so pytest shows it as a failure) naming the first
-check that failed, the budget and the draft.  The checks, over random drafts of the registry's toy
-drafters (``marginal``, and ``toy-conditional`` when the policy reads a scorer), with ties forced
-in some of them:
+``check_policy(policy)`` takes a registered name, a policy class, any callable that returns a
+policy (a factory, a ``functools.partial``; called with ``budget=B`` when it takes a budget, and
+``cost_model=`` when the policy declares ``uses_cost_model``), or one instance, and raises
+`PolicyCheckError` (an AssertionError, so pytest shows it as a failure) naming the first check that
+failed, the budget and the draft.  The checks, over random drafts of the registry's toy drafters
+(``marginal``, and ``toy-conditional`` when the policy reads a scorer), with ties forced in some:
 
-1. **a valid tree**: `DraftTree`'s invariants, the draft's root token, tokens in the vocabulary, at
-   most ``budget`` non-root nodes and no deeper than the draft, finite scores that never rise
-   from a parent to its child;
-2. **canonical order**: nodes sorted by score descending, ties by rank path (`treespec.tree`);
-3. **both backends**: the torch and networkx builds are equal bit for bit (tokens, parents, depths,
-   order, score bits);
-4. **determinism**: a second build of the same draft, and ``build_batch`` over several drafts,
-   give the same trees;
-5. **greedy losslessness**: on a tiny random float64 target, `SpeculativeDecoder` with the
+1. **a valid tree**: what live decoding, replay and drawing check of every tree
+   (`treespec.decoding.checked_tree`: `DraftTree`'s invariants, the draft's root token, at most the
+   policy's ``budget`` non-root nodes, no deeper than the draft, tokens in the vocabulary), and
+   finite scores that never rise from a parent to its child (path log-probabilities);
+2. **both backends**: the torch and networkx builds are the same tree (tokens, parents, depths and
+   score bits, up to node order: `DraftTree.same_tree`);
+3. **determinism**: a second build of the same draft, and ``build_batch`` over several drafts,
+   give the same trees, bit for bit;
+4. **greedy losslessness**: on a tiny random float64 target, `SpeculativeDecoder` with the
    ``oracle`` drafter (marginal, and conditional when the policy reads a scorer) gives the
    target's own greedy output token for token.
+
+The order of a tree's nodes is not checked: nothing downstream of a build depends on it, and
+`DraftTree.canonical` puts any valid tree into the order the built-in policies return.
 
 ``check_policy`` returns a `PolicyReport` (what was checked, and the mean τ of the lossless runs).
 From a third party's tests: ``def test_mine(): check_policy(MyPolicy)``.
@@ -35,7 +38,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.tiny import tiny_causal_lm
-from treespec.decoding import SpeculativeDecoder
+from treespec.decoding import PolicyError, SpeculativeDecoder, built_tree, checked_tree
 from treespec.interfaces import BACKENDS, DraftContext, DraftOutput, TreePolicy
 from treespec.pricing.cost import LinearCost
 from treespec.target import TargetModel
@@ -68,50 +71,52 @@ def tiny_target(seed: int = 0, vocab: int = 128) -> TargetModel:
 
 
 def _factory(policy) -> tuple[Callable[[int], TreePolicy], type]:
-    """(budget -> policy instance, the policy's class) for a name, class, factory or instance."""
+    """(budget -> policy instance, the policy's class) for a name, class, callable or instance."""
     if isinstance(policy, TreePolicy):
         return (lambda budget: policy), type(policy)
     target = registry.resolve("policy", policy) if isinstance(policy, str) else policy
     if not callable(target):
-        raise TypeError(f"check_policy takes a policy name, class, factory or instance, got {policy!r}")
-    accepts = inspect.signature(target).parameters
+        raise TypeError(f"check_policy takes a policy name, class, a callable returning a policy, or an instance, "
+                        f"got {policy!r}")
+    try:
+        accepts = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        accepts = {}
+    takes = lambda name: name in accepts or any(p.kind is p.VAR_KEYWORD for p in accepts.values())  # noqa: E731
 
     def make(budget: int) -> TreePolicy:
-        kwargs = {"cost_model": PAYING} if getattr(target, "uses_cost_model", False) else {}
-        if "budget" in accepts:
-            kwargs["budget"] = budget
-        return target(**kwargs)
+        kwargs = {"budget": budget} if takes("budget") else {}
+        built = target(**kwargs)
+        if not isinstance(built, TreePolicy):
+            raise PolicyCheckError(f"{_label(target)} returned {type(built).__name__}, not a TreePolicy")
+        if built.uses_cost_model and getattr(built, "cost_model", None) is None and takes("cost_model"):
+            built = target(**kwargs, cost_model=PAYING)  # a machine where trees pay
+        return built
 
-    return make, target
+    return make, type(make(1))
+
+
+def _label(target) -> str:
+    """A readable name of a policy factory (a class, a function, a functools.partial)."""
+    inner = getattr(target, "func", target)
+    return getattr(inner, "__name__", type(inner).__name__)
 
 
 def _fail(check: str, where: str, detail: str) -> PolicyCheckError:
     return PolicyCheckError(f"{check} failed ({where}): {detail}")
 
 
-def check_tree(tree: DraftTree, draft: DraftOutput, budget: int | None, where: str = "") -> None:
-    """Checks 1 and 2 of the module docstring on one built tree."""
-    if not isinstance(tree, DraftTree):
-        raise _fail("a valid tree", where, f"build returned {type(tree).__name__}, not a DraftTree")
-    if tree.root_token != draft.root_token:
-        raise _fail("a valid tree", where, f"root token {tree.root_token}, the draft's is {draft.root_token}")
-    if budget is not None and tree.budget > budget:
-        raise _fail("a valid tree", where, f"{tree.budget} non-root nodes for budget {budget}")
-    if tree.max_depth > draft.depth:
-        raise _fail("a valid tree", where, f"depth {tree.max_depth} beyond the draft's {draft.depth}")
-    if bool((tree.tokens < 0).any()) or bool((tree.tokens >= draft.vocab_size).any()):
-        raise _fail("a valid tree", where, "a token outside the vocabulary")
+def check_tree(tree: DraftTree, draft: DraftOutput, policy: TreePolicy, where: str = "") -> None:
+    """Check 1 of the module docstring on one built tree."""
+    try:
+        checked_tree(tree, draft, policy)
+    except PolicyError as exc:
+        raise _fail("a valid tree", where, str(exc)) from exc
     scores = tree.scores
     if not bool(torch.isfinite(scores).all()):
         raise _fail("a valid tree", where, "a non-finite score")
     if bool((scores[1:] > scores[tree.parents[1:]]).any()):
         raise _fail("a valid tree", where, "a child scores above its parent (scores are path log-probs)")
-    paths = tree.rank_paths
-    keys = [(-float(s), p) for s, p in zip(scores.tolist(), paths)]
-    if keys[1:] != sorted(keys[1:]):
-        first = next(i for i in range(2, len(keys)) if keys[i] < keys[i - 1])
-        raise _fail("canonical order", where, f"node {first} (score {-keys[first][0]}, path {keys[first][1]}) comes "
-                    f"after node {first - 1} (score {-keys[first - 1][0]}, path {keys[first - 1][1]})")
 
 
 def _drafts(conditional: bool, seeds: Sequence[int]) -> list[DraftOutput]:
@@ -129,11 +134,12 @@ def _drafts(conditional: bool, seeds: Sequence[int]) -> list[DraftOutput]:
 
 
 def _built(policy: TreePolicy, draft: DraftOutput, backend: str, where: str) -> DraftTree:
-    """One build; an error it raises (an invalid tree refused by `DraftTree`, say) is a failed check."""
+    """One build as live decoding makes it (`treespec.decoding.built_tree`); an error it raises (an
+    invalid tree refused by `DraftTree`, a tree its draft does not allow) is a failed check."""
     try:
-        return policy.build(draft, backend=backend)
-    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
-        raise _fail("a valid tree", where, f"build raised {type(exc).__name__}: {exc}") from exc
+        return built_tree(policy, draft, backend)
+    except PolicyError as exc:
+        raise _fail("a valid tree", where, str(exc)) from exc
 
 
 def _check_builds(make, budgets, drafts, label: str) -> None:
@@ -142,10 +148,9 @@ def _check_builds(make, budgets, drafts, label: str) -> None:
         for i, draft in enumerate(drafts):
             where = f"{label} draft {i}, budget {budget}"
             trees = {backend: _built(policy, draft, backend, f"{where}, {backend}") for backend in BACKENDS}
-            limit = getattr(policy, "budget", None)  # the policy's own (a static tree's None: its choices)
             for backend, tree in trees.items():
-                check_tree(tree, draft, limit, f"{where}, {backend}")
-            if not trees["torch"].equal(trees["networkx"]):
+                check_tree(tree, draft, policy, f"{where}, {backend}")
+            if not trees["torch"].same_tree(trees["networkx"]):
                 raise _fail("both backends", where, "the torch and networkx trees differ")
             if not policy.build(draft).equal(trees["torch"]):
                 raise _fail("determinism", where, "a second build of the same draft differs")
@@ -180,7 +185,7 @@ def check_policy(policy, *, budgets: Sequence[int] = (1, 4, 16, 48), seeds: Sequ
                  prompts: int = 2, tokens: int = 40) -> PolicyReport:
     """Run the kit's checks on ``policy`` (module docstring); raises `PolicyCheckError` on the first failure."""
     make, cls = _factory(policy)
-    uses_scorer = getattr(cls, "uses_scorer", "never")
+    uses_scorer = cls.uses_scorer
     kinds = {"never": (False,), "optional": (False, True), "required": (True,)}.get(uses_scorer)
     if kinds is None:
         raise PolicyCheckError(f"uses_scorer must be 'never', 'optional' or 'required', got {uses_scorer!r}")
@@ -189,5 +194,4 @@ def check_policy(policy, *, budgets: Sequence[int] = (1, 4, 16, 48), seeds: Sequ
         label = "conditional" if conditional else "marginal"
         _check_builds(make, budgets, _drafts(conditional, seeds), label)
         taus += _check_lossless(make, budgets, conditional, prompts, tokens)
-    name = getattr(make(budgets[0]), "name", cls.__name__)
-    return PolicyReport(name, tuple(budgets), len(seeds), True in kinds, sum(taus) / max(1, len(taus)))
+    return PolicyReport(make(budgets[0]).name, tuple(budgets), len(seeds), True in kinds, sum(taus) / max(1, len(taus)))

@@ -45,6 +45,7 @@ CACHE_ENV = "TREESPEC_CACHE"
 _ROWS = (1, 17)  # an AR step and a budget-16 tree verify
 _STREAM_ELEMENTS = 24 * 2**20  # weights streamed per benchmark pass: 96 MB in fp32, beyond a CPU cache
 _PRINTED: set[str] = set()  # choices already reported in this process
+_UNCACHED: dict[str, DtypeChoice] = {}  # choices measured under load in this process (not on disk), by cache file
 CHOICES = ("bfloat16", "float32")  # the dtypes the probe chooses between
 RECHECK_MARGIN = 1.3  # a cached dtype more than this much slower at 17 rows on a re-check is measured again
 
@@ -223,7 +224,7 @@ def cpu_dtype_choice(config: Any, *, cache_dir: Path | None = None,
     shapes = linear_shapes(config)
     key = {"machine": machine_identity(), "shapes": sorted([list(s), c] for s, c in shapes.items())}
     path = machine_file("dtype", key, cache_dir)
-    choice = _cached_choice(path, key, shapes, benchmark)
+    choice = _UNCACHED.get(str(path)) or _cached_choice(path, key, shapes, benchmark)
     if choice is None:
         load_meter = (meter or _default_meter)()
         load_meter.start()
@@ -232,6 +233,7 @@ def cpu_dtype_choice(config: Any, *, cache_dir: Path | None = None,
         choice = choose_dtype(speed)
         if load.disturbed:
             choice = attrs.evolve(choice, reason=f"{choice.reason}; not cached: {load.describe()} while it was measured")
+            _UNCACHED[str(path)] = choice  # this process keeps it: measured once
         else:
             write_cached(path, key, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
                                      "seconds": {d: {str(n): s for n, s in v.items()} for d, v in speed.items()}})

@@ -21,7 +21,7 @@ from treespec.apps.bench.measure import Runner, Turn, method_fields, rotated
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import MethodSpec
+from treespec.apps.methods import MethodSpec, naming
 from treespec.target import ContextOverflowError
 
 __all__ = ["BatchRunner"]
@@ -89,10 +89,11 @@ class BatchRunner(Runner):
         temperature = turns[0].temperature
         meter = self.harness.threads.meter()
         meter.start()
-        results = self.decoders[method.name].generate(
-            [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,
-            stop_token_ids=self.stops, generators=[torch.Generator().manual_seed(t.seed) for t in turns],
-            backend=self.config.backend, first_token=self.config.first_token)
+        with naming(method):
+            results = self.decoders[method.name].generate(
+                [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,
+                stop_token_ids=self.stops, generators=[torch.Generator().manual_seed(t.seed) for t in turns],
+                backend=self.config.backend, first_token=self.config.first_token)
         load = meter.stop().to_record()
         decode = max(r.stats.decode_time for r in results)  # the batch's wall time, first round to last
         longest = max(results, key=lambda r: len(r.stats.rounds)).stats.stage_totals()  # the batch's stage times

@@ -28,7 +28,7 @@ from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_to
 from treespec.apps.bench.records import BenchRecord, cost_schedule
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import MethodSpec
+from treespec.apps.methods import MethodSpec, naming
 from treespec.decoding import SpeculativeDecoder
 from treespec.target import ContextOverflowError
 
@@ -107,7 +107,8 @@ class Runner:
     def _record(self, method: MethodSpec, turn: Turn) -> BenchRecord:
         meter = self.harness.threads.meter()
         meter.start()
-        out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
+        with naming(method):
+            out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
         load = meter.stop()
         s = out.stats
         models, rounds = cost_schedule(s.rounds) if method.priced else ([], [])

@@ -113,8 +113,10 @@ def _time_per_token(rows: Sequence[BenchRecord], idx) -> float:
 
 def undisturbed(rows: list[list[BenchRecord]]) -> list[list[BenchRecord]]:
     """The paired rows none of whose records another process disturbed (`BenchRecord.disturbed`):
-    the rows a speed comparison is made on."""
-    return [row for row in rows if not any(r.disturbed for r in row)]
+    the rows a speed comparison is made on; every row when each was disturbed (`disturbed_note`
+    then says the speeds are of a disturbed run)."""
+    clean = [row for row in rows if not any(r.disturbed for r in row)]
+    return clean or rows
 
 
 def _speed(num: Sequence[BenchRecord], den: Sequence[BenchRecord], resamples: int, seed: int) -> tuple[float, ...]:
@@ -204,5 +206,8 @@ def disturbed_note(records: Iterable[BenchRecord]) -> str:
     hit = sum(turns.values())
     if not hit:
         return ""
+    if hit == len(turns):
+        return (f"\nNote: every one of the {hit} prompt turns ran while another process took cores this run was "
+                "using (records' ``load``): its speedups and time ratios measure the load as much as the methods.\n")
     return (f"\nNote: {hit} of {len(turns)} prompt turns ran while another process took cores this run was using "
             f"(records' ``load``); speedups and time ratios leave them out, τ and equality with AR count them.\n")

@@ -54,3 +54,14 @@ def start_threads(args, *, announce: bool = True, ranks: int = 1):
     if announce:
         report(f"treespec: {control.choice.describe()}")
     return control
+
+
+def exit_status(exc: BaseException) -> int:
+    """A command's exit status for the error ``exc``: 2 for a bad argument or input (a ValueError: a
+    method, option, budget or file that cannot serve; a path that does not exist), as argparse exits
+    for bad arguments; 1 for a failure while running (a policy's error in a round, an unreadable file)."""
+    from treespec.decoding import PolicyError
+
+    if isinstance(exc, PolicyError):
+        return 1
+    return 2 if isinstance(exc, ValueError | FileNotFoundError) else 1

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from treespec.apps import bench
-from treespec.apps.commands import DTYPES, add_threads_argument, start_threads
+from treespec.apps.commands import DTYPES, add_threads_argument, exit_status, start_threads
 from treespec.decoding import FIRST_TOKENS
 
 
@@ -31,6 +31,9 @@ def _csv(kind):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("what to measure (defaults: the preset's)")
     run.add_argument("--preset", default=None, choices=sorted(bench.BENCH_PRESETS), help="start from a preset")
+    run.add_argument("--exact", action="store_true",
+                     help="an exactness check of new methods: the target in float32 at T = 0, where every output "
+                          "must equal AR's token for token (no near-tie tolerance); speeds are not the point")
     run.add_argument("--methods", type=_csv(str), help="comma-separated: ar,dflash,domino,ddtree,ddtree@64,...")
     run.add_argument("--budgets", type=_csv(int), help="budgets for tree methods given without @B, e.g. 16,64")
     run.add_argument("--temperatures", type=_csv(float), help="e.g. 0,1")
@@ -128,6 +131,15 @@ def _reproduce_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing --out")
     parser.add_argument("--resamples", type=int, default=None,
                         help="bootstrap resamples of the pairwise intervals (default: the paper's 10,000)")
+
+
+def exact(args: argparse.Namespace) -> None:
+    """``--exact``: float32, T = 0, no tolerance for a divergence from AR (a conflicting flag is refused)."""
+    if args.dtype not in ("auto", "float32") or (args.temperatures and set(args.temperatures) != {0.0}):
+        raise ValueError("--exact checks outputs in float32 at T = 0; leave out --dtype and --temperatures")
+    if args.gap_tolerance not in (None, 0.0):
+        raise ValueError("--exact allows no near-tie tolerance; leave out --gap-tolerance")
+    args.dtype, args.temperatures, args.gap_tolerance = "float32", [0.0], 0.0
 
 
 def config_from_args(args: argparse.Namespace) -> bench.BenchConfig:
@@ -327,6 +339,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         raise ValueError("--out DIR is required")
     if args.report_only:
         return _report(args.out, args.resamples)
+    if args.exact:
+        exact(args)
     config, shard = config_from_args(args), bench.Shard.from_env()
     if shard.world > 1:
         return _run_distributed(args, config, shard)
@@ -340,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         return _dispatch(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"treespec bench: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     except KeyboardInterrupt:
         where = getattr(args, "out", None) or getattr(args, "dir", None)
         print(f"\ntreespec bench: interrupted; the completed conversations are saved in {where}: run the same "

@@ -70,7 +70,8 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
         by_method[r.method].append(r)
     ties = Counter(d.method for d in divergences if d.gap <= d.tolerance)
     ar = {r.key: r for r in by_method["ar"]}
-    hit = {r.key for r in records if r.disturbed}  # turns left out of the speeds
+    hit = {r.key for r in records if r.disturbed}  # turns left out of the speeds (unless every one was hit)
+    hit = set() if hit == {r.key for r in records} else hit
     ar_tpt = time_per_token(r for r in by_method["ar"] if r.key not in hit)
     width = max([16] + [len(m) + 2 for m in order if m in by_method])
     lines = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * (width + 43)]
@@ -147,6 +148,9 @@ def conditions_line(records: Sequence[BenchRecord], remeasured: int) -> str:
     if not remeasured and not hit:
         return (f"conditions: no turn disturbed (other processes used at most {max(loads):.2f} cores while a method "
                 "ran)")
+    if hit == turns:
+        return (f"conditions: all {len(turns)} turns disturbed by other processes (up to {max(loads):.2f} cores); "
+                "the speeds above measure the load as much as the methods")
     return (f"conditions: {remeasured} measurement(s) disturbed by other processes and measured again after "
             f"choosing threads anew; {len(hit)} of {len(turns)} turns still disturbed, left out of the speedups")
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from treespec.apps import draw
-from treespec.apps.commands import CPU_DTYPES, DTYPES
+from treespec.apps.commands import CPU_DTYPES, DTYPES, exit_status
 from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
 
@@ -29,6 +29,7 @@ _DEFAULT_PROMPT = "What is speculative decoding?"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="output file: .svg, .png, .dot or .mmd")
     parser.add_argument("--title", default=None, help="figure title (SVG/PNG only)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out or --html file")
     parser.add_argument("--tree", type=Path, default=None, help="JSON file with tokens, parents[, scores, accepted, labels]")
     traced = parser.add_argument_group("policies side by side on one recorded draft (instead of --tree)")
     traced.add_argument("--trace", type=Path, default=None, help="replay trace (`treespec replay record`)")
@@ -141,7 +142,7 @@ def _from_model(args: argparse.Namespace):
 
     method = parse_method(args.method)
     if method.autoregressive:
-        raise SystemExit("treespec draw: AR builds no draft tree; name a policy method, e.g. ddtree@16")
+        raise ValueError("AR builds no draft tree; name a policy method, e.g. ddtree@16")
     drafter_dir = args.drafter or _embedded_drafter(method.drafter, args.model)  # before any model loads
     model_dir = args.model or embedded_model_dir()
     tokenizer = load_tokenizer(model_dir)  # the labels need one: refuse before the target loads
@@ -159,10 +160,10 @@ def _embedded_drafter(kind: str, model: Path | None) -> Path:
     from treespec.apps.loading import embedded_drafter_dir
 
     if model is not None:
-        raise SystemExit("treespec draw: --model needs --drafter (the embedded drafters fit the embedded target only)")
+        raise ValueError("--model needs --drafter (the embedded drafters fit the embedded target only)")
     path = embedded_drafter_dir(kind)
     if not path.is_dir():
-        raise SystemExit(f"treespec draw: the embedded {kind} drafter is not installed ({path}); pass --drafter DIR")
+        raise FileNotFoundError(f"the embedded {kind} drafter is not installed ({path}); pass --drafter DIR")
     return path
 
 
@@ -219,15 +220,29 @@ def _from_trace(args: argparse.Namespace) -> str:
     return ", ".join(written)
 
 
-def run(args: argparse.Namespace) -> int:
+def _usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments themselves (None: nothing): one source, an output, and no
+    existing output replaced without --overwrite."""
     sources = [name for name, given in (("--tree", args.tree), ("--trace", args.trace),
                                         ("--drafter", args.drafter)) if given is not None]
     if len(sources) > 1:
-        raise SystemExit(f"treespec draw: give one source of trees, not {' and '.join(sources)}")
+        return f"give one source of trees, not {' and '.join(sources)}"
     if args.html is not None and args.trace is None:
-        raise SystemExit("treespec draw: --html pages step through a trace; give --trace T")
+        return "--html pages step through a trace; give --trace T"
     if args.out is None and args.html is None:
-        raise SystemExit("treespec draw: give --out FILE (or, with --trace, --html PAGE)")
+        return "give --out FILE (or, with --trace, --html PAGE)"
+    taken = [f"{flag} {path}" for flag, path in (("--out", args.out), ("--html", args.html))
+             if path is not None and path.exists()]
+    if taken and not args.overwrite:
+        return f"{' and '.join(taken)} exists; pass --overwrite to replace it"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    wrong = _usage(args)
+    if wrong is not None:
+        print(f"treespec draw: {wrong}", file=sys.stderr)
+        return 2
     try:
         if args.trace is not None:
             print(f"wrote {_from_trace(args)}")
@@ -239,6 +254,6 @@ def run(args: argparse.Namespace) -> int:
         render(tree, args.out, labels, accepted, args.title)
     except (OSError, ValueError) as exc:
         print(f"treespec draw: {exc}", file=sys.stderr)
-        return 1
+        return exit_status(exc)
     print(f"wrote {args.out} ({tree.budget} draft nodes, depth {tree.max_depth})")
     return 0

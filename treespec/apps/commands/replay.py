@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
 import sys
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.apps.commands import DTYPES, add_threads_argument, start_threads
+from treespec.apps.commands import DTYPES, add_threads_argument, exit_status, start_threads
 from treespec.tree import check_budget
 
 _KINDS = ("dflash", "domino")
@@ -85,7 +86,8 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
                              "trace of the same prompts and target answers recorded with other drafters")
     parser.add_argument("--out", type=Path, default=None,
                         help="write table.md, table.csv, per_prompt.csv and budget_curves.svg/png to this new folder")
-    parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing --out folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an existing --out folder and an existing --json file")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the intervals")
     parser.add_argument("--backend", default="torch", choices=("torch", "networkx"))
     parser.add_argument("--stop-token-id", type=int, action="append", default=None,
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return {"record": _record, "eval": _eval, "info": _info}[args.action](args)
     except (TraceError, OSError, ValueError) as exc:
         print(f"treespec replay {args.action}: {exc}", file=sys.stderr)
-        return 1
+        return exit_status(exc)
 
 
 # ---------------------------------------------------------------------------- record
@@ -119,6 +121,8 @@ def _record(args: argparse.Namespace) -> int:
     parts = args.out.with_name(args.out.name + ".parts")  # one file per recorded prompt: a rerun resumes
     if args.overwrite and parts.exists():
         shutil.rmtree(parts)
+    if args.prompt_ids is not None:
+        prompt_ids(args.prompt_ids)  # refused before the models load
     from treespec.apps.loading import Parts
 
     loaded = Parts.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False)
@@ -141,6 +145,24 @@ def _record(args: argparse.Namespace) -> int:
     return 0
 
 
+def prompt_ids(path: Path) -> list[list[int]]:
+    """The prompts of a --prompt-ids file: a JSON list of non-empty lists of token ids (integers, not
+    booleans, >= 0); anything else is refused naming the file and the first bad entry."""
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--prompt-ids {path}: not JSON ({exc})") from None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"--prompt-ids {path} must hold a non-empty JSON list of token-id lists")
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or not row:
+            raise ValueError(f"--prompt-ids {path}: prompt {i} must be a non-empty list of token ids, got {row!r}")
+        bad = next((t for t in row if isinstance(t, bool) or not isinstance(t, int) or t < 0), None)
+        if bad is not None or any(isinstance(t, bool) for t in row):
+            raise ValueError(f"--prompt-ids {path}: prompt {i} holds {bad!r}; token ids are whole numbers >= 0")
+    return rows
+
+
 def _drafter_dirs(args: argparse.Namespace) -> dict[str, Path]:
     """The drafters to record: --dflash / --domino (by default, with the embedded target, its shipped
     ones) and any --drafter NAME=DIR."""
@@ -159,9 +181,7 @@ def _drafter_dirs(args: argparse.Namespace) -> dict[str, Path]:
 
 def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
     if args.prompt_ids is not None:
-        rows = json.loads(args.prompt_ids.read_text())
-        if not isinstance(rows, list) or not all(isinstance(r, list) and r for r in rows):
-            raise ValueError(f"{args.prompt_ids} must hold a JSON list of non-empty token-id lists")
+        rows = prompt_ids(args.prompt_ids)
         return [torch.tensor(r, dtype=torch.int64) for r in rows], [str(i) for i in range(len(rows))]
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer: give prompts as token ids with --prompt-ids")
@@ -228,6 +248,8 @@ def _eval(args: argparse.Namespace) -> int:
     methods = _sweep(args, trace)
     if args.out is not None:
         _check_out(args.out, args.overwrite)  # before the replay: a refusal costs nothing
+    if args.json is not None and args.json.exists() and not args.overwrite:
+        raise ValueError(f"--json {args.json} exists; pass --overwrite to replace it")
     replay = functools.partial(evaluate, methods=methods, backend=args.backend,
                                stop_token_ids=args.stop_token_id or (), cost_model=cost)
     results = replay(trace)
@@ -286,6 +308,43 @@ def _info(args: argparse.Namespace) -> int:
 
     trace = Trace.load(args.trace)
     meta = dict(trace.meta)
-    meta["prompts"] = f"{len(meta['prompts'])} prompts"
+    prompts = meta.pop("prompts")
     print(json.dumps(meta, indent=2))
+    print(f"\n{len(prompts)} prompts (index, id, first words):")
+    for i, (prompt, words) in enumerate(zip(prompts, _first_words(trace), strict=True)):
+        print(f"{i:4d}  {prompt.get('id', '')}  {words}")
     return 0
+
+
+def _first_words(trace, count: int = 10) -> list[str]:
+    """Each recorded prompt's first words after what every prompt shares (a chat template's header),
+    decoded with the target's tokenizer when it is on this machine, else its first token ids."""
+    ids = [trace.sequences[i][:trace.prompt_len(i)].tolist() for i in range(trace.num_prompts)]
+    tokenizer = _trace_tokenizer(trace)
+    if tokenizer is None:
+        return [" ".join(map(str, row[:count])) + (" ..." if len(row) > count else "") for row in ids]
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+    shared = os.path.commonprefix(texts) if len(texts) > 1 else ""
+    cut = max((i for i, c in enumerate(shared) if c.isspace()), default=-1)  # a whole-word prefix
+    shared = shared[:cut + 1]
+    out = []
+    for text in texts:
+        words = text[len(shared):].split()
+        out.append(" ".join(words[:count]) + (" ..." if len(words) > count else ""))
+    return out
+
+
+def _trace_tokenizer(trace):
+    """The recorded target's tokenizer if its folder is on this machine (never fetched), else None."""
+    from treespec.apps.loading import EMBEDDED_NAME, load_tokenizer
+
+    name = str(trace.meta.get("target", {}).get("name", ""))
+    folder = Path(name)
+    if name == EMBEDDED_NAME:
+        from treespec.apps.embedded import cache_root
+
+        folder = cache_root() / EMBEDDED_NAME
+    try:
+        return load_tokenizer(folder) if folder.is_dir() else None
+    except (OSError, ValueError):
+        return None

@@ -21,10 +21,10 @@ import attrs
 import torch
 
 from treespec.analysis import accepted_length
-from treespec.apps.methods import MethodSpec, build_policy, parse_method
+from treespec.apps.methods import MethodSpec, build_policy, naming, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.decoding import DRAFT_BACKOFF, DraftGate, limit_depth
+from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree, limit_depth
 from treespec.interfaces import TreePolicy
 from treespec.pricing.calibration import Calibration
 from treespec.pricing.cost import CostModel, cost_model_from_dict
@@ -79,7 +79,7 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
             tau, size, drafted = 1, 1, False
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
-            built = policy.build(draft, backend=backend)
+            built = built_tree(policy, draft, backend)
             gate.record(policy.pays_for_draft(draft, built))  # before the length cut, as the live loop
             tree = limit_depth(built, min(total - done - 1, room - 1 - anchor))
             _check_recorded(tree)
@@ -122,7 +122,7 @@ def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt
             if key not in policies:
                 policies[key] = _round_policy(method, priced, calibration, f"round {r}")
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
-            tree = limit_depth(policies[key].build(draft, backend=backend), min(total - done - 1, room - 1 - anchor))
+            tree = limit_depth(built_tree(policies[key], draft, backend), min(total - done - 1, room - 1 - anchor))
             _check_recorded(tree)
             tau = accepted_length(tree, seq[anchor + 1:])
         taus.append(tau)
@@ -209,7 +209,8 @@ def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, backend: str 
     for method in parsed:
         drafts, policy = policy_for(trace, method, cache, cost_model)
         start = time.perf_counter()  # each prompt with a fresh gate, as the bench measures conversations
-        taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops))
-                     for i in chosen)
+        with naming(method):
+            taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops))
+                         for i in chosen)
         results.append(ReplayResult(method.name, taus, time.perf_counter() - start))
     return results

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import attrs
 
 from treespec.analysis import accepted_path
-from treespec.apps.methods import MethodSpec, parse_method
+from treespec.apps.methods import MethodSpec, naming, parse_method
 from treespec.apps.replay.evaluate import policy_for
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.decoding import limit_depth
+from treespec.decoding import built_tree, limit_depth
 from treespec.tree import DraftTree
 
 __all__ = ["TreeView", "node_paths", "views_at"]
@@ -79,7 +79,8 @@ def views_at(trace: Trace, methods: Sequence[str | MethodSpec], prompt: int, pos
     for method in parsed:
         drafts, policy = policy_for(trace, method, cache)
         draft = drafts.draft(trace.anchor_index(prompt, position), seq[anchor], anchor)
-        tree = limit_depth(policy.build(draft, backend=backend), room)
+        with naming(method):
+            tree = limit_depth(built_tree(policy, draft, backend), room)
         built.append((method.name, tree, tuple(accepted_path(tree, seq[anchor + 1:]))))
     paths = [node_paths(tree) for _, tree, _ in built]
     views = []
