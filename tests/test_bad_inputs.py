@@ -123,7 +123,7 @@ def test_draw_tree_files_are_checked(tmp_path, capsys, content, message):
     path = tmp_path / "tree.json"
     if content is not None:
         path.write_text(content)
-    assert main(["draw", "--tree", str(path), "--out", str(tmp_path / "t.dot")]) == 1
+    assert main(["draw", "--tree", str(path), "--out", str(tmp_path / "t.dot")]) == 2  # a bad input, as argparse exits
     err = capsys.readouterr().err
     assert re.search(message, err) and str(path) in err
 
@@ -136,7 +136,7 @@ def test_draw_on_a_target_without_a_tokenizer_says_so(tmp_path, capsys):
     tiny_model(dtype=torch.float32).save_pretrained(tmp_path / "target")
     DFlashDrafter.random(tiny_config(), dtype=torch.float32).save_pretrained(tmp_path / "drafter")
     assert main(["draw", "--model", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
-                 "--out", str(tmp_path / "t.dot")]) == 1
+                 "--out", str(tmp_path / "t.dot")]) == 2
     assert "no tokenizer files in" in capsys.readouterr().err
 
 
@@ -156,7 +156,7 @@ def test_train_drafter_names_its_bad_inputs(tmp_path, setup, flags, message):
 def test_replay_eval_on_a_file_that_is_not_a_trace(tmp_path, capsys):
     path = tmp_path / "not-a-trace.safetensors"
     path.write_bytes(b"\x00" * 64)
-    assert main(["replay", "eval", str(path)]) == 1
+    assert main(["replay", "eval", str(path)]) == 2
     assert str(path) in capsys.readouterr().err
 
 

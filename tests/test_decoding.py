@@ -133,7 +133,7 @@ def test_clear_errors(qwen):
     prompt = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="drafter's vocabulary \\(100\\) differs from the target's \\(128\\)"):
         SpeculativeDecoder(qwen, _WrongVocab(), TopChain()).generate(prompt, max_new_tokens=4)
-    with pytest.raises(ValueError, match="root token .* is not the anchor"):
+    with pytest.raises(ValueError, match="tree has root token .*; its root must be the draft's anchor"):
         SpeculativeDecoder(qwen, _oracle(), _WrongRoot()).generate(prompt, max_new_tokens=4)
     with pytest.raises(ValueError, match="both a drafter and a policy"):
         SpeculativeDecoder(qwen, _oracle())

@@ -159,8 +159,8 @@ def test_cli_names_bad_trace_flags(trace_file, tmp_path, capsys, flags, message)
     assert message in capsys.readouterr().err
 
 
-def test_cli_refuses_two_sources_and_a_page_without_a_trace(trace_file, tmp_path):
-    with pytest.raises(SystemExit, match="not --tree and --trace"):
-        main(["draw", "--trace", str(trace_file), "--tree", "t.json", "--out", "x.svg"])
-    with pytest.raises(SystemExit, match="--html pages step through a trace"):
-        main(["draw", "--html", str(tmp_path / "p.html")])
+def test_cli_refuses_two_sources_and_a_page_without_a_trace(trace_file, tmp_path, capsys):
+    assert main(["draw", "--trace", str(trace_file), "--tree", "t.json", "--out", "x.svg"]) == 2
+    assert "not --tree and --trace" in capsys.readouterr().err
+    assert main(["draw", "--html", str(tmp_path / "p.html")]) == 2
+    assert "--html pages step through a trace" in capsys.readouterr().err

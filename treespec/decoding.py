@@ -353,13 +353,19 @@ class PolicyError(ValueError):
 _BUILD_ERRORS = (ValueError, TypeError, IndexError, KeyError, RuntimeError, AttributeError, NotImplementedError)
 
 
+def policy_label(policy: TreePolicy) -> str:
+    """How messages name a policy: its registered ``name``, or its class where it kept the default."""
+    return policy.name if policy.name != TreePolicy.name else type(policy).__name__
+
+
 def built_tree(policy: TreePolicy, draft: DraftOutput, backend: str = "torch") -> DraftTree:
     """``policy.build(draft)``, checked (`checked_tree`); whatever the build raises comes back as a
     `PolicyError` naming the policy.  Live decoding, replay, drawing and the test kit build through it."""
     try:
         tree = policy.build(draft, backend=backend)
     except _BUILD_ERRORS as exc:
-        raise PolicyError(f"the {policy.name} policy could not build its tree: {type(exc).__name__}: {exc}") from exc
+        raise PolicyError(f"the {policy_label(policy)} policy could not build its tree: "
+                          f"{type(exc).__name__}: {exc}") from exc
     return checked_tree(tree, draft, policy)
 
 
@@ -368,7 +374,8 @@ def built_trees(policy: TreePolicy, drafts: Sequence[DraftOutput], backend: str 
     try:
         trees = policy.build_batch(drafts, backend=backend)
     except _BUILD_ERRORS as exc:
-        raise PolicyError(f"the {policy.name} policy could not build its trees: {type(exc).__name__}: {exc}") from exc
+        raise PolicyError(f"the {policy_label(policy)} policy could not build its trees: "
+                          f"{type(exc).__name__}: {exc}") from exc
     return [checked_tree(tree, draft, policy) for tree, draft in zip(trees, drafts, strict=True)]
 
 
@@ -376,7 +383,7 @@ def checked_tree(tree: DraftTree, draft: DraftOutput, policy: TreePolicy) -> Dra
     """``tree`` if ``policy`` may have built it from ``draft``: a `DraftTree` (its own invariants
     hold), the draft's root token, at most the policy's ``budget`` non-root nodes, no deeper than
     the draft, every token in the draft's vocabulary; else a `PolicyError` naming what is wrong."""
-    name = policy.name
+    name = policy_label(policy)
     if not isinstance(tree, DraftTree):
         raise PolicyError(f"the {name} policy returned {type(tree).__name__}, not a DraftTree")
     if tree.root_token != draft.root_token:
@@ -400,7 +407,8 @@ def policy_tree(policy: TreePolicy, draft: DraftOutput, backend: str, sampling: 
     try:
         tree, proposals = policy.sample(draft, sampling=sampling, seed=sampling_key(generator), backend=backend)
     except _BUILD_ERRORS as exc:
-        raise PolicyError(f"the {policy.name} policy could not sample its tree: {type(exc).__name__}: {exc}") from exc
+        raise PolicyError(f"the {policy_label(policy)} policy could not sample its tree: "
+                          f"{type(exc).__name__}: {exc}") from exc
     return checked_tree(tree, draft, policy), proposals
 
 
