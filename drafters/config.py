@@ -173,7 +173,7 @@ def read_config(directory: str | Path) -> DFlashConfig:
     """Read ``directory/config.json``."""
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"no config.json in {directory}")
+        raise ConfigError(f"{directory} holds no drafter checkpoint (no config.json in it)")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

@@ -258,4 +258,7 @@ def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
         calibration = None if calibration is None else to_calibration(calibration)
         if calibration is not None and not calibration.identity:
             kwargs.setdefault("calibration", calibration)
-    return registry.create("policy", method.policy, **kwargs)
+    try:
+        return registry.create("policy", method.policy, **kwargs)
+    except (ValueError, TypeError) as exc:  # a field's own check: name the method it came from
+        raise ValueError(f"method {method.name!r}: {exc}") from exc
