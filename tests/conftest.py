@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 from bigram_drafter import NAME as BIGRAM
 from bigram_drafter import BigramDrafter
@@ -19,3 +20,13 @@ register("policy", NAME, SiblingCapped)
 
 # A drafter added the same way (tests/bigram_drafter.py): it declares its role and its loader.
 register("drafter", BIGRAM, BigramDrafter)
+
+
+@pytest.fixture(autouse=True)
+def _unread_load(monkeypatch):
+    """A test does not read the machine's real load (what else runs must not change a test's result):
+    the kernel's accounting reads as unavailable, so nothing is marked disturbed.  The tests of that
+    accounting pass readers of their own (tests/test_conditions.py)."""
+    from treespec.pricing import conditions
+
+    monkeypatch.setattr(conditions, "read_cpu_times", lambda *args, **kwargs: None)

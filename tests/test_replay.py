@@ -67,6 +67,9 @@ class Capturing(TreePolicy):
     def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
         return self.inner.pays_for_draft(draft, tree)
 
+    def start_generation(self) -> None:
+        self.inner.start_generation()
+
     def plan_round(self) -> RoundPlan:
         return self.inner.plan_round()
 

@@ -105,6 +105,8 @@ class BatchDecoder:
         ``sampling`` in place of the four sampling keywords, as there."""
         start = time.perf_counter()
         check_first_token(first_token)
+        if self.policy is not None:
+            self.policy.start_generation()  # one call for the batch: its rounds are not planned or reported
         sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
         if self.policy is not None and self.policy.samples_from_draft and not sampling.greedy:
             raise ValueError(f"the {self.policy.name} policy samples its trees at temperature > 0, which batched "

@@ -258,6 +258,7 @@ class SpeculativeDecoder:
                stats: GenerationStats) -> SequenceState:
         if self.drafter is not None:
             self.drafter.reset()
+            self.policy.start_generation()
         clock = Stopwatch(self.target.device, self.clock)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
         stats.prefill_time = clock.times["prefill"]

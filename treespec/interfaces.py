@@ -313,6 +313,10 @@ class TreePolicy(ABC):
         verifying now that the draft is made (policies/engine/cost.py)."""
         return len(tree) > 1
 
+    def start_generation(self) -> None:
+        """Optional: a new generation (a new request) starts: the single-sequence decoder calls it
+        before its first round, replay before each prompt.  Default: nothing."""
+
     def plan_round(self) -> RoundPlan:
         """Optional: before each round of a single-sequence decoder, what this policy's pricing asks
         of the round (`RoundPlan`).  Default: nothing (draft as the back-off says)."""

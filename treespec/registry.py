@@ -36,6 +36,13 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "hardware-aware-sequoia": "treespec.policies.sequoia:HardwareAwareSequoia",
         "ddtree-sampled": "treespec.policies.sampled:DDTreeSampled",
         "dominotree-sampled": "treespec.policies.sampled:DominoTreeSampled",
+        "pruned-dominotree": "treespec.policies.pruned_dominotree:PrunedDominoTree",
+        "learned-ddtree": "treespec.policies.learned:LearnedDDTree",
+        "learned-dominotree": "treespec.policies.learned:LearnedDominoTree",
+        "confident-ddtree": "treespec.policies.confident:ConfidentDDTree",
+        "confident-dominotree": "treespec.policies.confident:ConfidentDominoTree",
+        "gap-ddtree": "treespec.policies.gap_ddtree:GapDDTree",
+        "router": "treespec.policies.router:Router",
     },
     "drafter": {
         "dflash": "treespec.drafters.dflash:DFlashDrafter",

@@ -133,7 +133,8 @@ def _option_value(policy: str, key: str, text: str) -> Any:
     """``text`` as the type of the policy's field ``key`` (its default's type; bool, int, float, str)."""
     cls = policy_class(policy)
     fields = attrs.fields_dict(cls) if attrs.has(cls) else {}
-    settable = {n for n, f in fields.items() if f.init and n not in ("budget", "cost_model", "stop")}
+    settable = {n for n, f in fields.items()
+                if f.init and n not in ("budget", "cost_model", "stop") and f.metadata.get("option", True)}
     if key not in settable:
         raise ValueError(f"{policy} has no option {key!r}; its options: {', '.join(sorted(settable)) or 'none'}")
     default = fields[key].default

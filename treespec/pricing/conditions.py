@@ -102,10 +102,12 @@ class ThreadChoice:
 
 
 def choose_threads(window: float = 0.3, *, cores: Sequence[int] | None = None, default: int | None = None,
-                   reader: Callable[[], CpuTimes | None] = read_cpu_times,
+                   reader: Callable[[], CpuTimes | None] | None = None,
                    sleep: Callable[[float], None] = time.sleep) -> ThreadChoice:
     """The cores of ``cores`` (this process's) that were free over ``window`` seconds (module docstring);
-    ``default`` (torch's count) where the kernel's accounting cannot be read."""
+    ``default`` (torch's count) where the kernel's accounting cannot be read (``reader``: by default
+    `read_cpu_times`)."""
+    reader = reader or read_cpu_times
     cores = list(cores if cores is not None else allowed_cores())
     before = reader()
     sleep(window)
@@ -157,11 +159,11 @@ class LoadMeter:
     of the run (module docstring)."""
 
     def __init__(self, threads: int, *, ranks: int = 1, cores: Sequence[int] | None = None,
-                 reader: Callable[[], CpuTimes | None] = read_cpu_times) -> None:
+                 reader: Callable[[], CpuTimes | None] | None = None) -> None:
         self.cores = list(cores if cores is not None else allowed_cores())
         self.threads = threads
         self.spare = max(0, len(self.cores) - threads * ranks)
-        self.reader = reader
+        self.reader = reader or read_cpu_times
         self._start: CpuTimes | None = None
 
     def start(self) -> None:

@@ -20,12 +20,12 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
-from treespec.analysis import accepted_length
+from treespec.analysis import accepted_length, accepted_path
 from treespec.apps.methods import MethodSpec, build_policy, naming, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree, limit_depth
-from treespec.interfaces import TreePolicy
+from treespec.interfaces import RoundReport, TreePolicy, VerifyResult
 from treespec.pricing.calibration import Calibration
 from treespec.pricing.cost import CostModel, cost_model_from_dict
 from treespec.tree import DraftTree
@@ -68,23 +68,33 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
                   backend: str = "torch", stop_token_ids: Iterable[int] = (),
                   gate: DraftGate | None = None) -> list[ReplayRound]:
     """The rounds of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop runs
-    them; ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
+    them, the policy's round hooks included (`TreePolicy.start_generation` first, then each round
+    `plan_round` before it and `observe_round` after it, with no stage times: replay measures none);
+    ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
     conversation; pass one across prompts to mirror a decoder used for several generations)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
     rounds, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
+    if policy is not None:
+        policy.start_generation()
     while done < total:
         anchor = start + done  # absolute position of the round's root
+        if policy is not None:
+            policy.plan_round()
         if policy is None or not gate.drafts_now():
-            tau, size, drafted = 1, 1, False
+            tree, drafted = DraftTree.root_only(seq[anchor]), False
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
             built = built_tree(policy, draft, backend)
             gate.record(policy.pays_for_draft(draft, built))  # before the length cut, as the live loop
-            tree = limit_depth(built, min(total - done - 1, room - 1 - anchor))
+            tree, drafted = limit_depth(built, min(total - done - 1, room - 1 - anchor)), True
             _check_recorded(tree)
-            tau, size, drafted = accepted_length(tree, seq[anchor + 1:]), len(tree), True
-        rounds.append(ReplayRound(tau, size, drafted))
+        path = accepted_path(tree, seq[anchor + 1:])
+        if policy is not None:
+            result = VerifyResult(torch.tensor(path), seq[anchor + len(path)] if anchor + len(path) < len(seq) else 0)
+            policy.observe_round(RoundReport(tree, result, anchor, {}, drafted))
+        tau = len(path)
+        rounds.append(ReplayRound(tau, len(tree), drafted))
         if stops.intersection(seq[anchor + 1:anchor + 1 + tau]):
             break
         done += tau

@@ -1,0 +1,182 @@
+"""The tree rules past DominoTree, replayed on held-out prompts: τ at equal budgets, paired intervals
+against DominoTree@16 and DDTree@16, build time and scorer work per round (docs/tree-rules.md).
+
+``record`` writes the held-out trace: prompts 24 to 33 after the published shuffle (seed 0) of GSM8K,
+HumanEval, MT-Bench and the Alpaca bench split -- past the first 16 of each (the demo, the drafters'
+held-out sets and the other docs' traces) and the three after them (the calibration prompts), so no
+drafter or policy was tuned on them -- and MT-Bench's second turns asked after the target's own
+greedy answers to the first: 50 turns, ``--tokens`` greedy tokens each, on the embedded default.
+
+``eval`` replays every method at budgets 8 / 16 / 32 (one policy per method across the turns, its
+round hooks fed as the live loop feeds them), and prints per method: τ with its 95 % interval, the
+paired differences from ``dominotree@16`` and ``ddtree@16`` (turns resampled together), the
+median build time per round and the scorer rows expanded per round (a counting wrapper around the
+draft's scorer: the GRU steps a Domino build pays).
+
+    python benchmarks/bench_tree_rules.py record --out runs/trace-rules.safetensors
+    python benchmarks/bench_tree_rules.py eval runs/trace-rules.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from treespec.apps.bench.summary import bootstrap_interval
+from treespec.apps.datasets import encode_chat, load_prompts
+from treespec.apps.loading import EMBEDDED_NAME, Parts, embedded_drafter_dir
+from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.replay import RecordConfig, ReplayDrafts, Trace, merge_traces, record_trace
+from treespec.apps.replay.evaluate import replay_rounds
+from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree
+from treespec.interfaces import ConditionalScorer, DraftOutput, Expansion
+
+DATASETS = ("gsm8k", "humaneval", "mt-bench", "alpaca")
+HELD_OUT = slice(24, 34)  # prompts no drafter or policy was tuned on (module docstring)
+METHODS = ("ddtree", "dominotree", "pruned-dominotree+rule=mass+mass=0.8", "pruned-dominotree+rule=mass+mass=0.9",
+           "pruned-dominotree+rule=ratio+ratio=4.0", "pruned-dominotree+rule=ratio+ratio=16.0",
+           "gap-ddtree", "learned-ddtree", "learned-dominotree", "confident-ddtree", "confident-dominotree",
+           "router")
+BUDGETS = (8, 16, 32)
+BASELINES = ("dominotree@16", "ddtree@16")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    rec = sub.add_parser("record", help="record the held-out trace")
+    rec.add_argument("--out", type=Path, required=True)
+    rec.add_argument("--tokens", type=int, default=96, help="greedy tokens per turn")
+    ev = sub.add_parser("eval", help="replay every rule and print the tables")
+    ev.add_argument("trace", type=Path)
+    ev.add_argument("--methods", nargs="+", default=list(METHODS), help="methods without a budget")
+    ev.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ev.add_argument("--resamples", type=int, default=2000)
+    return parser.parse_args()
+
+
+# ---------------------------------------------------------------------------- record
+def record(args: argparse.Namespace) -> None:
+    parts = Parts.load(None, {k: embedded_drafter_dir(k) for k in ("dflash", "domino")})
+    tokenizer, config = parts.tokenizer, RecordConfig(max_new_tokens=args.tokens)
+    first, ids, mt = [], [], []
+    for name in DATASETS:
+        for prompt in load_prompts(name)[HELD_OUT]:
+            first.append(torch.tensor(encode_chat(tokenizer, prompt.turns[:1]), dtype=torch.int64))
+            ids.append(f"{prompt.dataset}/{prompt.id}")
+            if len(prompt.turns) > 1:
+                mt.append((len(first) - 1, prompt))
+    start = time.perf_counter()
+    turn1 = record_trace(parts.target, dict(parts.drafters), first, config=config, prompt_ids=ids,
+                         target_name=EMBEDDED_NAME, progress=True, parts_dir=args.out.with_suffix(".parts1"))
+    second, second_ids = [], []
+    for index, prompt in mt:  # turn 2 after the target's own greedy answer to turn 1, as the bench asks it
+        answer = turn1.sequences[index][turn1.prompt_len(index):].tolist()
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        second.append(torch.tensor(encode_chat(tokenizer, prompt.turns[:2], [text]), dtype=torch.int64))
+        second_ids.append(f"{prompt.dataset}/{prompt.id}/turn2")
+    turn2 = record_trace(parts.target, dict(parts.drafters), second, config=config, prompt_ids=second_ids,
+                         target_name=EMBEDDED_NAME, progress=True, parts_dir=args.out.with_suffix(".parts2"))
+    merge_traces([turn1, turn2]).save(args.out)
+    print(f"recorded {len(first) + len(second)} turns x {args.tokens} tokens in {time.perf_counter() - start:.0f} s "
+          f"-> {args.out}")
+
+
+# ---------------------------------------------------------------------------- eval
+class Counting(ConditionalScorer):
+    """A scorer that counts the parent rows it expands (each a GRU step of a Domino build)."""
+
+    def __init__(self, inner: ConditionalScorer, tally: list[int]) -> None:
+        self.inner, self.tally = inner, tally
+
+    def root_state(self):
+        return self.inner.root_state()
+
+    def expand(self, states, depth, *, top_m, k) -> Expansion:
+        self.tally[0] += states.shape[0]
+        return self.inner.expand(states, depth, top_m=top_m, k=k)
+
+    def expand_deferred(self, states, depth, *, top_m, k) -> Expansion:
+        self.tally[0] += states.shape[0]
+        return self.inner.expand_deferred(states, depth, top_m=top_m, k=k)
+
+    def advance(self, pending):
+        return self.inner.advance(pending)
+
+
+class Measured:
+    """ReplayDrafts that wrap each draft's scorer in `Counting` and time each build."""
+
+    def __init__(self, drafts: ReplayDrafts, policy) -> None:
+        self.drafts, self.policy, self.rows, self.seconds = drafts, policy, [], []
+
+    def draft(self, index: int, anchor: int, position: int) -> DraftOutput:
+        draft = self.drafts.draft(index, anchor, position)
+        tally = [0]
+        counted = draft if draft.scorer is None else DraftOutput(
+            draft.logprobs, draft.root_token, draft.position, Counting(draft.scorer, tally))
+        start = time.perf_counter()
+        built_tree(self.policy, counted)  # a timed build of its own (the policy's state is not touched)
+        self.seconds.append(time.perf_counter() - start)
+        self.rows.append(tally[0])
+        return counted
+
+
+def replay_method(trace: Trace, name: str) -> tuple[list[list[int]], Measured]:
+    """Per turn, the rounds' τ of one method (one policy across the turns), and what its builds cost."""
+    method = parse_method(name)
+    policy = build_policy(method)
+    measured = Measured(ReplayDrafts.of(trace, method.drafter), policy)
+    taus = [[r.tau for r in replay_rounds(trace, measured, policy, i, gate=DraftGate(DRAFT_BACKOFF))]
+            for i in range(trace.num_prompts)]
+    return taus, measured
+
+
+def per_turn(taus: list[list[int]]) -> np.ndarray:
+    """[turns] tokens per round of each turn (its τ)."""
+    return np.array([sum(t) / len(t) for t in taus])
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    trace = Trace.load(args.trace)
+    names = list(BASELINES) + [f"{m.split('+')[0]}@{b}{m[len(m.split('+')[0]):]}" for m in args.methods
+                               for b in args.budgets]
+    names = list(dict.fromkeys(names))
+    results = {}
+    for name in names:
+        taus, cost = replay_method(trace, name)
+        results[name] = (per_turn(taus), cost)
+        print(f"  replayed {name}", flush=True)
+    print(f"\n{trace.num_prompts} turns x {trace.max_new_tokens} tokens; paired 95 % intervals over turns\n")
+    print("| method | τ [95% CI] | − dominotree@16 [95% CI] | − ddtree@16 [95% CI] | build ms/round | scorer rows/round |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        tau, cost = results[name]
+        n = len(tau)
+        cells = [f"{tau.mean():.3f} [{_ci(lambda i, t=tau: t[i].mean(), n, args.resamples)}]"]
+        for base in BASELINES:
+            diff = tau - results[base][0]
+            cells.append(f"{diff.mean():+.3f} [{_ci(lambda i, d=diff: d[i].mean(), n, args.resamples, '+')}]")
+        rows = statistics.fmean(cost.rows) if cost.rows else 0.0
+        cells += [f"{1e3 * statistics.median(cost.seconds):.2f}", f"{rows:.1f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def _ci(stat, n: int, resamples: int, sign: str = "") -> str:
+    lo, hi = bootstrap_interval(stat, n, resamples, seed=0)
+    return f"{lo:{sign}.3f}, {hi:{sign}.3f}"
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    record(args) if args.action == "record" else evaluate(args)
+
+
+if __name__ == "__main__":
+    main()
