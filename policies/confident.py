@@ -107,6 +107,8 @@ def _floor_field():
 class _Confident:
     """What both policies share: the floor's stop rule and its feedback."""
 
+    learns: ClassVar[bool] = True
+
     floor: LearnedFloor
     min_rate: float
 

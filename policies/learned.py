@@ -115,6 +115,8 @@ def _table_field():
 class _Learned:
     """The feedback both policies share: a drafted round's verified tree into the table."""
 
+    learns: ClassVar[bool] = True
+
     table: AcceptanceTable
 
     def observe_round(self, report: RoundReport) -> bool:

@@ -50,6 +50,7 @@ class Router(TreePolicy):
 
     name: ClassVar[str] = "router"
     uses_scorer: ClassVar[str] = "optional"
+    learns: ClassVar[bool] = True
 
     budget: int = budget_field(16)  # non-root nodes per round, for every arm
     arms: str = "dominotree|ddtree|pruned-dominotree"  # registered policies, '|'-separated

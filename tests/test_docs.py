@@ -27,8 +27,10 @@ def test_tutorial_runs(name, monkeypatch):
         exec(compile(block, f"{name}", "exec"), namespace)  # noqa: S102 - the docs' own code
 
 
-BUILT_IN = ["caddtree", "chain", "cost-aware-dominotree", "ddtree", "ddtree-sampled", "dominotree", "dominotree-sampled",
-            "eagle2", "hardware-aware-sequoia", "sequoia", "static", "static-corrected"]
+BUILT_IN = ["caddtree", "chain", "confident-ddtree", "confident-dominotree", "cost-aware-dominotree", "ddtree",
+            "ddtree-sampled", "dominotree", "dominotree-sampled", "eagle2", "gap-ddtree", "hardware-aware-sequoia",
+            "learned-ddtree", "learned-dominotree", "pruned-dominotree", "router", "sequoia", "static",
+            "static-corrected"]
 
 
 def test_every_built_in_policy_has_a_page():

@@ -170,3 +170,41 @@ def test_a_folder_that_holds_no_drafter_is_refused_naming_it(tmp_path, capsys):
                  ["draw", "--drafter", str(empty), "--out", str(tmp_path / "x.svg")]):
         assert main(argv) == 2
         assert str(empty) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[[1.5, 2.7, 3]]", "prompt 0 holds 1.5"), ("[[true, false, 3]]", "prompt 0 holds True"),
+    ("[]", "non-empty JSON list"), ('[["a", "b"]]', "prompt 0 holds 'a'"), ("[[1, 2], []]", "prompt 1 must be"),
+    ("[[1, -2]]", "prompt 0 holds -2"), ("{not json", "not JSON"),
+])
+def test_prompt_ids_are_checked_before_any_model_loads(tmp_path, capsys, content, message):
+    ids = tmp_path / "ids.json"
+    ids.write_text(content)
+    argv = ["replay", "record", "--out", str(tmp_path / "t.safetensors"), "--model", str(tmp_path / "no-model"),
+            "--dflash", str(tmp_path / "no-drafter"), "--prompt-ids", str(ids)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(ids) in err and "no-model" not in err  # refused before the folders are read
+
+
+def test_replay_info_lists_the_prompts(world, tmp_path, capsys):
+    trace = world.trace.save(tmp_path / "t.safetensors")
+    assert main(["replay", "info", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert f"{world.trace.num_prompts} prompts (index, id, first words):" in out
+    for i, prompt in enumerate(world.trace.meta["prompts"]):
+        assert f"{i:4d}  {prompt['id']}  " in out
+
+
+def test_bench_exact_is_float32_at_t0_with_no_tolerance():
+    import argparse
+
+    from treespec.apps.commands.bench import exact
+
+    args = argparse.Namespace(dtype="auto", temperatures=None, gap_tolerance=None)
+    exact(args)
+    assert (args.dtype, args.temperatures, args.gap_tolerance) == ("float32", [0.0], 0.0)
+    for given in ({"dtype": "bfloat16"}, {"temperatures": [1.0]}, {"gap_tolerance": 0.5}):
+        bad = argparse.Namespace(**{"dtype": "auto", "temperatures": None, "gap_tolerance": None, **given})
+        with pytest.raises(ValueError, match="--exact"):
+            exact(bad)

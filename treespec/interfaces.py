@@ -289,6 +289,8 @@ class TreePolicy(ABC):
     uses_cost_model: ClassVar[bool] = False  # takes cost_model=; harnesses pass the machine's profile
     samples_from_draft: ClassVar[bool] = False  # tree tokens are drawn from the draft's rows (not chosen)
     budget: int | None = None  # most non-root nodes its trees hold (a field of most policies; None: no fixed cap)
+    learns: ClassVar[bool] = False  # its trees depend on the rounds it observed (`observe_round`): batched decoding,
+    # which reports no rounds, builds as a fresh policy would, and a harness's records depend on the order of prompts
 
     @abstractmethod
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:

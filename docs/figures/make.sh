@@ -18,7 +18,10 @@ trees() {
   for spec in "chain dflash" "chain-domino domino" "ddtree ddtree@16" "caddtree caddtree@64" \
               "dominotree dominotree@16" "static-corrected static-corrected@16" \
               "cost-aware-dominotree cost-aware-dominotree@64" "eagle2 eagle2@16" "static static" \
-              "sequoia sequoia@16" "hardware-aware-sequoia hardware-aware-sequoia@64"; do
+              "sequoia sequoia@16" "hardware-aware-sequoia hardware-aware-sequoia@64" \
+              "pruned-dominotree pruned-dominotree@16" "learned-ddtree learned-ddtree@16" \
+              "learned-dominotree learned-dominotree@16" "confident-ddtree confident-ddtree@16" \
+              "confident-dominotree confident-dominotree@16" "gap-ddtree gap-ddtree@16" "router router@16"; do
     set -- $spec
     treespec draw --method "$2" --prompt "$prompt" --round $round --title "$2, round $round" \
       --dtype bfloat16 --cost-model preset:smollm2-cpu-bf16 --out "$out/tree-$1.svg"
