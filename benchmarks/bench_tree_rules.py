@@ -11,15 +11,20 @@ greedy answers to the first: 50 turns, ``--tokens`` greedy tokens each, on the e
 round hooks fed as the live loop feeds them), and prints per method: τ with its 95 % interval, the
 paired differences from ``dominotree@16`` and ``ddtree@16`` (turns resampled together), the
 median build time per round and the scorer rows expanded per round (a counting wrapper around the
-draft's scorer: the GRU steps a Domino build pays).
+draft's scorer: the GRU steps a Domino build pays); and where acceptance goes, the share of rounds
+accepting at least d draft tokens.  The records (per turn, each round's τ) are written to ``--out``
+and the tables derive from them alone (``table``).
 
     python benchmarks/bench_tree_rules.py record --out runs/trace-rules.safetensors
-    python benchmarks/bench_tree_rules.py eval runs/trace-rules.safetensors
+    python benchmarks/bench_tree_rules.py eval runs/trace-rules.safetensors     # writes docs/figures/rules/records.json
+    python benchmarks/bench_tree_rules.py table docs/figures/rules/records.json  # the tables, from the records
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -40,8 +45,8 @@ DATASETS = ("gsm8k", "humaneval", "mt-bench", "alpaca")
 HELD_OUT = slice(24, 34)  # prompts no drafter or policy was tuned on (module docstring)
 METHODS = ("ddtree", "dominotree", "pruned-dominotree+rule=mass+mass=0.8", "pruned-dominotree+rule=mass+mass=0.9",
            "pruned-dominotree+rule=ratio+ratio=4.0", "pruned-dominotree+rule=ratio+ratio=16.0",
-           "gap-ddtree", "learned-ddtree", "learned-dominotree", "confident-ddtree", "confident-dominotree",
-           "router")
+           "gap-ddtree", "learned-ddtree", "learned-dominotree", "confident-ddtree+min_rate=0.02",
+           "confident-dominotree+min_rate=0.02", "confident-dominotree+min_rate=0.05", "router:domino")
 BUDGETS = (8, 16, 32)
 BASELINES = ("dominotree@16", "ddtree@16")
 
@@ -57,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     ev.add_argument("--methods", nargs="+", default=list(METHODS), help="methods without a budget")
     ev.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     ev.add_argument("--resamples", type=int, default=2000)
+    ev.add_argument("--out", type=Path, default=Path("docs/figures/rules/records.json"))
+    tab = sub.add_parser("table", help="the tables, from the records alone")
+    tab.add_argument("records", type=Path)
     return parser.parse_args()
 
 
@@ -137,34 +145,53 @@ def replay_method(trace: Trace, name: str) -> tuple[list[list[int]], Measured]:
     return taus, measured
 
 
+def with_budget(method: str, budget: int) -> str:
+    """``method`` (no budget: ``policy[+k=v...][:drafter]``) at ``budget``: ``policy@B[+k=v...][:drafter]``."""
+    policy = re.match(r"[a-z0-9-]+", method).group(0)
+    return f"{policy}@{budget}{method[len(policy):]}"
+
+
 def per_turn(taus: list[list[int]]) -> np.ndarray:
     """[turns] tokens per round of each turn (its τ)."""
     return np.array([sum(t) / len(t) for t in taus])
 
 
 def evaluate(args: argparse.Namespace) -> None:
+    """Replay every method and write the records (per turn, the rounds' τ; the build costs)."""
     trace = Trace.load(args.trace)
-    names = list(BASELINES) + [f"{m.split('+')[0]}@{b}{m[len(m.split('+')[0]):]}" for m in args.methods
-                               for b in args.budgets]
-    names = list(dict.fromkeys(names))
-    results = {}
+    names = list(dict.fromkeys(list(BASELINES) + [with_budget(m, b) for m in args.methods for b in args.budgets]))
+    records = {"turns": trace.num_prompts, "tokens": trace.max_new_tokens, "methods": {}}
     for name in names:
         taus, cost = replay_method(trace, name)
-        results[name] = (per_turn(taus), cost)
-        print(f"  replayed {name}", flush=True)
-    print(f"\n{trace.num_prompts} turns x {trace.max_new_tokens} tokens; paired 95 % intervals over turns\n")
-    print("| method | τ [95% CI] | − dominotree@16 [95% CI] | − ddtree@16 [95% CI] | build ms/round | scorer rows/round |")
-    print("|---|---|---|---|---|---|")
-    for name in names:
-        tau, cost = results[name]
-        n = len(tau)
-        cells = [f"{tau.mean():.3f} [{_ci(lambda i, t=tau: t[i].mean(), n, args.resamples)}]"]
+        records["methods"][name] = {"taus": taus, "build_ms": 1e3 * statistics.median(cost.seconds),
+                                    "rows": statistics.fmean(cost.rows) if cost.rows else 0.0}
+        print(f"  replayed {name}: τ {per_turn(taus).mean():.3f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records) + "\n")
+    print(tables(records, args.resamples))
+
+
+def tables(records: dict, resamples: int = 2000) -> str:
+    """The page's two tables, derived from the records alone: τ with paired intervals against the
+    baselines, build time and scorer rows; and where acceptance goes, P(τ >= d + 1) by depth d."""
+    methods = records["methods"]
+    tau = {name: per_turn(m["taus"]) for name, m in methods.items()}
+    n = records["turns"]
+    lines = [f"{n} turns x {records['tokens']} tokens; paired 95 % intervals over turns", "",
+             "| method | τ [95% CI] | − dominotree@16 [95% CI] | − ddtree@16 [95% CI] | build ms/round | "
+             "scorer rows/round |", "|---|---|---|---|---|---|"]
+    for name, m in methods.items():
+        cells = [f"{tau[name].mean():.3f} [{_ci(lambda i, t=tau[name]: t[i].mean(), n, resamples)}]"]
         for base in BASELINES:
-            diff = tau - results[base][0]
-            cells.append(f"{diff.mean():+.3f} [{_ci(lambda i, d=diff: d[i].mean(), n, args.resamples, '+')}]")
-        rows = statistics.fmean(cost.rows) if cost.rows else 0.0
-        cells += [f"{1e3 * statistics.median(cost.seconds):.2f}", f"{rows:.1f}"]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+            diff = tau[name] - tau[base]
+            cells.append(f"{diff.mean():+.3f} [{_ci(lambda i, d=diff: d[i].mean(), n, resamples, '+')}]")
+        cells += [f"{m['build_ms']:.2f}", f"{m['rows']:.1f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| method | " + " | ".join(f"d = {d}" for d in range(1, 7)) + " |", "|---" * 7 + "|"]
+    for name, m in methods.items():
+        rounds = np.array([t for turn in m["taus"] for t in turn])
+        lines.append(f"| {name} | " + " | ".join(f"{(rounds >= d + 1).mean():.3f}" for d in range(1, 7)) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _ci(stat, n: int, resamples: int, sign: str = "") -> str:
@@ -175,6 +202,9 @@ def _ci(stat, n: int, resamples: int, sign: str = "") -> str:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    if args.action == "table":
+        print(tables(json.loads(args.records.read_text())), end="")
+        return
     record(args) if args.action == "record" else evaluate(args)
 
 

@@ -14,7 +14,9 @@ whole path, over the last ``window`` nodes, fits the acceptance rate as a non-de
 δ (isotonic regression, pool adjacent violators) and sets θ to the smallest δ whose fitted rate
 reaches ``min_rate``: nodes under θ are accepted less often than that.  Until ``min_nodes`` nodes are
 seen θ is 0 (the parent policy's trees).  The stop rule reads θ at each build; given the same
-observations a draft builds the same tree.
+observations a draft builds the same tree.  θ and its nodes are the policy's ``learned_state``,
+kept per drafter by `treespec profile-cost --calibrate` as the learned acceptance is
+(policies/learned.py).
 """
 
 from __future__ import annotations
@@ -125,6 +127,16 @@ class _Confident:
         if report.drafted and len(report.tree) > 1:
             self.floor.observe(report.tree, report.result.accepted.tolist())
         return False
+
+    def learned_state(self) -> dict:
+        return {"floor": self.floor.floor, "nodes": [list(node) for node in self.floor.nodes]}
+
+    def restore_learned(self, state) -> None:
+        floor, nodes = float(state["floor"]), [(float(s), float(y)) for s, y in state["nodes"]]
+        if not 0 <= floor <= 1 or any(s > 0 or y not in (0.0, 1.0) for s, y in nodes):
+            raise ValueError("a learned floor must lie in [0, 1] over nodes of log-probability <= 0, accepted 0 or 1")
+        self.floor.floor = floor
+        self.floor.nodes = deque(nodes[-self.floor.window:], maxlen=None)
 
 
 @attrs.frozen

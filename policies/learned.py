@@ -14,13 +14,17 @@ of these log-probs, so the tree's own scores are what the policy expected of eac
 The factors (an `AcceptanceTable`, shared by the policy and its copies, starting at 1: the parent
 policy's trees exactly) are learned through the loop's declared feedback
 (`TreePolicy.observe_round`): after each drafted round, each node whose parent the target accepted
-was tested, and its cell counts it (accepted or not) against the probability the tree gave it.  Every
-``refit_every`` rounds a cell's factor is multiplied by (A + a) / (E + a) (A: accepted, E: expected,
-a: ``prior``, the evidence a change must outweigh) and the counts start afresh, so a drafter that
-prices off-path nodes as it prices the main path (a sibling's continuation accepted a fifth as often
-as the main path's, in an independent study of DDTree) is re-priced cell by cell.  Factors stay
-within [1/16, 16].  `AcceptanceTable.to_record` / ``from_record`` keep a table for the next run; the
-policies take one as ``table=``.
+was tested, and its cell counts it, accepted or not, against the drafter's own probability of it
+(the tree's probability divided by the factor it was built with: the factors change only at a
+refit, so a round's tree was built with the current ones).  Every ``refit_every`` rounds each
+factor becomes (A + a) / (E + a) over everything its cell has counted (A: accepted, E: the
+drafter's expected acceptances, a: ``prior``, the evidence a factor away from 1 must gather), so a
+drafter that prices off-path nodes as it prices the main path (a sibling's continuation accepted a
+fifth as often as the main path's, in an independent study of DDTree) is re-priced cell by cell.
+Factors stay within [1/16, 16].  The table is the policy's ``learned_state``: `treespec profile-cost --calibrate`
+learns one per drafter on its calibration prompts and keeps it with the drafter's calibration, and
+the bench, the demo and ``treespec.generate`` start a learning policy from it (``restore_learned``);
+a run does not write it back.  The policies also take one as ``table=``.
 """
 
 from __future__ import annotations
@@ -49,11 +53,11 @@ class AcceptanceTable:
 
     depths: int = 16  # cells by depth (deeper children share the last)
     ranks: int = 8  # cells by sibling rank (lower ranks share the last)
-    prior: float = 2.0  # a: expected acceptances a refit's evidence must outweigh
+    prior: float = 4.0  # a: the expected acceptances a factor away from 1 must gather
     refit_every: int = 8  # drafted rounds between refits
     factor: torch.Tensor = attrs.field(default=None)  # [2, depths, ranks] float64 (index 1: main path)
-    accepted: torch.Tensor = attrs.field(default=None)  # [2, depths, ranks] tested children accepted since a refit
-    expected: torch.Tensor = attrs.field(default=None)  # [2, depths, ranks] their probabilities summed
+    accepted: torch.Tensor = attrs.field(default=None)  # [2, depths, ranks] tested children accepted
+    expected: torch.Tensor = attrs.field(default=None)  # [2, depths, ranks] the drafter's probabilities of them, summed
     rounds: int = 0  # drafted rounds since the last refit
     refits: int = 0  # refits so far
 
@@ -83,29 +87,30 @@ class AcceptanceTable:
             main = int(all(r == 0 for r in tree.rank_paths[parent]))
             cell = (main, min(depths[i] - 1, self.depths - 1), min(tree.ranks[i], self.ranks - 1))
             self.accepted[cell] += float(i in on)
-            self.expected[cell] += math.exp(scores[i] - scores[parent])
+            self.expected[cell] += math.exp(scores[i] - scores[parent]) / float(self.factor[cell])  # the drafter's p
         self.rounds += 1
         if self.rounds < self.refit_every:
             return False
-        self.factor *= (self.accepted + self.prior) / (self.expected + self.prior)
-        self.factor.clamp_(1.0 / _BOUND, _BOUND)
-        self.accepted.zero_(), self.expected.zero_()
+        self.factor = ((self.accepted + self.prior) / (self.expected + self.prior)).clamp(1.0 / _BOUND, _BOUND)
         self.rounds, self.refits = 0, self.refits + 1
         return True
 
     def to_record(self) -> dict:
         return {"depths": self.depths, "ranks": self.ranks, "prior": self.prior, "refit_every": self.refit_every,
-                "factor": self.factor.tolist(), "refits": self.refits}
+                "factor": self.factor.tolist(), "accepted": self.accepted.tolist(), "expected": self.expected.tolist(),
+                "refits": self.refits}
 
     @classmethod
     def from_record(cls, record: dict) -> AcceptanceTable:
-        factor = torch.tensor(record["factor"], dtype=torch.float64)
-        if factor.shape != (2, int(record["depths"]), int(record["ranks"])) or not bool(
-                ((factor >= 1 / _BOUND) & (factor <= _BOUND)).all()):
+        shape = (2, int(record["depths"]), int(record["ranks"]))
+        factor, accepted, expected = (torch.tensor(record[k], dtype=torch.float64)
+                                      for k in ("factor", "accepted", "expected"))
+        if {factor.shape, accepted.shape, expected.shape} != {shape} or not bool(
+                ((factor >= 1 / _BOUND) & (factor <= _BOUND)).all()) or bool((accepted < 0).any() | (expected < 0).any()):
             raise ValueError(f"an acceptance table's factors must be [2, depths, ranks] within [1/{_BOUND:g}, "
-                             f"{_BOUND:g}]")
-        return cls(int(record["depths"]), int(record["ranks"]), float(record["prior"]), int(record["refit_every"]),
-                   factor=factor, refits=int(record.get("refits", 0)))
+                             f"{_BOUND:g}], its counts of that shape and >= 0")
+        return cls(shape[1], shape[2], float(record["prior"]), int(record["refit_every"]), factor=factor,
+                   accepted=accepted, expected=expected, refits=int(record.get("refits", 0)))
 
 
 def _table_field():
@@ -113,7 +118,7 @@ def _table_field():
 
 
 class _Learned:
-    """The feedback both policies share: a drafted round's verified tree into the table."""
+    """What both policies share: a drafted round's verified tree into the table; the table kept."""
 
     learns: ClassVar[bool] = True
 
@@ -123,6 +128,14 @@ class _Learned:
         if report.drafted and len(report.tree) > 1:
             self.table.observe(report.tree, report.result.accepted.tolist())
         return False
+
+    def learned_state(self) -> dict:
+        return self.table.to_record()
+
+    def restore_learned(self, state) -> None:
+        kept = AcceptanceTable.from_record(dict(state))
+        for field in attrs.fields(AcceptanceTable):
+            setattr(self.table, field.name, getattr(kept, field.name))
 
 
 @attrs.frozen

@@ -169,3 +169,46 @@ def test_learning_policies_replay_as_they_run_live(world, make, drafter, learned
         replayed = [r.tau for r in replay_rounds(world.trace, drafts_of, replay_policy, i, gate=DraftGate(32))]
         assert replayed == live, f"prompt {i}"
     assert learned(replay_policy) and learned(live_policy.inner)  # they did learn on the way
+
+
+def test_what_a_policy_learned_is_kept_per_drafter_and_given_back():
+    """A learning policy's state goes into the profile under the drafter's key, survives the cache's
+    JSON and starts a later policy where the first left off; a damaged state is refused by name."""
+    from treespec.apps.cost_source import restore_learned
+    from treespec.pricing.profile import CostProfile
+
+    drafter = registry.create("drafter", "toy-conditional", seed=3)
+    first = LearnedDominoTree(budget=8, table=AcceptanceTable(refit_every=1))
+    draft = drafter.draft(DraftContext(sequence=torch.tensor([1, 2, 3]), features=None))
+    tree = first.build(draft)
+    first.observe_round(RoundReport(tree, VerifyResult(torch.tensor([0, 1]), 0), 3, {}, True))
+    profile = CostProfile(((1, 8, 0.01),), {drafter.identity(): 0.002})
+    kept = CostProfile.from_record(profile.with_learned("learned-dominotree", drafter, first.learned_state()).to_record())
+    later = LearnedDominoTree(budget=8)
+    assert restore_learned(later, drafter, lambda: kept) and torch.equal(later.table.factor, first.table.factor)
+    assert later.build(draft).equal(first.build(draft))
+    assert not restore_learned(DominoTree(budget=8), drafter, lambda: kept)  # learns nothing: untouched
+    with pytest.raises(ValueError, match="within"):
+        later.restore_learned({**first.learned_state(), "factor": (first.table.factor * 100).tolist()})
+    floor = ConfidentDominoTree(budget=8)
+    floor.restore_learned({"floor": 0.05, "nodes": [[-1.0, 1.0], [-4.0, 0.0]]})
+    assert floor.floor.floor == 0.05 and floor.learned_state()["nodes"] == [[-1.0, 1.0], [-4.0, 0.0]]
+    with pytest.raises(ValueError, match="learned floor"):
+        floor.restore_learned({"floor": 2.0, "nodes": []})
+
+
+def test_the_page_tables_are_derived_from_the_committed_records():
+    """docs/tree-rules.md's tables are what benchmarks/bench_tree_rules.py derives from its records."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    from bench_tree_rules import tables
+
+    records = json.loads((root / "docs" / "figures" / "rules" / "records.json").read_text())
+    page = (root / "docs" / "tree-rules.md").read_text()
+    shown = page.partition("<!-- tables: benchmarks/bench_tree_rules.py -->\n")[2].partition("<!-- end of tables -->")[0]
+    assert shown.strip() == tables(records).strip()
+    assert records["turns"] == 50 and all(len(m["taus"]) == 50 for m in records["methods"].values())

@@ -319,6 +319,15 @@ class TreePolicy(ABC):
         """Optional: a new generation (a new request) starts: the single-sequence decoder calls it
         before its first round, replay before each prompt.  Default: nothing."""
 
+    def learned_state(self) -> dict | None:
+        """Optional: what this policy learned (JSON-ready), for the apps to keep per drafter and give
+        back to a later run's policy (`restore_learned`); None (the default): nothing to keep."""
+        return None
+
+    def restore_learned(self, state: Mapping[str, Any]) -> None:
+        """Optional: take up what `learned_state` gave (a ValueError naming what is wrong with it).
+        Default: nothing."""
+
     def plan_round(self) -> RoundPlan:
         """Optional: before each round of a single-sequence decoder, what this policy's pricing asks
         of the round (`RoundPlan`).  Default: nothing (draft as the back-off says)."""

@@ -5,6 +5,7 @@
 #   docs/figures/make.sh trees    # the drawn trees of docs/policies/ (about a minute)
 #   docs/figures/make.sh ab       # the A/B walkthrough's bench run (docs/ab-walkthrough.md; about 30 min on 2 CPU cores)
 #   docs/figures/make.sh sweep    # docs/replay.md's sweep, side-by-side trees and trace page (5 min; needs chromium)
+#   docs/figures/make.sh rules    # docs/tree-rules.md: the held-out trace, its records and the two drawings (25 min)
 #
 # Trees: the same chat prompt and the same decoding round for every policy, so the pages compare.
 set -euo pipefail
@@ -23,10 +24,11 @@ trees() {
               "learned-dominotree learned-dominotree@16" "confident-ddtree confident-ddtree@16" \
               "confident-dominotree confident-dominotree@16" "gap-ddtree gap-ddtree@16" "router router@16"; do
     set -- $spec
-    treespec draw --method "$2" --prompt "$prompt" --round $round --title "$2, round $round" \
+    treespec draw --method "$2" --prompt "$prompt" --round $round --title "$2, round $round" --overwrite \
       --dtype bfloat16 --cost-model preset:smollm2-cpu-bf16 --out "$out/tree-$1.svg"
   done
-  treespec draw --method dominotree@16 --prompt "$prompt" --round $round --dtype bfloat16 --out "$out/tree-dominotree.mmd"
+  treespec draw --method dominotree@16 --prompt "$prompt" --round $round --dtype bfloat16 --overwrite \
+    --out "$out/tree-dominotree.mmd"
 }
 
 ab() {
@@ -38,6 +40,18 @@ ab() {
     --seed 0 --dtype float32 --out "$out/ab"
 }
 
+rules() {
+  # the tree rules past DominoTree, replayed on held-out prompts (benchmarks/bench_tree_rules.py)
+  trace=runs/trace-rules.safetensors
+  [ -f "$trace" ] || python benchmarks/bench_tree_rules.py record --out "$trace"
+  python benchmarks/bench_tree_rules.py eval "$trace" --out "$out/rules/records.json"
+  methods="dominotree@16,pruned-dominotree@16+rule=ratio+ratio=4.0"
+  treespec draw --trace "$trace" --methods "$methods" --prompt 0 --position 40 --overwrite \
+    --title "where pruning by ratio hurts (gsm8k, position 40)" --out "$out/rules/hurts.svg"
+  treespec draw --trace "$trace" --methods "$methods" --prompt 0 --position 44 --overwrite \
+    --title "where pruning by ratio helps (gsm8k, position 44)" --out "$out/rules/helps.svg"
+}
+
 sweep() {
   # a 20-prompt trace (5 each of GSM8K, HumanEval, MT-Bench, Alpaca; 64 tokens), replayed and drawn
   trace=runs/trace-docs.safetensors
@@ -46,7 +60,7 @@ sweep() {
   treespec replay eval $trace --methods ddtree,eagle2,dominotree --budgets 4,8,16,32,64 --set topk=2,4,10 \
     --baseline ddtree --out $out/sweep --overwrite
   rm -f $out/sweep/budget_curves.png  # the SVG is the doc's
-  treespec draw --trace $trace --prompt 9 --position 20 --methods ddtree@16,eagle2@16 --out $out/side-by-side.svg \
+  treespec draw --trace $trace --prompt 9 --position 20 --methods ddtree@16,eagle2@16 --out $out/side-by-side.svg --overwrite \
     --html runs/trace-page.html
   chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,820 \
     --screenshot=$out/trace-page.png "file://$PWD/runs/trace-page.html#position=20"

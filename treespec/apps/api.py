@@ -43,7 +43,7 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.cost_source import CostSource, method_policy, persist_live
+from treespec.apps.cost_source import CostSource, method_policy, persist_live, restore_learned
 from treespec.apps.datasets import encode_chat
 from treespec.apps.loading import load_drafter, load_target, load_tokenizer
 from treespec.apps.methods import MethodSpec
@@ -81,6 +81,7 @@ def _policy(policy: TreePolicy | str, budget: int | None, kwargs: dict[str, Any]
     spec = MethodSpec(policy, None, None if budget is None else check_budget(budget, "generate"), kwargs)
     profile = functools.cache(lambda: machine_profile(target, [drafter]))  # measured once, if pricing asks
     built, cost = method_policy(spec, drafter, costs, profile)
+    restore_learned(built, drafter, profile)
     if cost is None or not costs.uses_profile:
         return built, lambda: None
     return built, lambda: persist_live(target, profile(), [(cost, drafter)])

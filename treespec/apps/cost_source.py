@@ -31,7 +31,7 @@ from treespec.pricing.calibration import Calibration, LiveCalibration
 from treespec.pricing.cost import CostModel, resolve_cost_model
 from treespec.pricing.live_cost import LiveCost, LiveSettings
 
-__all__ = ["CostSource", "method_policy", "persist_live"]
+__all__ = ["CostSource", "method_policy", "persist_live", "restore_learned"]
 
 
 @attrs.frozen
@@ -81,6 +81,19 @@ def method_policy(method: MethodSpec, drafter: Drafter | None, costs: CostSource
         return build_policy(method), None
     cost, calibration = costs.price(lambda: profile().pricing(drafter))
     return build_policy(method, cost, calibration), cost
+
+
+def restore_learned(policy: TreePolicy | None, drafter: Drafter | None, profile: Callable[[], object]) -> bool:
+    """Start a learning policy (``TreePolicy.learns``) from what it learned over ``drafter`` on the
+    calibration prompts, kept in this machine's profile by `treespec profile-cost --calibrate`
+    (``profile()`` is asked only for such a policy); True when a state was restored."""
+    if policy is None or drafter is None or not policy.learns:
+        return False
+    state = profile().learned_state(policy.name, drafter)
+    if state is None:
+        return False
+    policy.restore_learned(state)
+    return True
 
 
 def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | None]], *, sizes=None,

@@ -44,8 +44,8 @@ from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
 
 __all__ = ["LIVE_BOUND", "LIVE_DRAFT_BOUND", "LIVE_SHAPE_BOUND", "PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile",
-           "calibration_key", "check_profile", "implausible_live", "machine_profile", "refresh_profile", "save_profile",
-           "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
+           "calibration_key", "check_profile", "implausible_live", "learned_key", "machine_profile", "refresh_profile",
+           "save_profile", "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
 
 PROFILE_SIZES = (*range(1, 18), 24, 33)  # tree tokens n (root included) of the verify samples
 PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
@@ -130,6 +130,7 @@ class CostProfile:
     live_verify: tuple[tuple[int, int, float, int], ...] = ()
     live_drafts: Mapping[str, tuple[float, int]] = attrs.field(factory=dict)  # identity -> (draft + build s, rounds)
     disturbed: str = ""  # measured while another process took its cores (what it took): not cached
+    learned: Mapping[str, dict] = attrs.field(factory=dict)  # `learned_key` -> a policy's learned state for a drafter
 
     def calibration(self, drafter: Drafter | str | None) -> Calibration:
         """The drafter's fitted calibration (`treespec.pricing.calibration`), the identity (its probabilities
@@ -145,6 +146,13 @@ class CostProfile:
     def with_calibration(self, drafter: Drafter | str, calibration: Calibration | float) -> CostProfile:
         key = drafter if isinstance(drafter, str) else calibration_key(drafter)
         return attrs.evolve(self, calibrations={**self.calibrations, key: to_calibration(calibration)})
+
+    def learned_state(self, policy: str, drafter: Drafter) -> dict | None:
+        """What the ``policy`` learned over ``drafter`` on the calibration prompts (None: nothing kept)."""
+        return self.learned.get(learned_key(policy, drafter))
+
+    def with_learned(self, policy: str, drafter: Drafter, state: dict) -> CostProfile:
+        return attrs.evolve(self, learned={**self.learned, learned_key(policy, drafter): state})
 
     def cost_model(self, drafter: Drafter | str | None = None, *, live: bool = True,
                    shape: str = "measured") -> ConvexCost:
@@ -203,7 +211,7 @@ class CostProfile:
         return {"format": _FORMAT, "verify": [list(s) for s in self.verify], "drafts": dict(self.drafts),
                 "calibrations": {k: c.to_record() for k, c in self.calibrations.items()},
                 "live_verify": [list(s) for s in self.live_verify],
-                "live_drafts": {k: list(v) for k, v in self.live_drafts.items()}}
+                "live_drafts": {k: list(v) for k, v in self.live_drafts.items()}, "learned": dict(self.learned)}
 
     @classmethod
     def from_record(cls, record: Mapping) -> CostProfile:
@@ -214,8 +222,9 @@ class CostProfile:
         calibrations = {str(k): Calibration.from_record(v) for k, v in dict(record.get("calibrations", {})).items()}
         live = tuple((int(n), int(c), float(s), int(r)) for n, c, s, r in record.get("live_verify", []))
         live_drafts = {str(k): (float(s), int(r)) for k, (s, r) in dict(record.get("live_drafts", {})).items()}
+        learned = {str(k): dict(v) for k, v in dict(record.get("learned", {})).items()}
         profile = cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations, live,
-                      live_drafts)
+                      live_drafts, learned=learned)
         broken = check_profile(profile)
         if broken is not None:
             raise ValueError(broken)
@@ -282,6 +291,12 @@ def calibration_key(drafter: Drafter) -> str:
     return f"{drafter.identity()}@{drafter.weights_digest()}"
 
 
+def learned_key(policy: str, drafter: Drafter) -> str:
+    """What a policy's learned state over a drafter is kept under: the policy and the drafter's
+    `calibration_key` (its identity and weights)."""
+    return f"{policy}@{calibration_key(drafter)}"
+
+
 def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
                     contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 9, cache_dir: Path | None = None,
                     progress: bool = False) -> CostProfile:
@@ -294,7 +309,7 @@ def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
     previous = _cached_profile(path, key)
     if previous is not None:
-        fresh = attrs.evolve(fresh, calibrations=previous.calibrations)
+        fresh = attrs.evolve(fresh, calibrations=previous.calibrations, learned=previous.learned)
     write_cached(path, key, fresh.to_record())
     return fresh
 

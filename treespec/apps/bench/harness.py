@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.cost_source import CostSource, method_policy, persist_live
+from treespec.apps.cost_source import CostSource, method_policy, persist_live, restore_learned
 from treespec.apps.datasets import encode_chat
 from treespec.apps.methods import MethodSpec
 from treespec.batch_decoding import BatchDecoder
@@ -112,6 +112,7 @@ class Harness:
         policy, cost = method_policy(method, drafter, self.costs, self.machine_profile)
         if cost is not None:
             self.priced.append((cost, drafter))
+        restore_learned(policy, drafter, self.machine_profile)
         return drafter, policy
 
 

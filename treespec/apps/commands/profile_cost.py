@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 rows = ", ".join(f"{p:.2f} -> {a:.2f}" for p, a in promise_by_quartile(outcomes, used))
                 print(f"  draft tokens promised -> accepted by quartile of the promise, {label}: {rows}")
             profile = profile.with_calibration(drafter, calibration)
+            profile = learn_policies(profile, target, tokenizer, drafter, name)
         save_profile(target, profile, sizes=args.sizes, contexts=args.contexts)
     print(describe_profile(profile, drafters, [str(p) for p in paths]))
     if args.out is not None:
@@ -99,15 +100,16 @@ CALIBRATION_SETS = ("gsm8k", "mt-bench", "humaneval", "alpaca")
 CALIBRATION_SKIP = 16
 
 
-def calibration_rounds(target, tokenizer, drafter, *, prompts: int = 3, tokens: int = 64):
-    """(tree, `VerifyResult`) of each round of 16-node trees (DominoTree over a Domino drafter, DDTree
-    otherwise), drafting every round, over ``prompts`` prompts of each `CALIBRATION_SETS` benchmark."""
+def calibration_rounds(target, tokenizer, drafter, *, prompts: int = 3, tokens: int = 64, policy=None):
+    """(tree, `VerifyResult`) of each round of ``policy`` (default: 16-node trees, DominoTree over a
+    drafter whose drafts carry a scorer, DDTree otherwise), drafting every round, over ``prompts``
+    prompts of each `CALIBRATION_SETS` benchmark."""
     from treespec import registry
     from treespec.apps.datasets import encode_chat, load_prompts
     from treespec.decoding import SpeculativeDecoder
 
-    conditional = bool(getattr(getattr(drafter, "config", None), "is_domino", False))
-    policy = registry.create("policy", "dominotree" if conditional else "ddtree", budget=16)
+    if policy is None:
+        policy = registry.create("policy", "dominotree" if drafter.role == "conditional" else "ddtree", budget=16)
     rounds = []
     decoder = SpeculativeDecoder(target, drafter, policy, draft_backoff=0,
                                  on_round=lambda tree, result: rounds.append((tree, result)))
@@ -115,6 +117,25 @@ def calibration_rounds(target, tokenizer, drafter, *, prompts: int = 3, tokens: 
         for prompt in load_prompts(name, limit=CALIBRATION_SKIP + prompts)[CALIBRATION_SKIP:]:
             decoder.generate(torch.tensor(encode_chat(tokenizer, prompt.turns[:1])), max_new_tokens=tokens)
     return rounds
+
+
+def learn_policies(profile, target, tokenizer, drafter, label: str):
+    """``profile`` with what each built-in learning policy that ``drafter`` can feed learned over it on
+    the calibration prompts (16-node trees), kept for later runs (`TreePolicy.learned_state`)."""
+    from treespec import registry
+
+    for name in registry.builtin("policy"):
+        cls = registry.resolve("policy", name)
+        needs = cls.uses_scorer == "required"
+        if not cls.learns or needs != (drafter.role == "conditional"):
+            continue
+        policy = registry.create("policy", name, budget=16)
+        if policy.learned_state() is None:
+            continue
+        rounds = calibration_rounds(target, tokenizer, drafter, policy=policy)
+        profile = profile.with_learned(name, drafter, policy.learned_state())
+        print(f"learned {name} over {label}: {len(rounds)} rounds")
+    return profile
 
 
 def describe_profile(profile, drafters, names) -> str:
