@@ -2,8 +2,8 @@
 
 Contract
 --------
-``ConfidentDDTree(budget=16, min_rate=0.1)`` and ``ConfidentDominoTree(budget=16, top_m=64,
-node_topk=8, min_rate=0.1)`` build their parent's best-first tree up to the budget, and stop at the
+``ConfidentDDTree(budget=16, min_rate=0.02)`` and ``ConfidentDominoTree(budget=16, top_m=64,
+node_topk=8, min_rate=0.02)`` build their parent's best-first tree up to the budget, and stop at the
 first candidate (in pop order: path probability descending) whose path probability falls under a
 floor θ: a round whose draft is sure builds its full budget and deep; an unsure one builds fewer
 nodes (an adaptive budget and depth from the draft's own confidence, beside CaDDTree's cost rule).
@@ -74,7 +74,7 @@ def isotonic(y: np.ndarray) -> np.ndarray:
 class LearnedFloor:
     """θ learned from verified nodes (module docstring)."""
 
-    min_rate: float = 0.1  # nodes whose fitted acceptance rate is under this are not worth verifying
+    min_rate: float = 0.02  # nodes whose fitted acceptance rate is under this are not worth verifying
     window: int = 4096  # most recent nodes the fit reads
     min_nodes: int = 256  # nodes before the first fit (θ = 0 until then)
     refit_every: int = 8  # drafted rounds between fits
@@ -146,7 +146,7 @@ class ConfidentDDTree(_Confident, BestFirstPolicy):
     name: ClassVar[str] = "confident-ddtree"
 
     budget: int = budget_field(16)  # most non-root nodes per round
-    min_rate: float = 0.1  # the acceptance rate under which a node is not worth verifying
+    min_rate: float = 0.02  # the acceptance rate under which a node is not worth verifying
     floor: LearnedFloor = _floor_field()  # θ, learned from verified rounds
 
     def validate(self, draft: DraftOutput) -> None:
@@ -166,7 +166,7 @@ class ConfidentDominoTree(_Confident, BestFirstPolicy):
     budget: int = budget_field(16)  # most non-root nodes per round
     top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
     node_topk: int = budget_field(8)  # children kept per expanded node
-    min_rate: float = 0.1  # the acceptance rate under which a node is not worth verifying
+    min_rate: float = 0.02  # the acceptance rate under which a node is not worth verifying
     floor: LearnedFloor = _floor_field()  # θ, learned from verified rounds
 
     def validate(self, draft: DraftOutput) -> None:
