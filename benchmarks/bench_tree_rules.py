@@ -168,6 +168,7 @@ def evaluate(args: argparse.Namespace) -> None:
         print(f"  replayed {name}: τ {per_turn(taus).mean():.3f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records) + "\n")
+    plot(records, args.out.with_name("budget_curves.svg"), args.resamples)
     print(tables(records, args.resamples))
 
 
@@ -192,6 +193,36 @@ def tables(records: dict, resamples: int = 2000) -> str:
         rounds = np.array([t for turn in m["taus"] for t in turn])
         lines.append(f"| {name} | " + " | ".join(f"{(rounds >= d + 1).mean():.3f}" for d in range(1, 7)) + " |")
     return "\n".join(lines) + "\n"
+
+
+def plot(records: dict, path: Path, resamples: int = 2000) -> Path:
+    """τ against budget per rule (a method without its budget), with 95 % intervals over turns."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from treespec.apps.bench.plots import budget_axis, interval_axes, save_figure
+
+    families: dict[str, list[tuple[int, float, float, float]]] = {}
+    for name, m in records["methods"].items():
+        budget = int(re.search(r"@(\d+)", name).group(1))
+        tau = per_turn(m["taus"])
+        lo, hi = bootstrap_interval(lambda i, t=tau: t[i].mean(), len(tau), resamples, seed=0)
+        families.setdefault(re.sub(r"@\d+", "", name), []).append((budget, tau.mean(), lo, hi))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    colors = plt.get_cmap("tab20").colors
+    for k, (family, points) in enumerate(families.items()):
+        points.sort()
+        b, mean, lo, hi = (np.array(v) for v in zip(*points, strict=True))
+        ax.errorbar(b, mean, yerr=[mean - lo, hi - mean], marker="os^D"[k % 4], capsize=3, label=family,
+                    color=colors[k % len(colors)], linestyle="-" if k < 10 else "--")
+    budget_axis(ax, sorted({p[0] for pts in families.values() for p in pts}))
+    interval_axes(ax, "τ (tokens per round), 95 % CI over turns", [v for pts in families.values() for p in pts
+                                                                      for v in p[2:]])
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save_figure(fig, path)
 
 
 def _ci(stat, n: int, resamples: int, sign: str = "") -> str:
