@@ -16,7 +16,8 @@ from test_target import tiny_model
 from treespec.apps import bench as ab
 from treespec.apps.bench.measure import rotated
 from treespec.apps.bench.records import BenchRecord
-from treespec.apps.bench.summary import disturbed_note, summarize
+from treespec.apps.bench.summary import disturbed_note, summarize, threads_by_turn, threads_note
+from treespec.apps.commands.demo import conditions_line
 from treespec.apps.methods import parse_method
 from treespec.pricing import conditions
 from treespec.pricing.conditions import (
@@ -111,6 +112,32 @@ def test_threads_given_are_kept_and_chosen_ones_follow_the_load(monkeypatch):
     torch.set_num_threads(1)
 
 
+
+def test_threads_chosen_down_rise_again_once_the_spare_cores_sit_idle():
+    """One of two cores busy at start: one thread.  While the load holds its core (others ~1 core of the
+    1 left spare) nothing is checked; once it leaves, the next quiet turn chooses again and rises; a
+    choice that still sees the core busy keeps one thread; never above the ceiling, never when given."""
+    said, asked = [], []
+
+    def chooser(free):
+        def choose(default):
+            asked.append(default)
+            return ThreadChoice(free, f"{free} of 2 cores free")
+        return choose
+
+    control = ThreadControl.start(report=said.append, chooser=chooser(1))
+    control.ceiling = 2
+    held = Load(0.98, 0.0, 1.0, 1)  # the hog kept the spare core
+    idle = Load(0.05, 0.0, 1.0, 1)
+    assert not control.regain([held, idle], chooser(2)) and asked == [1]  # not even checked
+    assert not control.regain([idle], chooser(1)) and control.threads == 1  # checked: still busy
+    assert control.regain([idle, idle], chooser(4)) and control.threads == 2 and torch.get_num_threads() == 2
+    assert said == ["treespec: cores free again: threads 2: 4 of 2 cores free (was 1)"]
+    assert not control.regain([Load(0.0, 0.0, 1.0, 0)], chooser(2)) and len(asked) == 3  # at the ceiling
+    given = ThreadControl.start(1, reason="as asked", report=said.append)
+    assert not given.regain([idle], chooser(2)) and given.threads == 1 and len(asked) == 3
+    torch.set_num_threads(1)
+
 def test_rotation_puts_every_method_at_every_place_equally_often():
     methods = [parse_method(m) for m in ("ar", "dflash", "ddtree@4", "dominotree@4")]
     places = {m.name: [0] * 4 for m in methods}
@@ -168,10 +195,10 @@ def test_a_turn_a_passing_load_disturbed_is_measured_again_and_a_lasting_one_lef
         assert harness.persist_live() is None and "disturbed by another process" in harness.not_saved
 
 
-def record(method: str, prompt: str, seconds: float, others: float = 0.0) -> BenchRecord:
+def record(method: str, prompt: str, seconds: float, others: float = 0.0, threads: int = 2) -> BenchRecord:
     return BenchRecord(method=method, policy="ar" if method == "ar" else "ddtree", budget=0 if method == "ar" else 4,
                        temperature=0.0, dataset="d", prompt_id=prompt, turn=0, seed=1, tokens=[1] * 10, taus=[1] * 10,
-                       decode_time=seconds, prefill_time=0.0, stage_times={}, threads=2,
+                       decode_time=seconds, prefill_time=0.0, stage_times={}, threads=threads,
                        load=Load(others, 0.0, seconds, 0).to_record())
 
 
@@ -186,6 +213,15 @@ def test_disturbed_turns_are_left_out_of_the_paired_speedups():
     (_, everything) = summarize(hit, resamples=10)  # every turn hit: the speeds are the disturbed ones, said so
     assert everything.speedup == pytest.approx(1 / 9) and "every one of the 1 prompt turns" in disturbed_note(hit)
 
+
+
+def test_a_run_whose_threads_followed_the_load_says_how_many_turns_ran_with_each():
+    steady = [record(m, p, 1.0) for m in ("ar", "ddtree@4") for p in "abc"]
+    assert threads_note(steady) == "" and "threads followed" not in conditions_line(steady, 0)
+    moved = [record(m, p, 1.0, threads=1 if p in "ab" else 2) for m in ("ar", "ddtree@4") for p in "abc"]
+    assert threads_by_turn(moved) == {1: 2, 2: 1}
+    assert "threads on prompt turns: 1 on 2, 2 on 1" in threads_note(moved)
+    assert conditions_line(moved, 0).endswith("; threads followed the load: 1 on 2 turns, 2 on 1 turn")
 
 def tiny_profile_target() -> TargetModel:
     return TargetModel(tiny_model(vocab=64, hidden=32, layers=2))

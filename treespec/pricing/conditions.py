@@ -187,12 +187,14 @@ class LoadMeter:
 @attrs.define
 class ThreadControl:
     """The intra-op threads of a run: given (``--threads``: never changed), or chosen from the cores
-    free at start and chosen again after a measurement another process disturbed."""
+    free at start, chosen again (down) after a measurement another process disturbed, and chosen again
+    (up) after one during which the cores they left to others sat idle."""
 
     choice: ThreadChoice  # the current threads (of each process of the run) and why
     fixed: bool = False  # given by the user: kept whatever the load
     report: Callable[[str], None] = print  # where a change of threads is said
     ranks: int = 1  # processes of the run sharing the cores (bench ranks), each with these threads
+    ceiling: int = 0  # the most threads each process may take (its share of the allowed cores); 0: never raised
 
     @classmethod
     def start(cls, threads: int | None = None, *, reason: str = "as asked", report: Callable[[str], None] = print,
@@ -207,9 +209,10 @@ class ThreadControl:
             torch.set_num_threads(threads)
             return cls(ThreadChoice(threads, reason), fixed=True, report=report, ranks=ranks)
         choice = _shared(chooser(default=torch.get_num_threads()), ranks)
-        if choice.measured:
-            torch.set_num_threads(choice.threads)
-        return cls(choice, report=report, ranks=ranks)
+        if not choice.measured:
+            return cls(choice, report=report, ranks=ranks)
+        torch.set_num_threads(choice.threads)
+        return cls(choice, report=report, ranks=ranks, ceiling=max(1, len(allowed_cores()) // ranks))
 
     @property
     def threads(self) -> int:
@@ -231,6 +234,26 @@ class ThreadControl:
             torch.set_num_threads(choice.threads)
             self.report(f"treespec: another process took cores: {choice.describe()} (was {self.threads})")
             self.choice = choice
+        return True
+
+    def regain(self, loads: Sequence[Load], chooser: Callable[..., ThreadChoice] = choose_threads) -> bool:
+        """After a measurement no other process disturbed, made of the spans ``loads``: where the threads
+        are below `ceiling` and the cores they left to others sat mostly idle over every span (others
+        used at most `BUSY_SHARE` of them), the threads chosen again from the cores free now; True (and
+        said) when they rose.  A load that keeps its core busy never triggers the check."""
+        if self.fixed or self.threads >= self.ceiling or not loads:
+            return False
+        if any(not load.known or load.others > load.spare * BUSY_SHARE for load in loads):
+            return False
+        import torch
+
+        choice = _shared(chooser(default=self.threads * self.ranks), self.ranks)
+        if not choice.measured or choice.threads <= self.threads:
+            return False
+        choice = attrs.evolve(choice, threads=min(choice.threads, self.ceiling))
+        torch.set_num_threads(choice.threads)
+        self.report(f"treespec: cores free again: {choice.describe()} (was {self.threads})")
+        self.choice = choice
         return True
 
 

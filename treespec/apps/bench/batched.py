@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from treespec.apps.bench.measure import Runner, Turn, method_fields, rotated
+from treespec.apps.bench.measure import Runner, Turn, method_fields, regain_threads, rotated
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
@@ -80,6 +80,8 @@ class BatchRunner(Runner):
             self.harness.disturbed += 1
             if self.harness.threads.adapt():
                 records = self._batch_once(turns)
+        else:
+            regain_threads(self.harness.threads, (r for rows in records.values() for r in rows))
         return {m.name: records[m.name] for m in self.methods}
 
     def _batch_once(self, turns: Sequence[Turn]) -> dict[str, list[BenchRecord]]:

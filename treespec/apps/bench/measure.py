@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import attrs
 import torch
@@ -30,6 +30,7 @@ from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
 from treespec.apps.methods import MethodSpec, naming
 from treespec.decoding import SpeculativeDecoder
+from treespec.pricing.conditions import Load, ThreadControl
 from treespec.target import ContextOverflowError
 
 __all__ = ["Runner", "Turn", "method_fields", "rotated"]
@@ -93,12 +94,15 @@ class Runner:
         """Every method on one turn; method name -> record, in the methods' order.  The methods run in
         an order rotated from turn to turn (`rotated`), so a load that comes and goes falls on every
         place of the order alike; a turn another process disturbed is measured once more, after the
-        threads are chosen again from the cores free now (`ThreadControl.adapt`)."""
+        threads are chosen again from the cores free now (`ThreadControl.adapt`); after a quiet turn that
+        left the spare cores idle, threads chosen down are chosen again (`ThreadControl.regain`)."""
         records = self._measure_once(turn)
         if any(r.disturbed for r in records.values()):
             self.harness.disturbed += 1
             if self.harness.threads.adapt():
                 records = self._measure_once(turn)
+        else:
+            regain_threads(self.harness.threads, records.values())
         return {m.name: records[m.name] for m in self.methods}
 
     def _measure_once(self, turn: Turn) -> dict[str, BenchRecord]:
@@ -144,3 +148,8 @@ class Runner:
         """Turn t of ``prompt``, asked after ``answers`` (AR's answers to the earlier turns)."""
         ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
         return Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t, temperature))
+
+
+def regain_threads(threads: ThreadControl, records: Iterable[BenchRecord]) -> bool:
+    """`ThreadControl.regain` over the spans of a measurement's records (those whose load was read)."""
+    return threads.regain([Load(**r.load) for r in records if r.load])

@@ -14,7 +14,14 @@ from treespec.apps.bench.lossless import lossless_text, read_divergences
 from treespec.apps.bench.outdir import DIVERGENCES, RECORDS, shard_files
 from treespec.apps.bench.plots import plot_budget_curves, plot_tau_histograms
 from treespec.apps.bench.records import read_records
-from treespec.apps.bench.summary import compare_pairs, disturbed_note, markdown_table, summarize, write_csv
+from treespec.apps.bench.summary import (
+    compare_pairs,
+    disturbed_note,
+    markdown_table,
+    summarize,
+    threads_note,
+    write_csv,
+)
 
 __all__ = ["Report", "write_report"]
 
@@ -54,7 +61,7 @@ def write_report(out_dir: str | Path, *, resamples: int = 1000) -> Report:
     if not records:
         raise ValueError(f"{out_dir / RECORDS} holds no records")
     summaries = summarize(records, resamples=resamples)
-    table = markdown_table(summaries) + pooled_runs_note(records) + disturbed_note(records)
+    table = markdown_table(summaries) + pooled_runs_note(records) + disturbed_note(records) + threads_note(records)
     lossless, bad = lossless_text(records, read_divergences(out_dir / DIVERGENCES))
     write_csv(summaries, out_dir / "summary.csv")
     write_csv(compare_pairs(records, resamples=resamples), out_dir / "pairs.csv")

@@ -28,7 +28,7 @@ import numpy as np
 
 from treespec.apps.bench.records import BenchRecord
 
-__all__ = ["POOLED", "CellSummary", "PairComparison", "bootstrap_interval", "compare_pairs", "disturbed_note",
+__all__ = ["POOLED", "CellSummary", "PairComparison", "bootstrap_interval", "compare_pairs", "disturbed_note", "threads_by_turn", "threads_note",
            "markdown_table", "summarize", "time_per_token", "undisturbed", "write_csv"]
 
 AR = "ar"
@@ -211,3 +211,22 @@ def disturbed_note(records: Iterable[BenchRecord]) -> str:
                 "using (records' ``load``): its speedups and time ratios measure the load as much as the methods.\n")
     return (f"\nNote: {hit} of {len(turns)} prompt turns ran while another process took cores this run was using "
             f"(records' ``load``); speedups and time ratios leave them out, τ and equality with AR count them.\n")
+
+
+def threads_by_turn(records: Iterable[BenchRecord]) -> dict[int, int]:
+    """threads -> prompt turns measured with them (a turn's methods share its threads)."""
+    turns = {r.key: r.threads for r in records}
+    counts: dict[int, int] = {}
+    for threads in turns.values():
+        counts[threads] = counts.get(threads, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def threads_note(records: Iterable[BenchRecord]) -> str:
+    """A note when the run's threads changed with the load (`treespec.pricing.conditions.ThreadControl`)."""
+    counts = threads_by_turn(records)
+    if len(counts) < 2:
+        return ""
+    spread = ", ".join(f"{threads} on {n}" for threads, n in counts.items())
+    return (f"\nNote: the threads followed the load (threads on prompt turns: {spread}; records' ``threads``); "
+            "the methods of a turn ran with the same threads, so its paired ratios compare alike.\n")

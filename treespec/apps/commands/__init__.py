@@ -17,7 +17,7 @@ def add_threads_argument(parser) -> None:
     start (`start_threads`)."""
     parser.add_argument("--threads", type=_thread_count, default=None,
                         help=f"torch CPU threads (default: ${THREADS_ENV} if set, else the cores not busy with "
-                             "other work at start, chosen again when another process takes one)")
+                             "other work at start, chosen again when another process takes one or leaves one)")
 
 
 def _thread_count(text: str) -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from treespec.apps.bench.records import BenchRecord
-from treespec.apps.bench.summary import time_per_token
+from treespec.apps.bench.summary import threads_by_turn, time_per_token
 from treespec.apps.commands import CPU_DTYPES, DTYPES, add_threads_argument, start_threads
 
 if TYPE_CHECKING:
@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
 def conditions_line(records: Sequence[BenchRecord], remeasured: int) -> str:
     """What other processes did to the run: its turns, those measured again after a disturbance, and
     those still disturbed (left out of the speeds)."""
+    return _disturbance(records, remeasured) + _threads_clause(records)
+
+
+def _disturbance(records: Sequence[BenchRecord], remeasured: int) -> str:
     turns = {r.key for r in records}
     hit = {r.key for r in records if r.disturbed}
     loads = [r.load["others"] for r in records if r.load.get("known")]
@@ -153,6 +157,14 @@ def conditions_line(records: Sequence[BenchRecord], remeasured: int) -> str:
                 "the speeds above measure the load as much as the methods")
     return (f"conditions: {remeasured} measurement(s) disturbed by other processes and measured again after "
             f"choosing threads anew; {len(hit)} of {len(turns)} turns still disturbed, left out of the speedups")
+
+
+def _threads_clause(records: Sequence[BenchRecord]) -> str:
+    """Where the threads followed the load: how many turns ran with each count."""
+    counts = threads_by_turn(records)
+    if len(counts) < 2:
+        return ""
+    return "; threads followed the load: " + ", ".join(f"{t} on {n} turn{'s' * (n != 1)}" for t, n in counts.items())
 
 
 def machine_header(harness, dtype_arg: str) -> str:
