@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=docs/figures
-prompt="What is the capital of France?"
+prompt="Name the three primary colors."
 round=3
 
 trees() {
