@@ -6,6 +6,8 @@ a scripted load, mocked core counts."""
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import attrs
 import pytest
@@ -14,6 +16,7 @@ from test_bench_runner import CONFIG, make_harness, prompt_files
 from test_target import tiny_model
 
 from treespec.apps import bench as ab
+from treespec.apps.bench import measure
 from treespec.apps.bench.measure import rotated
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import disturbed_note, summarize, threads_by_turn, threads_note
@@ -29,13 +32,14 @@ from treespec.pricing.conditions import (
     ThreadControl,
     choose_threads,
     read_cpu_times,
+    run_processes,
 )
 from treespec.pricing.profile import machine_profile
 from treespec.target import TargetModel
 
 
 def times(busy: dict[int, int], total: dict[int, int], own: int = 0, clock: float = 0.0) -> CpuTimes:
-    return CpuTimes(busy, total, {c: 0 for c in busy}, own, clock)
+    return CpuTimes(busy, total, {c: 0 for c in busy}, {"self": own}, clock)
 
 
 class Script:
@@ -53,9 +57,57 @@ def test_the_kernels_accounting_is_read_per_core_and_for_this_process(tmp_path):
     stat.write_text("cpu  30 0 10 60 0 0 0 0 0 0\ncpu0 10 0 5 80 5 0 0 0 0 0\ncpu1 20 0 5 20 0 0 0 5 0 0\n"
                     "intr 1 2 3\n")
     own.write_text("42 (python3 (x)) R 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15")  # utime 11, stime 12
-    read = read_cpu_times(stat, own, clock=lambda: 7.0)
-    assert read == CpuTimes({0: 15, 1: 30}, {0: 100, 1: 50}, {0: 0, 1: 5}, 23, 7.0)
-    assert read_cpu_times(tmp_path / "missing", own) is None
+    read = read_cpu_times(stat, [own, tmp_path / "exited"], clock=lambda: 7.0)
+    assert read == CpuTimes({0: 15, 1: 30}, {0: 100, 1: 50}, {0: 0, 1: 5}, {str(own): 23}, 7.0)
+    assert read_cpu_times(tmp_path / "missing", [own]) is None
+    assert read_cpu_times(stat, [tmp_path / "missing"]) is None
+
+
+def test_the_run_of_several_ranks_counts_its_sibling_ranks_as_its_own(tmp_path, monkeypatch):
+    """Under a launcher the processes with this one's parent are the run's other ranks: their
+    ticks are the run's, not another process's load (two single-thread ranks on two cores are not
+    a disturbance; a hog beside them is)."""
+    monkeypatch.setattr(conditions.os, "getppid", lambda: 500)
+    monkeypatch.setattr(conditions.os, "getpid", lambda: 501)
+    for pid, ppid in ((501, 500), (502, 500), (503, 1), (504, 500)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python3) S {ppid} 0 0 0 0 0 0 0 0 0 0 0")
+    (tmp_path / "505").mkdir()  # a process that exited while the folder was read
+    assert run_processes(1, tmp_path) == [tmp_path / "self" / "stat"]
+    found = run_processes(2, tmp_path)
+    assert found[0] == tmp_path / "self" / "stat" and sorted(found[1:]) == [tmp_path / "502" / "stat",
+                                                                           tmp_path / "504" / "stat"]
+
+    def load(sibling_ticks: int, hog: int) -> Load:  # rank 0's meter: its own 100 ticks, rank 1's, a hog's
+        before = CpuTimes({0: 0, 1: 0}, {0: 0, 1: 0}, {0: 0, 1: 0}, {"self": 0, "rank1": 0}, 0.0)
+        busy = 100 + sibling_ticks + hog
+        after = CpuTimes({0: busy // 2, 1: busy - busy // 2}, {0: 100, 1: 100}, {0: 0, 1: 0},
+                         {"self": 100, "rank1": sibling_ticks}, 1.0)
+        meter = LoadMeter(1, ranks=2, cores=[0, 1], reader=Script(before, after))
+        meter.start()
+        return meter.stop()
+
+    assert load(100, hog=0).others == 0.0 and not load(100, hog=0).disturbed
+    assert load(50, hog=50).others == pytest.approx(0.5) and load(50, hog=50).disturbed
+
+
+def test_every_rank_of_a_launched_run_names_the_same_run(tmp_path, monkeypatch):
+    """Records of one torchrun invocation carry one run id (the launcher's start and pid), so the
+    report does not take its ranks for the runs of a resumed folder."""
+    (tmp_path / "700").mkdir()
+    tick = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "700" / "stat").write_text("700 (torchrun) S 1 " + " ".join(["0"] * 17) + f" {42 * tick} 0")
+    (tmp_path / "stat").write_text("cpu  1 2 3 4\nbtime 1764900000\n")
+    monkeypatch.setattr(measure.os, "getppid", lambda: 700)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ranks = set()
+    for pid in (701, 702):
+        monkeypatch.setattr(measure.os, "getpid", lambda pid=pid: pid)
+        ranks.add(measure.run_identity(tmp_path))
+    (only,) = ranks
+    assert only == time.strftime("%Y%m%dT%H%M%S", time.localtime(1764900042)) + "-700"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert measure.run_identity(tmp_path).endswith("-702")
 
 
 def test_the_thread_choice_leaves_out_a_core_another_process_keeps_busy():

@@ -12,8 +12,9 @@ the free core keeps almost all of it.  This module reads the kernel's own accoun
   as busy when other processes and the hypervisor, "steal", took more than `BUSY_SHARE` of it),
   at least one.  The answer names its reason, e.g. ``1 of 2 cores (cpu1 97 % busy over 0.3 s)``.
 * `LoadMeter`: over a span of work (a bench turn, a dtype probe, a cost profile), the cores that
-  other processes used, in cores: busy time of the allowed cores not spent by this process, plus
-  time stolen by the hypervisor, per second.  A span is **disturbed** when that exceeds the cores
+  other processes used, in cores: busy time of the allowed cores not spent by the run's own
+  processes (this one, and under a launcher such as torchrun its sibling ranks: the processes with
+  the same parent), plus time stolen by the hypervisor, per second.  A span is **disturbed** when that exceeds the cores
   this process leaves free (allowed cores less its threads) by more than `DISTURBED_MARGIN`: another
   process then competed for the cores this one was using.  A load that sits on a core the thread
   choice left free does not disturb.
@@ -33,7 +34,7 @@ from pathlib import Path
 import attrs
 
 __all__ = ["BUSY_SHARE", "DISTURBED_MARGIN", "CpuTimes", "Load", "LoadMeter", "ThreadChoice", "allowed_cores",
-           "busy_shares", "choose_threads", "read_cpu_times"]
+           "busy_shares", "choose_threads", "read_cpu_times", "run_processes"]
 
 BUSY_SHARE = 0.5  # a core whose time went more than half to other work is not free
 DISTURBED_MARGIN = 0.3  # cores of others' load beyond the free ones that mark a span disturbed
@@ -46,17 +47,21 @@ class CpuTimes:
     busy: dict[int, int]  # core -> ticks not idle (user, nice, system, irq, softirq, steal)
     total: dict[int, int]  # core -> all ticks
     steal: dict[int, int]  # core -> ticks the hypervisor gave to other guests
-    own: int  # this process's user + system ticks (every thread, every core)
+    own: dict[str, int]  # the run's processes (their stat files) -> user + system ticks (every thread, every core)
     clock: float  # seconds on the caller's clock when it was read
 
 
-def read_cpu_times(stat: Path = Path("/proc/stat"), own: Path = Path("/proc/self/stat"),
+def read_cpu_times(stat: Path = Path("/proc/stat"), own: Sequence[Path] = (Path("/proc/self/stat"),),
                    clock: Callable[[], float] = time.perf_counter) -> CpuTimes | None:
-    """The per-core ticks of ``stat`` and this process's of ``own``; None where they cannot be read."""
+    """The per-core ticks of ``stat`` and the run's processes' of ``own`` (this process's file first;
+    a sibling's that cannot be read, one that has exited, is left out); None where ``stat`` or the
+    first of ``own`` cannot be read."""
     try:
         lines = stat.read_text().splitlines()
-        fields = own.read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    except OSError:
+        return None
+    ticks_of = {str(path): ticks for path in own if (ticks := _process_ticks(path)) is not None}
+    if not own or str(own[0]) not in ticks_of:
         return None
     busy, total, steal = {}, {}, {}
     for line in lines:
@@ -68,8 +73,38 @@ def read_cpu_times(stat: Path = Path("/proc/stat"), own: Path = Path("/proc/self
         total[core] = sum(ticks)
         busy[core] = total[core] - ticks[3] - ticks[4]
         steal[core] = ticks[7]
-    own_ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return CpuTimes(busy, total, steal, own_ticks, clock())
+    return CpuTimes(busy, total, steal, ticks_of, clock())
+
+
+def _process_ticks(path: Path) -> int | None:
+    """utime + stime of a process's stat file (fields 14 and 15 of proc(5)); None where unreadable."""
+    try:
+        fields = _stat_fields(path)
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run_processes(ranks: int, proc: Path = Path("/proc")) -> list[Path]:
+    """The stat files of the run's processes: this one's, and with ``ranks`` > 1 those of the other
+    processes with the same parent (the launcher's other ranks)."""
+    own = [proc / "self" / "stat"]
+    if ranks == 1:
+        return own
+    parent, me = os.getppid(), os.getpid()
+    for entry in proc.glob("[0-9]*"):
+        try:
+            ppid = int(_stat_fields(entry / "stat")[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and int(entry.name) != me:
+            own.append(entry / "stat")
+    return own
+
+
+def _stat_fields(path: Path) -> list[str]:
+    """A stat file's fields after the command name: state, ppid, ..."""
+    return path.read_text().rsplit(")", 1)[1].split()
 
 
 def busy_shares(before: CpuTimes, after: CpuTimes, cores: Sequence[int]) -> dict[int, float]:
@@ -163,7 +198,7 @@ class LoadMeter:
         self.cores = list(cores if cores is not None else allowed_cores())
         self.threads = threads
         self.spare = max(0, len(self.cores) - threads * ranks)
-        self.reader = reader or read_cpu_times
+        self.reader = reader or (lambda processes=tuple(run_processes(ranks)): read_cpu_times(own=processes))
         self._start: CpuTimes | None = None
 
     def start(self) -> None:
@@ -180,7 +215,8 @@ class LoadMeter:
             return Load(0.0, 0.0, after.clock - before.clock, self.spare)
         busy = sum(after.busy.get(c, 0) - before.busy.get(c, 0) for c in self.cores)
         steal = sum(after.steal.get(c, 0) - before.steal.get(c, 0) for c in self.cores)
-        others = max(0.0, (busy - (after.own - before.own)) / per_core)
+        own = sum(after.own[p] - before.own[p] for p in before.own if p in after.own)  # the run's processes
+        others = max(0.0, (busy - own) / per_core)
         return Load(others, steal / per_core, after.clock - before.clock, self.spare)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import attrs
 import torch
@@ -70,7 +71,7 @@ class Runner:
         self.stops = harness.chat.stop_ids if config.stop_at_eos else []
         self.tolerance = resolve_tolerance(config, harness.target.dtype)
         self.skipped: list[str] = []
-        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"  # this invocation, named in its records
+        self.run_id = run_identity()  # this invocation, named in its records
 
     def make_decoders(self) -> dict:
         """Method name -> the decoder this runner measures it with."""
@@ -153,3 +154,23 @@ class Runner:
 def regain_threads(threads: ThreadControl, records: Iterable[BenchRecord]) -> bool:
     """`ThreadControl.regain` over the spans of a measurement's records (those whose load was read)."""
     return threads.regain([Load(**r.load) for r in records if r.load])
+
+
+def run_identity(proc: Path = Path("/proc")) -> str:
+    """This invocation's name in its records: its start time and process id; under a launcher
+    (torchrun: WORLD_SIZE > 1) the launcher's, so every rank of one run names the same run."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    parent = os.getppid()
+    return f"{_started(parent, proc)}-{parent}"
+
+
+def _started(pid: int, proc: Path) -> str:
+    """When process ``pid`` started (proc(5): boot time + its start ticks), or today where unreadable."""
+    try:
+        ticks = int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        boot = next(int(line.split()[1]) for line in (proc / "stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return time.strftime("%Y%m%dT%H%M%S", time.localtime(boot + ticks / os.sysconf("SC_CLK_TCK")))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return time.strftime("%Y%m%d")
