@@ -3,7 +3,7 @@
 # and the drafters shipped in treespec/assets/).  Run from the repository root:
 #
 #   docs/figures/make.sh trees    # the drawn trees of docs/policies/ (about a minute)
-#   docs/figures/make.sh ab       # the A/B walkthrough's bench run (docs/ab-walkthrough.md; about 30 min on 2 CPU cores)
+#   docs/figures/make.sh ab       # the A/B walkthrough's bench run (docs/ab-walkthrough.md; about 12 min on 2 CPU cores)
 #   docs/figures/make.sh sweep    # docs/replay.md's sweep, side-by-side trees and trace page (5 min; needs chromium)
 #   docs/figures/make.sh rules    # docs/tree-rules.md: the held-out trace, its records and the two drawings (25 min)
 #
@@ -32,9 +32,9 @@ trees() {
 }
 
 ab() {
-  # one rank per core, one thread each: on the 2-core CPU of the docs a second thread barely speeds
-  # one process (AR 8.0 against 7.2 tokens/s), so two ranks do nearly twice the work; the methods of
-  # a prompt turn still run side by side in one rank
+  # one rank per core, one thread each: on the 2-core CPU of the docs a second thread does not speed
+  # one float32 process (AR 18.9 against 18.7 tokens/s), so two ranks do nearly twice the work; the
+  # methods of a prompt turn still run side by side in one rank
   OMP_NUM_THREADS=1 torchrun --nproc_per_node "${RANKS:-2}" -m treespec.apps.cli bench --methods ar,dflash,domino,ddtree,caddtree,dominotree,static-corrected --budgets 16,64 \
     --temperatures 0,1 --datasets gsm8k,mt-bench,humaneval,alpaca --prompts 2 --max-new-tokens 64 \
     --seed 0 --dtype float32 --out "$out/ab"
