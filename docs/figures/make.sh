@@ -60,7 +60,7 @@ sweep() {
   treespec replay eval $trace --methods ddtree,eagle2,dominotree --budgets 4,8,16,32,64 --set topk=2,4,10 \
     --baseline ddtree --out $out/sweep --overwrite
   rm -f $out/sweep/budget_curves.png  # the SVG is the doc's
-  treespec draw --trace $trace --prompt 9 --position 20 --methods ddtree@16,eagle2@16 --out $out/side-by-side.svg --overwrite \
+  treespec draw --trace $trace --prompt 8 --position 20 --methods ddtree@16,eagle2@16 --out $out/side-by-side.svg --overwrite \
     --html runs/trace-page.html
   chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,820 \
     --screenshot=$out/trace-page.png "file://$PWD/runs/trace-page.html#position=20"
