@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from treespec.interfaces import DraftOutput, RoundReport
-from treespec.policies.dominotree import DominoTree, require_scorer
+from treespec.policies.dominotree import corrected_source, require_scorer
 from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
 from treespec.policies.engine.candidates import ScorerSource, TopTokens
 from treespec.policies.engine.stop import StopRule
@@ -173,4 +173,4 @@ class ConfidentDominoTree(_Confident, BestFirstPolicy):
         require_scorer(draft, "confident DominoTree")
 
     def candidates(self, draft: DraftOutput) -> ScorerSource:
-        return DominoTree(self.budget, self.top_m, self.node_topk).candidates(draft)
+        return corrected_source(draft, self.top_m, self.node_topk)

@@ -16,7 +16,7 @@ from typing import ClassVar
 import attrs
 
 from treespec.interfaces import DraftOutput
-from treespec.policies.dominotree import DominoTree, require_scorer
+from treespec.policies.dominotree import corrected_source, require_scorer
 from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.cost import CostAware
@@ -39,4 +39,4 @@ class CostAwareDominoTree(CostAware, BestFirstPolicy):
         self.require_cost_model()
 
     def candidates(self, draft: DraftOutput) -> ScorerSource:
-        return DominoTree(self.budget, self.top_m, self.node_topk).candidates(draft)
+        return corrected_source(draft, self.top_m, self.node_topk)

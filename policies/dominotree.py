@@ -24,13 +24,27 @@ from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.stop import StopRule
 
-__all__ = ["DominoTree", "require_scorer"]
+__all__ = ["DominoTree", "check_node_topk", "corrected_source", "require_scorer"]
 
 
 def require_scorer(draft: DraftOutput, policy: str) -> None:
     if draft.scorer is None:
         raise ValueError(f"{policy} needs a draft with a ConditionalScorer (e.g. from the Domino drafter); "
                          f"this DraftOutput has scorer=None")
+
+
+def check_node_topk(node_topk: int, top_m: int) -> None:
+    if node_topk > top_m:
+        raise ValueError(f"node_topk ({node_topk}) cannot exceed top_m ({top_m})")
+
+
+def corrected_source(draft: DraftOutput, top_m: int, node_topk: int) -> ScorerSource:
+    """DominoTree's candidates, for it and the policies built on its tree: each node's best
+    ``node_topk`` children under the correction along its own path, over the depth's top-``top_m``
+    base candidates (both capped at the vocabulary)."""
+    check_node_topk(node_topk, top_m)
+    top_m = min(top_m, draft.vocab_size)
+    return ScorerSource(draft.scorer, top_m, min(node_topk, top_m))
 
 
 @attrs.frozen
@@ -46,12 +60,10 @@ class DominoTree(BestFirstPolicy):
     stop: StopRule | None = None  # optional early stop rule
 
     def __attrs_post_init__(self) -> None:
-        if self.node_topk > self.top_m:
-            raise ValueError(f"node_topk ({self.node_topk}) cannot exceed top_m ({self.top_m})")
+        check_node_topk(self.node_topk, self.top_m)
 
     def validate(self, draft: DraftOutput) -> None:
         require_scorer(draft, "DominoTree")
 
     def candidates(self, draft: DraftOutput) -> ScorerSource:
-        top_m = min(self.top_m, draft.vocab_size)
-        return ScorerSource(draft.scorer, top_m, min(self.node_topk, top_m))
+        return corrected_source(draft, self.top_m, self.node_topk)

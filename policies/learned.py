@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from treespec.interfaces import DraftOutput, RoundReport
-from treespec.policies.dominotree import DominoTree, require_scorer
+from treespec.policies.dominotree import corrected_source, require_scorer
 from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.scorers import RescoredScorer, RowScorer
@@ -174,5 +174,5 @@ class LearnedDominoTree(_Learned, BestFirstPolicy):
         require_scorer(draft, "learned DominoTree")
 
     def candidates(self, draft: DraftOutput) -> ScorerSource:
-        base = DominoTree(self.budget, self.top_m, self.node_topk).candidates(draft)
+        base = corrected_source(draft, self.top_m, self.node_topk)
         return ScorerSource(RescoredScorer(base.scorer, self.table.rescore), base.top_m, base.k)

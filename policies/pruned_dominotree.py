@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from treespec.interfaces import DraftOutput
-from treespec.policies.dominotree import DominoTree, require_scorer
+from treespec.policies.dominotree import corrected_source, require_scorer
 from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.scorers import RescoredScorer
@@ -71,7 +71,7 @@ class PrunedDominoTree(BestFirstPolicy):
         require_scorer(draft, "pruned DominoTree")
 
     def candidates(self, draft: DraftOutput) -> ScorerSource:
-        base = DominoTree(self.budget, self.top_m, self.node_topk).candidates(draft)
+        base = corrected_source(draft, self.top_m, self.node_topk)
         rule, mass, ratio = self.rule, self.mass, self.ratio
         pruned = RescoredScorer(base.scorer, lambda depth, tokens, logprobs, main: prune(logprobs, rule, mass, ratio))
         return ScorerSource(pruned, base.top_m, base.k)
