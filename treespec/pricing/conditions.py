@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 
 __all__ = ["BUSY_SHARE", "DISTURBED_MARGIN", "CpuTimes", "Load", "LoadMeter", "ThreadChoice", "allowed_cores",
-           "busy_shares", "choose_threads", "read_cpu_times", "run_processes"]
+           "busy_shares", "choose_threads", "process_started", "read_cpu_times", "run_processes"]
 
 BUSY_SHARE = 0.5  # a core whose time went more than half to other work is not free
 DISTURBED_MARGIN = 0.3  # cores of others' load beyond the free ones that mark a span disturbed
@@ -100,6 +100,18 @@ def run_processes(ranks: int, proc: Path = Path("/proc")) -> list[Path]:
         if ppid == parent and int(entry.name) != me:
             own.append(entry / "stat")
     return own
+
+
+def process_started(pid: int, proc: Path = Path("/proc")) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (proc(5): the boot time plus its
+    start ticks); None where that cannot be read."""
+    try:
+        ticks = int(_stat_fields(proc / str(pid) / "stat")[19])  # field 22, starttime
+        boot = next(int(line.split()[1]) for line in (proc / "stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _stat_fields(path: Path) -> list[str]:
@@ -194,11 +206,13 @@ class LoadMeter:
     of the run (module docstring)."""
 
     def __init__(self, threads: int, *, ranks: int = 1, cores: Sequence[int] | None = None,
-                 reader: Callable[[], CpuTimes | None] | None = None) -> None:
+                 reader: Callable[[], CpuTimes | None] | None = None,
+                 processes: Sequence[Path] | None = None) -> None:
         self.cores = list(cores if cores is not None else allowed_cores())
         self.threads = threads
         self.spare = max(0, len(self.cores) - threads * ranks)
-        self.reader = reader or (lambda processes=tuple(run_processes(ranks)): read_cpu_times(own=processes))
+        own = tuple(processes if processes is not None else run_processes(ranks))  # the run's processes
+        self.reader = reader or (lambda: read_cpu_times(own=own))
         self._start: CpuTimes | None = None
 
     def start(self) -> None:
@@ -231,6 +245,7 @@ class ThreadControl:
     report: Callable[[str], None] = print  # where a change of threads is said
     ranks: int = 1  # processes of the run sharing the cores (bench ranks), each with these threads
     ceiling: int = 0  # the most threads each process may take (its share of the allowed cores); 0: never raised
+    processes: tuple[Path, ...] | None = attrs.field(default=None, init=False)  # the run's, found at the first meter
 
     @classmethod
     def start(cls, threads: int | None = None, *, reason: str = "as asked", report: Callable[[str], None] = print,
@@ -256,7 +271,9 @@ class ThreadControl:
 
     def meter(self) -> LoadMeter:
         """A meter of others' load over a span run with the current threads (every rank's)."""
-        return LoadMeter(self.threads, ranks=self.ranks)
+        if self.processes is None:
+            self.processes = tuple(run_processes(self.ranks))
+        return LoadMeter(self.threads, ranks=self.ranks, processes=self.processes)
 
     def adapt(self, chooser: Callable[..., ThreadChoice] = choose_threads) -> bool:
         """After a disturbed measurement: the threads chosen again from the cores free now (said when they

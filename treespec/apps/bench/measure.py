@@ -31,7 +31,7 @@ from treespec.apps.bench.summary import AR
 from treespec.apps.datasets import PromptRecord
 from treespec.apps.methods import MethodSpec, naming
 from treespec.decoding import SpeculativeDecoder
-from treespec.pricing.conditions import Load, ThreadControl
+from treespec.pricing.conditions import Load, ThreadControl, process_started
 from treespec.target import ContextOverflowError
 
 __all__ = ["Runner", "Turn", "method_fields", "rotated"]
@@ -158,19 +158,11 @@ def regain_threads(threads: ThreadControl, records: Iterable[BenchRecord]) -> bo
 
 def run_identity(proc: Path = Path("/proc")) -> str:
     """This invocation's name in its records: its start time and process id; under a launcher
-    (torchrun: WORLD_SIZE > 1) the launcher's, so every rank of one run names the same run."""
+    (torchrun: WORLD_SIZE > 1) the launcher's, so every rank of one run names the same run (its
+    start read from ``proc``; the day where that cannot be read)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     parent = os.getppid()
-    return f"{_started(parent, proc)}-{parent}"
-
-
-def _started(pid: int, proc: Path) -> str:
-    """When process ``pid`` started (proc(5): boot time + its start ticks), or today where unreadable."""
-    try:
-        ticks = int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        boot = next(int(line.split()[1]) for line in (proc / "stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return time.strftime("%Y%m%dT%H%M%S", time.localtime(boot + ticks / os.sysconf("SC_CLK_TCK")))
-    except (OSError, IndexError, ValueError, StopIteration):
-        return time.strftime("%Y%m%d")
+    started = process_started(parent, proc)
+    stamp = time.strftime("%Y%m%d") if started is None else time.strftime("%Y%m%dT%H%M%S", time.localtime(started))
+    return f"{stamp}-{parent}"

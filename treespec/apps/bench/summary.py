@@ -28,8 +28,9 @@ import numpy as np
 
 from treespec.apps.bench.records import BenchRecord
 
-__all__ = ["POOLED", "CellSummary", "PairComparison", "bootstrap_interval", "compare_pairs", "disturbed_note", "threads_by_turn", "threads_note",
-           "markdown_table", "summarize", "time_per_token", "undisturbed", "write_csv"]
+__all__ = ["POOLED", "CellSummary", "PairComparison", "bootstrap_interval", "compare_pairs", "disturbed_note",
+           "markdown_table", "summarize", "threads_by_turn", "threads_note", "time_per_token", "undisturbed",
+           "write_csv"]
 
 AR = "ar"
 POOLED = "all"  # the cell of every dataset together
