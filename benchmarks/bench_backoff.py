@@ -26,13 +26,13 @@ from collections import defaultdict
 import attrs
 import torch
 
-from treespec.apps.bench import load_harness
+from treespec.apps.assembly.cost_source import CostSource
+from treespec.apps.assembly.embedded import embedded_model_dir
+from treespec.apps.assembly.loading import embedded_drafter_dir
+from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.commands.demo import _DATASETS
-from treespec.apps.cost_source import CostSource
-from treespec.apps.datasets import load_prompts
-from treespec.apps.embedded import embedded_model_dir
-from treespec.apps.loading import embedded_drafter_dir
-from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.data.datasets import load_prompts
 from treespec.decoding import SpeculativeDecoder
 from treespec.pricing.live_cost import LiveCost
 from treespec.pricing.profile import machine_profile
@@ -99,7 +99,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     arms = [parse_arm(a) for a in args.arms]
     dirs = {k: getattr(args, k) or embedded_drafter_dir(k) for k in ("dflash", "domino")}
-    harness = load_harness(embedded_model_dir(), dirs)
+    harness = Session.load(embedded_model_dir(), dirs)
     ids = [harness.chat.encode(p.turns[:1], []) for name in args.dataset or _DATASETS
            for p in load_prompts(name, limit=args.prompts)]
     profile = machine_profile(harness.target, list(harness.drafters.values()))

@@ -44,17 +44,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def load(dtype: str):
-    from treespec.apps.bench import load_harness
-    from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.loading import embedded_drafter_dir
+    from treespec.apps.assembly.embedded import embedded_model_dir
+    from treespec.apps.assembly.loading import embedded_drafter_dir
+    from treespec.apps.assembly.session import Session
 
-    harness = load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")},
+    harness = Session.load(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")},
                            dtype=dtype)
     return harness
 
 
 def prompts_of(harness, n: int) -> list[torch.Tensor]:
-    from treespec.apps.datasets import load_prompts
+    from treespec.apps.data.datasets import load_prompts
 
     records = [p for name in ("gsm8k", "alpaca", "humaneval", "mt-bench") for p in load_prompts(name, seed=0, limit=n)]
     return [harness.chat.encode(r.turns[:1], []) for r in records[:n]]
@@ -62,7 +62,7 @@ def prompts_of(harness, n: int) -> list[torch.Tensor]:
 
 def run_size(args: argparse.Namespace, size: int) -> dict:
     """Every method at batch size ``size``: tokens, seconds, τ; the process's peak RSS."""
-    from treespec.apps.methods import parse_method
+    from treespec.apps.assembly.methods import parse_method
 
     harness = load(args.dtype)
     prompts = prompts_of(harness, args.prompts)

@@ -30,13 +30,13 @@ from torch import nn
 
 from treespec.drafters.domino import DominoScorer
 from treespec.drafters.toy import ToyConditionalDrafter, ToyConfig
+from treespec.interfaces import DraftContext, DraftOutput
 from treespec.policies.caddtree import CaDDTree
 from treespec.policies.chain import Chain
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
 from treespec.policies.static_corrected import StaticCorrected
 from treespec.pricing.cost import COST_PRESETS
-from treespec.interfaces import DraftContext, DraftOutput
 
 DEPTH = 16
 SIZES = {  # V -> Domino part sizes: hidden H, GRU G, correction rank E

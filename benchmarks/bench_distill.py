@@ -22,10 +22,10 @@ import time
 
 import torch
 
+from treespec.apps.assembly.loading import load_frozen_model
 from treespec.apps.commands.distill_data import _encoded_prompts, _stop_and_pad
-from treespec.apps.continuous_batch import ContinuousBatch, Job
-from treespec.apps.models import load_frozen_model
-from treespec.apps.selfdistill import DistillConfig
+from treespec.apps.data.continuous_batch import ContinuousBatch, Job
+from treespec.apps.data.selfdistill import DistillConfig
 from treespec.pricing.hardware import machine_identity
 
 

@@ -40,14 +40,14 @@ import attrs
 import numpy as np
 import torch
 
-from treespec.apps.bench import load_harness
+from treespec.apps.assembly.cost_source import CostSource
+from treespec.apps.assembly.embedded import embedded_model_dir
+from treespec.apps.assembly.loading import embedded_drafter_dir
+from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.commands.demo import _DATASETS
-from treespec.apps.cost_source import CostSource
-from treespec.apps.datasets import load_prompts
-from treespec.apps.embedded import embedded_model_dir
-from treespec.apps.loading import embedded_drafter_dir
-from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.data.datasets import load_prompts
 from treespec.decoding import SpeculativeDecoder
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
@@ -113,7 +113,7 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    harness = load_harness(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")},
+    harness = Session.load(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")},
                            dtype=args.dtype)
     target, drafters = harness.target, harness.drafters
     prompts = [p for name in args.dataset or _DATASETS for p in load_prompts(name, limit=args.prompts)]

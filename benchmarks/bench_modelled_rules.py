@@ -35,12 +35,12 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from treespec.apps.assembly.methods import parse_method
 from treespec.apps.bench.summary import bootstrap_interval
-from treespec.apps.methods import parse_method
 from treespec.apps.replay.evaluate import policy_for, replay_rounds
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.pricing.cost import ConvexCost, CostModel, cost_model_from_dict, load_cost_model
 from treespec.decoding import DRAFT_BACKOFF, DraftGate
+from treespec.pricing.cost import ConvexCost, CostModel, cost_model_from_dict, load_cost_model
 
 DEFAULT_METHODS = ("ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
 

@@ -27,10 +27,10 @@ import time
 import numpy as np
 import torch
 
+from treespec.apps.assembly.embedded import embedded_model_dir
+from treespec.apps.assembly.loading import load_target, load_tokenizer
 from treespec.apps.bench.summary import bootstrap_interval
-from treespec.apps.datasets import encode_chat, load_prompts
-from treespec.apps.embedded import embedded_model_dir
-from treespec.apps.loading import load_target, load_tokenizer
+from treespec.apps.data.datasets import encode_chat, load_prompts
 from treespec.decoding import SpeculativeDecoder
 from treespec.pricing.conditions import LoadMeter
 

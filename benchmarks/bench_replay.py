@@ -26,10 +26,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.apps.loading import embedded_drafter_dir
-from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.assembly.loading import embedded_drafter_dir
+from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.apps.replay import RECORD_PRESETS, ReplayDrafts, Trace, evaluate, record_trace
-from treespec.apps.tiny import tiny_causal_lm
 from treespec.decoding import SpeculativeDecoder
 from treespec.target import TargetModel
 
@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random float64 target and drafters")
     parser.add_argument("--prompts", type=int, default=20, help="prompts (split evenly over --datasets)")
-    parser.add_argument("--datasets", nargs="+", default=DATASETS, help="treespec.apps.datasets names or files")
+    parser.add_argument("--datasets", nargs="+", default=DATASETS, help="treespec.apps.data.datasets names or files")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--dflash", type=Path, default=None, help="DFlash checkpoint (default: the shipped one)")
@@ -81,9 +81,9 @@ def tiny_setup(args: argparse.Namespace):
 
 
 def embedded_setup(args: argparse.Namespace):
-    """The embedded SmolLM2 (bf16), its drafters, and chat-encoded prompts from treespec.apps.datasets."""
-    from treespec.apps.datasets import encode_chat, load_prompts
-    from treespec.apps.embedded import load_embedded
+    """The embedded SmolLM2 (bf16), its drafters, and chat-encoded prompts from treespec.apps.data.datasets."""
+    from treespec.apps.assembly.embedded import load_embedded
+    from treespec.apps.data.datasets import encode_chat, load_prompts
 
     model, tokenizer = load_embedded(getattr(torch, args.dtype))
     drafters = {kind: load_drafter(kind, getattr(args, kind), model, tokenizer, args.random_drafters) for kind in KINDS}

@@ -23,11 +23,11 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.drafters.training import TRAIN_PRESETS, BlockRecipe, new_drafter
-from treespec.apps.selfdistill import iter_sequences
+from treespec.apps.data.selfdistill import iter_sequences
 from treespec.apps.training.teacher import TeacherCache
 from treespec.apps.training.trainer import DrafterTrainer
 from treespec.apps.training.vocabulary import coverage, response_token_counts
+from treespec.drafters.training import TRAIN_PRESETS, BlockRecipe, new_drafter
 from treespec.training import draft_vocabulary
 
 
@@ -100,7 +100,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
 
-    from treespec.apps.models import load_frozen_model
+    from treespec.apps.assembly.loading import load_frozen_model
 
     target, _, _ = load_frozen_model(None, "float32")
     pairs = [(s.tokens, s.response_start) for s in iter_sequences(args.data)]

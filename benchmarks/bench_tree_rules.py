@@ -32,10 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from treespec.apps.assembly.loading import embedded_drafter_dir
+from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.bench.summary import bootstrap_interval
-from treespec.apps.datasets import encode_chat, load_prompts
-from treespec.apps.loading import EMBEDDED_NAME, Parts, embedded_drafter_dir
-from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.data.datasets import encode_chat, load_prompts
 from treespec.apps.replay import RecordConfig, ReplayDrafts, Trace, merge_traces, record_trace
 from treespec.apps.replay.evaluate import replay_rounds
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree
@@ -70,7 +71,7 @@ def parse_args() -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------- record
 def record(args: argparse.Namespace) -> None:
-    parts = Parts.load(None, {k: embedded_drafter_dir(k) for k in ("dflash", "domino")})
+    parts = Session.load(None, {k: embedded_drafter_dir(k) for k in ("dflash", "domino")}, progress=True)
     tokenizer, config = parts.tokenizer, RecordConfig(max_new_tokens=args.tokens)
     first, ids, mt = [], [], []
     for name in DATASETS:
@@ -80,16 +81,16 @@ def record(args: argparse.Namespace) -> None:
             if len(prompt.turns) > 1:
                 mt.append((len(first) - 1, prompt))
     start = time.perf_counter()
-    turn1 = record_trace(parts.target, dict(parts.drafters), first, config=config, prompt_ids=ids,
-                         target_name=EMBEDDED_NAME, progress=True, parts_dir=args.out.with_suffix(".parts1"))
+    turn1 = record_trace(parts, first, config=config, prompt_ids=ids, progress=True,
+                         parts_dir=args.out.with_suffix(".parts1"))
     second, second_ids = [], []
     for index, prompt in mt:  # turn 2 after the target's own greedy answer to turn 1, as the bench asks it
         answer = turn1.sequences[index][turn1.prompt_len(index):].tolist()
         text = tokenizer.decode(answer, skip_special_tokens=True)
         second.append(torch.tensor(encode_chat(tokenizer, prompt.turns[:2], [text]), dtype=torch.int64))
         second_ids.append(f"{prompt.dataset}/{prompt.id}/turn2")
-    turn2 = record_trace(parts.target, dict(parts.drafters), second, config=config, prompt_ids=second_ids,
-                         target_name=EMBEDDED_NAME, progress=True, parts_dir=args.out.with_suffix(".parts2"))
+    turn2 = record_trace(parts, second, config=config, prompt_ids=second_ids, progress=True,
+                         parts_dir=args.out.with_suffix(".parts2"))
     merge_traces([turn1, turn2]).save(args.out)
     print(f"recorded {len(first) + len(second)} turns x {args.tokens} tokens in {time.perf_counter() - start:.0f} s "
           f"-> {args.out}")

@@ -33,7 +33,7 @@ from treespec.policies.dominotree import DominoTree
 
 def _contexts(target, tokenizer, prompts: int, positions: int, taps) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(sequence ending at the anchor, its target features) at ``positions`` greedy steps of each prompt."""
-    from treespec.apps.datasets import encode_chat, load_prompts
+    from treespec.apps.data.datasets import encode_chat, load_prompts
 
     out = []
     for record in load_prompts("alpaca", split="bench", limit=prompts):
@@ -118,8 +118,8 @@ def main() -> None:
     import domino_adapter
     import dominotree
 
-    from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.loading import embedded_drafter_dir
+    from treespec.apps.assembly.embedded import embedded_model_dir
+    from treespec.apps.assembly.loading import embedded_drafter_dir
     from treespec.drafters.domino import DominoDrafter
     from treespec.target import TargetModel
 

@@ -139,8 +139,8 @@ def _timed_command(label: str, *args: str) -> float:
 def check_training(device: str, steps: int, dry: bool) -> None:
     """A random SmolLM2-shaped target, its self-distillation data, its teacher cache, then
     train-drafter from the cache, every stage on ``device``."""
-    from treespec.apps.selfdistill import DistillConfig, iter_sequences, write_shards
-    from treespec.apps.tiny import tiny_causal_lm
+    from treespec.apps.data.selfdistill import DistillConfig, iter_sequences, write_shards
+    from treespec.apps.kit.tiny import tiny_causal_lm
 
     print(f"\n## 3. the drafter pipeline on {device}")
     sizes = dict(vocab=512, hidden=64, layers=4, heads=4, kv_heads=2) if dry else \
@@ -226,7 +226,7 @@ def decode_every_method(target, drafters, profile, prompts, new_tokens: int) -> 
     """AR and every registered policy at budget 16 on ``prompts``, each output checked against AR's;
     returns the live cost models of the cost-aware methods, by method name."""
     from treespec import registry
-    from treespec.apps.methods import build_policy, parse_method
+    from treespec.apps.assembly.methods import build_policy, parse_method
     from treespec.decoding import SpeculativeDecoder
     from treespec.pricing.live_cost import LiveCost
 
@@ -258,7 +258,7 @@ def decode_every_method(target, drafters, profile, prompts, new_tokens: int) -> 
 
 def report_live(name: str, live, target, drafters, prompts, new_tokens: int) -> None:
     """Decode with ``live`` until it has 50 rounds, then its curve beside the profile's."""
-    from treespec.apps.methods import build_policy, parse_method
+    from treespec.apps.assembly.methods import build_policy, parse_method
     from treespec.decoding import SpeculativeDecoder
 
     method = parse_method(name)

@@ -1,7 +1,7 @@
 """The exactness table of docs/sampling.md: every sampled (policy, verifier) pair at T > 0.
 
 Prints one Markdown row per (pair, setting): the chi-square statistic of the first two committed
-tokens against the target's law (`treespec.apps.exactness`), its p-value, the observed and the
+tokens against the target's law (`treespec.apps.kit.exactness`), its p-value, the observed and the
 detectable total-variation distance, and the mean tokens committed per round; then the biased
 controls of tests/test_sampled_trees.py in the flat world, where they fail.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from treespec import registry
-from treespec.apps.exactness import ToyWorld, check_exactness
+from treespec.apps.kit.exactness import ToyWorld, check_exactness
 from treespec.interfaces import SamplingParams
 
 SETTINGS = {"T = 1.0": SamplingParams(1.0), "T = 0.6": SamplingParams(0.6),

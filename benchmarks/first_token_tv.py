@@ -34,10 +34,10 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.datasets import encode_chat, load_prompts
-from treespec.apps.embedded import embedded_model_dir
-from treespec.apps.loading import embedded_drafter_dir, load_drafter, load_target
-from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.assembly.embedded import embedded_model_dir
+from treespec.apps.assembly.loading import embedded_drafter_dir, load_drafter, load_target
+from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.data.datasets import encode_chat, load_prompts
 from treespec.decoding import SequenceState, checked_draft, cut_proposals, fitted_tree, policy_tree
 from treespec.interfaces import SamplingParams
 from treespec.sampling import sampling_key, target_probs

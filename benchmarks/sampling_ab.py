@@ -18,9 +18,9 @@ import argparse
 import torch
 
 import treespec
-from treespec.apps.datasets import encode_chat, load_prompts
-from treespec.apps.embedded import embedded_model_dir
-from treespec.apps.loading import embedded_drafter_dir, load_drafter, load_target
+from treespec.apps.assembly.embedded import embedded_model_dir
+from treespec.apps.assembly.loading import embedded_drafter_dir, load_drafter, load_target
+from treespec.apps.data.datasets import encode_chat, load_prompts
 
 ARMS = [("ddtree", "match", "dflash"), ("ddtree-sampled", "recursive-rejection", "dflash"),
         ("ddtree-sampled", "traversal", "dflash"), ("dominotree", "match", "domino"),

@@ -23,10 +23,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.drafters.training import TRAIN_PRESETS, BlockRecipe, TrainConfig, new_drafter
 from treespec.apps.training.teacher import TeacherCache
 from treespec.apps.training.trainer import DrafterTrainer
 from treespec.apps.training.vocabulary import response_token_counts
+from treespec.drafters.training import TRAIN_PRESETS, BlockRecipe, TrainConfig, new_drafter
 from treespec.training import draft_vocabulary
 
 # name -> (preset, overrides): the axes the issue names, one change from the base arm each.
@@ -120,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from treespec.apps.models import load_frozen_model
+    from treespec.apps.assembly.loading import load_frozen_model
 
     target, tokenizer, identity = load_frozen_model(None, "auto")
     cache, heldout = TeacherCache(*args.teacher), TeacherCache(*args.heldout)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.apps.embedded import SMOLLM2_135M_INSTRUCT, cache_root, is_converted
-from treespec.apps.loading import embedded_drafter_dir, load_drafter
+from treespec.apps.assembly.embedded import SMOLLM2_135M_INSTRUCT, cache_root, is_converted
+from treespec.apps.assembly.loading import embedded_drafter_dir, load_drafter
 
 KINDS = ("dflash", "domino")
 
@@ -49,9 +49,9 @@ def test_shipped_drafters_decode_losslessly_and_accept_drafts(method):
     """float32 target: the tree's output equals AR's token for token, and drafts are accepted."""
     from transformers import AutoTokenizer
 
-    from treespec.apps.datasets import encode_chat
-    from treespec.apps.loading import load_target
-    from treespec.apps.methods import build_policy, parse_method
+    from treespec.apps.assembly.loading import load_target
+    from treespec.apps.assembly.methods import build_policy, parse_method
+    from treespec.apps.data.datasets import encode_chat
     from treespec.decoding import SpeculativeDecoder
 
     target = load_target(_CACHED, dtype=torch.float32)

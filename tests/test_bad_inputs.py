@@ -183,7 +183,7 @@ def test_teacher_cache_names_its_bad_inputs(tmp_path, capsys, args, code, messag
 
 def test_train_drafter_on_a_target_without_a_tokenizer_asks_for_the_mask_token(tmp_path):
     """No tokenizer is needed when --mask-token-id is given; without both, the message says so."""
-    from treespec.apps.selfdistill import DistillConfig, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, write_shards
 
     model = tiny_model("llama", dtype=torch.float32)
     model.save_pretrained(tmp_path / "target")
@@ -209,7 +209,7 @@ def test_train_drafter_on_a_target_without_a_tokenizer_asks_for_the_mask_token(t
 ])
 def test_pipeline_commands_name_a_device_this_machine_lacks(tmp_path, capsys, device):
     """distill-data, teacher-cache and train-drafter refuse --device up front, naming it."""
-    from treespec.apps.selfdistill import DistillConfig, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, write_shards
 
     model = tiny_model("llama", dtype=torch.float32)
     model.save_pretrained(tmp_path / "target")
@@ -249,7 +249,7 @@ def test_generate_wraps_a_text_prompt_in_the_chat_template_when_asked():
     template (the generation equals decoding those ids), and token ids with chat=True are refused."""
     from test_bench_runner import CharTokenizer
 
-    from treespec.apps.datasets import encode_chat
+    from treespec.apps.data.datasets import encode_chat
 
     target, tokenizer = tiny_target(vocab=128), CharTokenizer()
     chat = treespec.generate(target, "hi", tokenizer=tokenizer, chat=True, max_new_tokens=6, stop_token_ids=[])

@@ -22,13 +22,14 @@ from test_drafters_support import tiny_config
 from test_target import tiny_model
 
 import treespec.apps.bench as ab
-from treespec.drafters.dflash import DFlashDrafter
-from treespec.drafters.domino import DominoDrafter
+from treespec.apps.assembly.cost_source import CostSource
+from treespec.apps.assembly.methods import parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.bench.records import read_records
 from treespec.apps.cli import main
-from treespec.apps.methods import parse_method
-from treespec.apps.cost_source import CostSource
 from treespec.decoding import SpeculativeDecoder
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter
 from treespec.interfaces import SamplingParams
 from treespec.sampling import gumbel_noise, sampling_key
 from treespec.target import TargetModel
@@ -56,14 +57,14 @@ class CharTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i == EOS))
 
 
-def make_harness() -> ab.Harness:
+def make_harness() -> Session:
     target = TargetModel(tiny_model("qwen3", vocab=VOCAB, hidden=32, layers=4))
     config = {"vocab": VOCAB, "hidden": 32, "num_target_layers": 4, "layer_ids": (0, 2), "block_size": 4}
     drafters = {"dflash": DFlashDrafter.random(tiny_config(**config), dtype=torch.float64, seed=1),
                 "domino": DominoDrafter.random(tiny_config(domino=True, **config), dtype=torch.float64, seed=2)}
     # the profile as measured: live-corrected costs make a cost-aware method's trees depend on the
     # moment's timings, and these tests check that records do not depend on sharding or order
-    return ab.Harness(target, ab.Chat(CharTokenizer()), drafters, costs=CostSource.parse("profile"))
+    return Session(target, CharTokenizer(), drafters, costs=CostSource.parse("profile"))
 
 
 def prompt_files(folder: Path) -> tuple[str, str]:
@@ -130,7 +131,7 @@ def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="rank 2 outside a world of 2"):
         ab.Shard(2, 2)
     with pytest.raises(ValueError, match="needs a domino drafter"):
-        ab.Harness(make_harness().target, ab.Chat(CharTokenizer())).decoders(
+        Session(make_harness().target, CharTokenizer()).decoders(
             ab.expand_methods(["domino"], []))
 
 
@@ -235,9 +236,9 @@ class Corrupt:
         return out
 
 
-class CorruptHarness(ab.Harness):
-    def _decoder(self, method):
-        decoder = super()._decoder(method)
+class CorruptSession(Session):
+    def decoder(self, method, **options):
+        decoder = super().decoder(method, **options)
         return Corrupt(decoder, 3) if method.name == "dflash" else decoder
 
 
@@ -257,7 +258,7 @@ def ar_scores(harness, prompt: torch.Tensor, ar, k: int) -> torch.Tensor:
 def test_a_divergence_from_ar_is_listed_with_the_ar_decision_margin(tmp_path):
     single, _ = prompt_files(tmp_path)
     base = make_harness()
-    harness = CorruptHarness(base.target, base.chat, base.drafters)
+    harness = CorruptSession(base.target, base.tokenizer, base.drafters)
     config = attrs.evolve(CONFIG, methods=("ar", "dflash"), temperatures=(0.0, 0.5), datasets=(single,),
                           prompts=1, stop_at_eos=False)
     ab.run_shard(config, harness, tmp_path / "out", progress=False)
@@ -364,7 +365,7 @@ def test_a_failing_bench_leaves_an_existing_folder_untouched(tmp_path, capsys):
 
 
 def test_options_in_method_names_set_the_policys_own_fields_and_bad_ones_are_named():
-    from treespec.apps.methods import build_policy, with_budget
+    from treespec.apps.assembly.methods import build_policy, with_budget
 
     method = parse_method("eagle2@16+topk=4+depth=3")
     assert method.options == {"topk": 4, "depth": 3} and method.budget == 16
@@ -385,7 +386,7 @@ def test_a_verifier_in_the_method_name_checks_that_methods_trees(tmp_path):
     """``POLICY@B/VERIFIER``: parsed once, kept by budgets and option sweeps, refused by name when
     unknown or when its policy cannot feed it; the bench decodes with it and records it (at T = 0
     every exact verifier is greedy decoding, so the output equals AR's)."""
-    from treespec.apps.methods import with_budget, with_options
+    from treespec.apps.assembly.methods import with_budget, with_options
 
     method = parse_method("ddtree-sampled@8/recursive-rejection")
     assert (method.policy, method.budget, method.verifier) == ("ddtree-sampled", 8, "recursive-rejection")
@@ -439,7 +440,7 @@ def test_rejection_verifiers_at_t_above_0_are_not_compared_token_for_token(tmp_p
 def test_a_method_name_is_made_from_its_fields_and_reads_back_to_them(policy, budget, drafter, verifier, topk):
     """`MethodSpec.name` is derived from the fields (never the text as typed), and parsing it gives the
     same spec: one name per method, so records of ``ddtree@16`` and ``ddtree@16:dflash`` pool as one."""
-    from treespec.apps.methods import MethodSpec, default_drafter
+    from treespec.apps.assembly.methods import MethodSpec, default_drafter
 
     if drafter == "dflash" and policy == "dominotree":
         drafter = "domino"  # a marginal drafter cannot feed DominoTree (refused; tested elsewhere)

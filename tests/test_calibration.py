@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from treespec.interfaces import VerifyResult
 from treespec.pricing.calibration import (
     Calibration,
     LiveCalibration,
@@ -18,7 +19,6 @@ from treespec.pricing.calibration import (
     promise_by_quartile,
     to_calibration,
 )
-from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
 
 

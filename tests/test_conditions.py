@@ -16,12 +16,12 @@ from test_bench_runner import CONFIG, make_harness, prompt_files
 from test_target import tiny_model
 
 from treespec.apps import bench as ab
+from treespec.apps.assembly.methods import parse_method
 from treespec.apps.bench import measure
 from treespec.apps.bench.measure import rotated
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import disturbed_note, summarize, threads_by_turn, threads_note
 from treespec.apps.commands.demo import conditions_line
-from treespec.apps.methods import parse_method
 from treespec.pricing import conditions
 from treespec.pricing.conditions import (
     DISTURBED_MARGIN,
@@ -244,7 +244,7 @@ def test_a_turn_a_passing_load_disturbed_is_measured_again_and_a_lasting_one_lef
         report = ab.write_report(out, resamples=20)
         assert ("every one of the 1 prompt turns ran while another process" in report.table) == bool(still)
         harness.profile = harness.machine_profile()  # as a priced run would have it
-        assert harness.persist_live() is None and "disturbed by another process" in harness.not_saved
+        assert harness.close() is None and "disturbed by another process" in harness.not_saved
 
 
 def record(method: str, prompt: str, seconds: float, others: float = 0.0, threads: int = 2) -> BenchRecord:

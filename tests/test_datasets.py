@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from treespec.apps import datasets as ds
-from treespec.apps.datasets import (
+from treespec.apps.data import datasets as ds
+from treespec.apps.data.datasets import (
     BENCHMARKS,
     HUMANEVAL_TEMPLATE,
     MATH_SUFFIX,
@@ -122,7 +122,7 @@ def test_subsets_are_selected_as_the_published_harnesses_shuffle():
     """``dataset.shuffle(seed=0)`` is a numpy PCG64 permutation of the row indices."""
     import numpy as np
 
-    from treespec.apps.datasets import _shuffle
+    from treespec.apps.data.datasets import _shuffle
 
     order = np.random.default_rng(0).permutation(50).tolist()
     records = [PromptRecord(f"d-{i}", "d", (f"q{i}",)) for i in range(50)]
@@ -235,7 +235,7 @@ def test_prompt_record_turns_are_a_tuple():
     assert record.turns == ("x", "y") and hash(record) == hash(PromptRecord("a-1", "a", ("x", "y")))
 
 
-# --- self-distillation data (treespec.apps.selfdistill) -------------------------------------------------
+# --- self-distillation data (treespec.apps.data.selfdistill) -------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def _reference_greedy(model, prompt: list[int], max_new_tokens: int, stop: int) 
 
 
 def test_batched_greedy_equals_reference_one_at_a_time(tiny_llama):
-    from treespec.apps.selfdistill import generate_greedy
+    from treespec.apps.data.selfdistill import generate_greedy
 
     prompts = [ids for _, ids in _PROMPTS[:6]]
     unstopped = [_reference_greedy(tiny_llama, p, 8, _NEVER) for p in prompts]
@@ -295,7 +295,7 @@ def test_batched_greedy_equals_reference_one_at_a_time(tiny_llama):
 
 def test_continuous_batch_refills_and_equals_one_at_a_time(tiny_llama):
     """Fewer rows than prompts: finished rows hand their places on; every response is the prompt's own."""
-    from treespec.apps.continuous_batch import ContinuousBatch, Job
+    from treespec.apps.data.continuous_batch import ContinuousBatch, Job
 
     prompts = [ids for _, ids in _PROMPTS]
     stop = _reference_greedy(tiny_llama, prompts[0], 8, _NEVER)[0][2]
@@ -316,7 +316,7 @@ def test_continuous_batch_refills_and_equals_one_at_a_time(tiny_llama):
 
 
 def test_continuous_batch_follow_ups_jump_the_queue_and_bad_jobs_are_refused(tiny_llama):
-    from treespec.apps.continuous_batch import ContinuousBatch, Job
+    from treespec.apps.data.continuous_batch import ContinuousBatch, Job
 
     batch = ContinuousBatch(tiny_llama, size=1, max_new_tokens=2, stop_ids=[_NEVER], pad_id=0)
     for key in ("a", "b"):
@@ -338,7 +338,7 @@ def test_continuous_batch_follow_ups_jump_the_queue_and_bad_jobs_are_refused(tin
 
 def test_sampled_shards_do_not_depend_on_the_batch_size(tiny_llama, tmp_path):
     """Each answer draws from its own stream, so the batch changes only rounding (none in float64)."""
-    from treespec.apps.selfdistill import DistillConfig, iter_sequences, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, iter_sequences, write_shards
 
     runs = []
     for size in (1, 3, 8):
@@ -349,7 +349,7 @@ def test_sampled_shards_do_not_depend_on_the_batch_size(tiny_llama, tmp_path):
 
 
 def test_shards_round_trip_and_resume(tiny_llama, tmp_path):
-    from treespec.apps.selfdistill import (
+    from treespec.apps.data.selfdistill import (
         DistillConfig,
         generate_greedy,
         iter_sequences,
@@ -383,7 +383,7 @@ def _shard_content(path):
 
 
 def test_resume_refuses_other_settings_and_extends_a_short_last_shard(tiny_llama, tmp_path):
-    from treespec.apps.selfdistill import DistillConfig, read_shard, shard_path, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, read_shard, shard_path, write_shards
 
     cfg = DistillConfig(num_prompts=6, max_new_tokens=3, batch_size=4, shard_size=4)
     write_shards(tiny_llama, _PROMPTS[:6], tmp_path, cfg, stop_ids=[_NEVER], pad_id=0, progress=False)
@@ -398,14 +398,14 @@ def test_resume_refuses_other_settings_and_extends_a_short_last_shard(tiny_llama
 
 
 def test_distill_config_rejects_nonsense():
-    from treespec.apps.selfdistill import DistillConfig
+    from treespec.apps.data.selfdistill import DistillConfig
 
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         DistillConfig(batch_size=0)
 
 
 def test_sampled_shards_are_seeded_per_shard_and_differ_from_greedy(tiny_llama, tmp_path):
-    from treespec.apps.selfdistill import DistillConfig, iter_sequences, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, iter_sequences, write_shards
 
     def run(out, **kw):
         cfg = DistillConfig(num_prompts=8, max_new_tokens=6, batch_size=3, shard_size=4, **kw)
@@ -421,7 +421,7 @@ def test_sampled_shards_are_seeded_per_shard_and_differ_from_greedy(tiny_llama, 
 
 
 def test_sampling_needs_a_generator_and_a_sane_temperature(tiny_llama):
-    from treespec.apps.selfdistill import DistillConfig, generate_responses
+    from treespec.apps.data.selfdistill import DistillConfig, generate_responses
 
     with pytest.raises(ValueError, match="explicit torch.Generator"):
         generate_responses(tiny_llama, [[1, 2]], max_new_tokens=2, stop_ids=[_NEVER], pad_id=0, temperature=0.5)
@@ -431,7 +431,7 @@ def test_sampling_needs_a_generator_and_a_sane_temperature(tiny_llama):
 
 
 def test_second_turn_chats_continue_the_first_answer(tiny_llama, tmp_path):
-    from treespec.apps.selfdistill import DistillConfig, generate_greedy, iter_sequences, read_shard, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, generate_greedy, iter_sequences, read_shard, write_shards
 
     calls = []
 
@@ -465,7 +465,7 @@ def test_second_turn_takes_its_first_answers_from_a_greedy_run(tiny_llama, tmp_p
     """The same shards as generating the first answers, with only the second answers generated."""
     import attrs
 
-    from treespec.apps.selfdistill import DistillConfig, first_answers, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, first_answers, write_shards
 
     def second_prompt(pid, ids, response):
         return ids + response + [5, 6]
@@ -512,8 +512,8 @@ def test_a_sampled_second_turn_takes_the_first_answers_its_own_streams_draw(tiny
     second-turn run would draw itself: taking them writes the same shards; another seed is refused."""
     import attrs
 
-    from treespec.apps import selfdistill
-    from treespec.apps.selfdistill import DistillConfig, first_answers, read_shard, write_shards
+    from treespec.apps.data import selfdistill
+    from treespec.apps.data.selfdistill import DistillConfig, first_answers, read_shard, write_shards
 
     def second_prompt(pid, ids, response):
         return ids + response + [5, 6]
@@ -548,7 +548,7 @@ def test_a_sampled_second_turn_takes_the_first_answers_its_own_streams_draw(tiny
 
 
 def test_follow_ups_are_fixed_by_the_prompt_id():
-    from treespec.apps.selfdistill import FOLLOW_UPS, follow_up
+    from treespec.apps.data.selfdistill import FOLLOW_UPS, follow_up
 
     chosen = {follow_up(f"alpaca-{i}") for i in range(400)}
     assert chosen == set(FOLLOW_UPS) and follow_up("alpaca-3") == follow_up("alpaca-3")

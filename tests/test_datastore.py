@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from treespec.apps.datastore import (
+from treespec.apps.data.datastore import (
     StoreError,
     read_manifest,
     restore_store,
@@ -33,7 +33,7 @@ def target():
 
 
 def _data(target, out: Path, n: int = 6, model: str = "tiny sha256:" + "0" * 64) -> Path:
-    from treespec.apps.selfdistill import DistillConfig, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, write_shards
 
     g = torch.Generator().manual_seed(3)
     prompts = [(f"p{i}", torch.randint(3, 64, (6,), generator=g).tolist()) for i in range(n)]
@@ -118,8 +118,8 @@ def test_the_committed_data_is_the_embedded_targets_answers_to_alpaca_training_p
     prompts of the Alpaca training split (never a benchmark prompt)."""
     from safetensors.torch import load
 
-    from treespec.apps.datasets import load_prompts
-    from treespec.apps.embedded import SMOLLM2_135M_INSTRUCT
+    from treespec.apps.assembly.embedded import SMOLLM2_135M_INSTRUCT
+    from treespec.apps.data.datasets import load_prompts
 
     manifest = read_manifest(pass_dir)
     assert manifest["target"] == SMOLLM2_135M_INSTRUCT.identity

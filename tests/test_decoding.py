@@ -11,9 +11,9 @@ import torch
 from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 
 import treespec
-from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec.apps.cli import main
 from treespec.decoding import DRAFT_PATIENCE, DraftGate, SpeculativeDecoder, limit_depth
+from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec.interfaces import Drafter, DraftOutput, TreePolicy
 from treespec.target import ContextOverflowError
 from treespec.tree import DraftTree

@@ -39,18 +39,18 @@ def test_verdict_names_equality_near_ties_and_failures():
 
 
 def test_demo_names_missing_drafters(monkeypatch, tmp_path, capsys):
-    import treespec.apps.loading
+    import treespec.apps.assembly.loading
     from treespec.apps.cli import main
 
-    monkeypatch.setattr(treespec.apps.loading, "embedded_drafter_dir", lambda kind: tmp_path / kind)
+    monkeypatch.setattr(treespec.apps.assembly.loading, "embedded_drafter_dir", lambda kind: tmp_path / kind)
     assert main(["demo"]) == 2
     assert "embedded drafters are not installed" in capsys.readouterr().err
 
 
 def test_demo_prompts_need_no_dataset_files(monkeypatch, tmp_path):
     """The demo's chat and math prompts ship with treespec and HumanEval comes from its package."""
-    from treespec.apps import datasets
     from treespec.apps.commands.demo import _DATASETS
+    from treespec.apps.data import datasets
 
     monkeypatch.setenv(datasets.DATA_ENV, str(tmp_path))  # no ../shared/datasets
     chat, math, code = (datasets.load_prompts(name, limit=2) for name in _DATASETS)
@@ -60,9 +60,9 @@ def test_demo_prompts_need_no_dataset_files(monkeypatch, tmp_path):
 
 
 def test_demo_loads_another_drafter_by_name(monkeypatch, tmp_path, capsys):
-    """``--drafter NAME=DIR`` reaches the harness for a method over a registered drafter (here the tests'
+    """``--drafter NAME=DIR`` reaches the session for a method over a registered drafter (here the tests'
     bigram drafter, tests/bigram_drafter.py); a drafter named by no flag is asked for by name."""
-    from treespec.apps import bench
+    from treespec.apps.assembly.session import Session
     from treespec.apps.cli import main
 
     seen = {}
@@ -70,11 +70,11 @@ def test_demo_loads_another_drafter_by_name(monkeypatch, tmp_path, capsys):
     class Loaded(Exception):
         pass
 
-    def load_harness(model, dirs, **kwargs):
+    def load(cls, model, dirs, **kwargs):
         seen.update(dirs)
         raise Loaded
 
-    monkeypatch.setattr(bench, "load_harness", load_harness)
+    monkeypatch.setattr(Session, "load", classmethod(load))
     assert main(["demo", "--methods", "ar,bigram"]) == 2
     assert "give its checkpoint with --drafter bigram=DIR" in capsys.readouterr().err
     try:

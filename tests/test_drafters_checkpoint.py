@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from treespec import registry
 from treespec.drafters._checkpoint import CheckpointError
 from treespec.drafters.config import ConfigError, DFlashConfig, preset, read_config
 from treespec.drafters.dflash import DFlashDrafter
 from treespec.drafters.domino import DominoDrafter
-from treespec import registry
 
 H, FF, NH, NKV, HD, V, LAYERS, E, G = 32, 48, 4, 2, 8, 61, 2, 12, 20
 TAPS = [0, 2]

@@ -208,11 +208,12 @@ def test_attention_mask_argument_reaches_attention(target):
 
 @pytest.mark.parametrize("domino", [False, True])
 def test_a_one_token_prompt_drafts_from_an_empty_context(domino):
+    from test_target import tiny_model
+
+    from treespec.decoding import SpeculativeDecoder
     from treespec.drafters.domino import DominoDrafter
     from treespec.policies.ddtree import DDTree
     from treespec.policies.dominotree import DominoTree
-    from test_target import tiny_model
-    from treespec.decoding import SpeculativeDecoder
     from treespec.target import TargetModel
 
     target = TargetModel(tiny_model("qwen3", vocab=64, hidden=32, layers=4))

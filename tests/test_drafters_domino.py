@@ -212,9 +212,9 @@ def test_bf16_children_are_computed_as_the_released_head_computes_them():
 def test_a_scorer_rebuilt_from_its_round_inputs_builds_the_same_trees(target, table):
     """`with_round_inputs` over copies of `round_inputs` (a tensor anchor, as a captured graph's
     buffers hold it) is the same scorer: the same root state and every policy's tree bit for bit."""
+    from treespec.interfaces import DraftOutput
     from treespec.policies.chain import Chain
     from treespec.policies.dominotree import DominoTree
-    from treespec.interfaces import DraftOutput
 
     drafter, draft = drafted(target, table=table, block_size=6)
     inputs = draft.scorer.round_inputs()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3ForCausalLM
 
+from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.drafters.config import DFlashConfig, DominoHeadConfig
-from treespec.apps.tiny import tiny_causal_lm
 from treespec.interfaces import DraftContext
 
 VOCAB, HIDDEN, TARGET_LAYERS = 61, 32, 4

@@ -8,7 +8,7 @@ import pytest
 
 from treespec import DraftTree
 from treespec.apps.cli import main
-from treespec.apps.draw import to_dot, to_mermaid, tree_layout, write_figure
+from treespec.apps.drawing.trees import to_dot, to_mermaid, tree_layout, write_figure
 
 
 @pytest.fixture
@@ -71,9 +71,9 @@ def test_live_round_returns_the_verified_tree_of_that_round():
     from test_drafters_support import tiny_config
     from test_target import tiny_model
 
+    from treespec.apps.commands.draw import live_round
     from treespec.drafters.dflash import DFlashDrafter
     from treespec.policies.ddtree import DDTree
-    from treespec.apps.commands.draw import live_round
     from treespec.target import TargetModel
 
     target = TargetModel(tiny_model("qwen3", vocab=64, hidden=32, layers=4))

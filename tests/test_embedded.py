@@ -22,8 +22,8 @@ pytest.importorskip("accelerate")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treespec.apps import embedded
-from treespec.apps.embedded import (
+from treespec.apps.assembly import embedded
+from treespec.apps.assembly.embedded import (
     PROVENANCE_FILE,
     SMOLLM2_135M_INSTRUCT,
     EmbeddedError,

@@ -58,7 +58,7 @@ def app_imports(source: str) -> list[str]:
 def test_the_layout_is_what_the_checks_read():
     assert {"tree.py", "interfaces.py", "decoding.py", "target.py", "registry.py", "topk.py",
             "training.py"} <= set(KERNEL)
-    assert {"api.py", "cli.py", "bench/runner.py", "replay/record.py", "methods.py", "training/trainer.py"} <= set(APPS)
+    assert {"api.py", "cli.py", "bench/runner.py", "replay/record.py", "assembly/methods.py", "training/trainer.py"} <= set(APPS)
     assert {"drafters/training.py", "policies/ddtree.py", "verifiers/match.py"} <= set(IMPLEMENTATION_MODULES)
 
 

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_target import hf_greedy, tiny_target
 
-from treespec.drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
 from treespec import registry
+from treespec.decoding import SpeculativeDecoder
+from treespec.drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
 from treespec.pricing.calibration import Calibration, LiveCalibration, LiveCalibrationSettings
 from treespec.pricing.cost import ConvexCost, LinearCost
-from treespec.decoding import SpeculativeDecoder
 from treespec.pricing.live_cost import LiveCost, LiveSettings, Observation, ordinary, shifted, trimmed_mean
 
 SIZES, CONTEXTS = (1, 2, 3, 5, 9, 17, 33), (128, 512)

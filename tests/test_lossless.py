@@ -24,12 +24,12 @@ from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 from test_verifiers import ALPHA, chi_square_pvalue
 from transformers import DynamicCache
 
-from treespec.drafters.oracle import GreedyContinuations, OracleConfig, OracleDrafter
-from treespec.policies.chain import Chain
 from treespec import registry
-from treespec.pricing.cost import LinearCost
 from treespec.decoding import SpeculativeDecoder
+from treespec.drafters.oracle import GreedyContinuations, OracleConfig, OracleDrafter
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
+from treespec.policies.chain import Chain
+from treespec.pricing.cost import LinearCost
 from treespec.sampling import filter_logits, sample_from_probs
 from treespec.target import TargetModel
 from treespec.tree import DraftTree

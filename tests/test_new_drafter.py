@@ -19,9 +19,10 @@ from test_decoding import _word_tokenizer
 from test_target import random_prompts, tiny_model
 
 import treespec.apps.bench as ab
+from treespec.apps.assembly.loading import drafter_dirs
+from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.cli import main
-from treespec.apps.loading import drafter_dirs
-from treespec.apps.methods import build_policy, parse_method
 from treespec.apps.replay import RecordConfig, evaluate, record_trace
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter
@@ -52,7 +53,7 @@ def test_bench_and_replay_run_the_new_drafter():
     target = TargetModel(tiny_model(vocab=64, hidden=32, layers=2))
     drafter = BigramDrafter.random(64, depth=4, seed=1)
     prompts = [p for p in random_prompts(6, 64, seed=2) if p.numel() > 1][:3]
-    trace = record_trace(target, {NAME: drafter}, prompts, config=RecordConfig(max_new_tokens=12, max_budget=64))
+    trace = record_trace(Session(target, drafters={NAME: drafter}), prompts, config=RecordConfig(max_new_tokens=12, max_budget=64))
     for method in (NAME, f"ddtree@4:{NAME}", f"eagle2@8+topk=2:{NAME}"):
         parsed = parse_method(method)
         decoder = SpeculativeDecoder(target, drafter, build_policy(parsed))
@@ -122,6 +123,6 @@ def test_a_drafter_without_a_loader_is_refused_by_name(tmp_path, capsys):
 
 def test_the_trace_keeps_the_drafters_name():
     target = TargetModel(tiny_model(vocab=64, hidden=32, layers=2, dtype=torch.float64))
-    trace = record_trace(target, {NAME: BigramDrafter.random(64, depth=3)}, [torch.tensor([1, 2, 3])],
+    trace = record_trace(Session(target, drafters={NAME: BigramDrafter.random(64, depth=3)}), [torch.tensor([1, 2, 3])],
                          config=RecordConfig(max_new_tokens=4, max_budget=64))
     assert set(trace.drafters) == {NAME}

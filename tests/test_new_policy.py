@@ -16,7 +16,7 @@ from test_replay import World, assert_replay_equals_live
 
 import treespec.apps.bench as ab
 from treespec import registry
-from treespec.apps.methods import parse_method
+from treespec.apps.assembly.methods import parse_method
 from treespec.apps.replay import RecordConfig
 
 

@@ -10,13 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from treespec import registry
+from treespec.analysis import expected_acceptance, path_logprobs
 from treespec.drafters.toy import TOY_PRESETS, MarginalDrafter, ToyConditionalDrafter, ToyConfig
+from treespec.interfaces import DraftContext, DraftOutput
 from treespec.policies.chain import Chain
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
-from treespec import registry
-from treespec.analysis import expected_acceptance, path_logprobs
-from treespec.interfaces import DraftContext, DraftOutput
 from treespec.topk import exact_topk, order_key, reference_topk, top_set
 from treespec.tree import DraftTree
 

@@ -17,9 +17,9 @@ from test_replay import World
 import treespec.apps.bench as ab
 from treespec import registry
 from treespec.apps.cli import main
+from treespec.apps.kit.testing import PolicyCheckError, check_policy
 from treespec.apps.replay import RecordConfig, evaluate
 from treespec.apps.replay.views import views_at
-from treespec.apps.testing import PolicyCheckError, check_policy
 from treespec.decoding import PolicyError, built_tree
 from treespec.interfaces import DraftContext, DraftOutput, TreePolicy
 from treespec.policies.ddtree import DDTree

@@ -54,8 +54,8 @@ def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(t
     prices with it, and profile-cost prints both curves with the rounds each point rests on."""
     import attrs
 
+    from treespec.apps.assembly.cost_source import persist_live
     from treespec.apps.commands.profile_cost import describe_profile
-    from treespec.apps.cost_source import persist_live
     from treespec.pricing.calibration import Calibration
     from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
 

@@ -21,12 +21,10 @@ import torch
 from test_drafters_support import tiny_config
 from test_target import random_prompts, random_tree, tiny_model
 
-from treespec.drafters.dflash import DFlashDrafter
-from treespec.drafters.domino import DominoDrafter
-from treespec.drafters.toy import ToyConditionalDrafter, ToyConfig
 from treespec.analysis import accepted_length
+from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.cli import main
-from treespec.apps.methods import build_policy, parse_method
 from treespec.apps.replay import (
     RecordConfig,
     ReplayDrafts,
@@ -37,9 +35,12 @@ from treespec.apps.replay import (
     replay_prompt,
     replay_rounds,
 )
-from treespec.pricing.cost import COST_PRESETS, LinearCost, cost_model_from_dict
 from treespec.decoding import SpeculativeDecoder
+from treespec.drafters.dflash import DFlashDrafter
+from treespec.drafters.domino import DominoDrafter
+from treespec.drafters.toy import ToyConditionalDrafter, ToyConfig
 from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy
+from treespec.pricing.cost import COST_PRESETS, LinearCost, cost_model_from_dict
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
 from treespec.verifiers.match import walk_matches
@@ -94,7 +95,8 @@ class World:
         }
         # a drafter needs context before its anchor, so every prompt has at least two tokens
         self.prompts = [p for p in random_prompts(n_prompts + 4, vocab, seed=seed + 3) if p.numel() > 1][:n_prompts]
-        self.trace = record_trace(self.target, self.drafters, self.prompts, config=config)
+        self.session = Session(self.target, drafters=self.drafters)
+        self.trace = record_trace(self.session, self.prompts, config=config)
 
     def live(self, method: str, **kwargs) -> tuple[list[tuple[int, ...]], list[list[tuple[int, DraftTree]]]]:
         """Per-prompt live taus and trees; every output must equal the recorded greedy trajectory."""
@@ -293,7 +295,7 @@ class DeepRanks(TreePolicy):
 def test_a_scorer_replay_cannot_rebuild_is_refused_when_recording(small):
     toy = ToyConditionalDrafter(ToyConfig(vocab_size=small.target.vocab_size))  # its ToyScorer is no RecordableScorer
     with pytest.raises(TraceError, match="cannot record a ToyScorer: .* implement treespec.interfaces.RecordableScorer"):
-        record_trace(small.target, {"domino": toy}, small.prompts[:1], config=RecordConfig(max_new_tokens=2))
+        record_trace(Session(small.target, drafters={"domino": toy}), small.prompts[:1], config=RecordConfig(max_new_tokens=2))
 
 
 def test_trees_reaching_unrecorded_tokens_fail(compressed):
@@ -367,22 +369,22 @@ def test_an_interrupted_recording_resumes_into_the_same_trace(compressed, tmp_pa
 
     domino.draft = failing
     with pytest.raises(_Interrupt):
-        record_trace(world.target, world.drafters, world.prompts, config=config, parts_dir=tmp_path / "parts")
+        record_trace(world.session, world.prompts, config=config, parts_dir=tmp_path / "parts")
     domino.draft = original
     assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["part-00000.safetensors"]  # no torn part
-    resumed = record_trace(world.target, world.drafters, world.prompts, config=config, parts_dir=tmp_path / "parts")
+    resumed = record_trace(world.session, world.prompts, config=config, parts_dir=tmp_path / "parts")
     assert _trace_bytes(resumed, tmp_path / "resumed.safetensors") == whole
 
 
 def test_parts_of_other_settings_are_refused(compressed, tmp_path):
     world = compressed
     config = RecordConfig(max_new_tokens=16, max_budget=80, min_k=4)
-    record_trace(world.target, world.drafters, world.prompts[:1], config=config, parts_dir=tmp_path)
+    record_trace(world.session, world.prompts[:1], config=config, parts_dir=tmp_path)
     with pytest.raises(TraceError, match="recorded with other config"):
-        record_trace(world.target, world.drafters, world.prompts[:1], parts_dir=tmp_path,
+        record_trace(world.session, world.prompts[:1], parts_dir=tmp_path,
                      config=RecordConfig(max_new_tokens=12, max_budget=80, min_k=4))
     with pytest.raises(TraceError, match="recorded with other prompt, prompt_sha256"):
-        record_trace(world.target, world.drafters, world.prompts[1:2], config=config, parts_dir=tmp_path,
+        record_trace(world.session, world.prompts[1:2], config=config, parts_dir=tmp_path,
                      prompt_ids=["other"])
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from test_replay import World
 
+from treespec.apps.assembly.session import Session
 from treespec.apps.cli import main
 from treespec.apps.replay import RecordConfig, Trace, compare, compare_traces, evaluate, expand_sweep, record_trace
 from treespec.apps.replay.compare import markdown_table, per_prompt_rows, pooled_tau
@@ -177,7 +178,7 @@ def retrained(world, tmp_path_factory):
 
     drafters = {"dflash": again("dflash", 41), "domino": again("domino", 42)}
     assert isinstance(drafters["dflash"], DFlashDrafter) and isinstance(drafters["domino"], DominoDrafter)
-    trace = record_trace(world.target, drafters, world.prompts, config=RecordConfig(max_new_tokens=16, max_budget=64))
+    trace = record_trace(Session(world.target, drafters=drafters), world.prompts, config=RecordConfig(max_new_tokens=16, max_budget=64))
     return trace, trace.save(tmp_path_factory.mktemp("retrained") / "retrained.safetensors")
 
 

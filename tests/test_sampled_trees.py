@@ -1,7 +1,7 @@
 """Sampled trees and the verifiers that use the draft's q: exact at T > 0, biased variants caught.
 
 Each pair of a policy that samples from the draft and a verifier the decoder lets it run with is
-tested with `treespec.apps.exactness.check_exactness` (the law of the first two committed tokens
+tested with `treespec.apps.kit.exactness.check_exactness` (the law of the first two committed tokens
 against the target's, chi-square at alpha = 1e-3): 2,000 rounds per pair and setting by default,
 20,000 (TV 0.02 detectable) in the slow run.  Deliberately biased verifiers fail the same test.
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from treespec import registry
-from treespec.apps.exactness import ToyWorld, check_exactness, chi_square_pvalue
-from treespec.apps.testing import tiny_target
+from treespec.apps.kit.exactness import ToyWorld, check_exactness, chi_square_pvalue
+from treespec.apps.kit.testing import tiny_target
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import SamplingParams
 from treespec.verifiers.recursive import RecursiveRejectionVerifier
@@ -203,8 +203,8 @@ def test_the_decoder_refuses_recursive_rejection_over_a_deterministic_policy():
 
 
 def test_sampled_decoding_at_t1_records_each_rounds_seed_and_refuses_batches():
-    from treespec.drafters.oracle import OracleDrafter
     from treespec.batch_decoding import BatchDecoder
+    from treespec.drafters.oracle import OracleDrafter
 
     target = tiny_target(seed=3)
     decoder = SpeculativeDecoder(target, OracleDrafter(), _policy("ddtree-sampled", 8), RecursiveRejectionVerifier())

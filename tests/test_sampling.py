@@ -14,9 +14,9 @@ import torch
 from test_target import tiny_target
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from treespec.decoding import SpeculativeDecoder
 from treespec.drafters.oracle import OracleConfig, OracleDrafter
 from treespec.policies.ddtree import DDTree
-from treespec.decoding import SpeculativeDecoder
 from treespec.sampling import filter_logits
 
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from treespec.interfaces import DraftOutput
 from treespec.policies.sequoia import HardwareAwareSequoia, Sequoia, optimal_trees
 from treespec.pricing.cost import LinearCost
-from treespec.interfaces import DraftOutput
 
 
 @functools.lru_cache(maxsize=None)

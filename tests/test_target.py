@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
-from treespec.apps.tiny import tiny_causal_lm
+from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.target import ContextOverflowError, TargetModel
 from treespec.tree import DraftTree
 
@@ -21,7 +21,7 @@ FAMILIES = ("qwen3", "llama")
 def tiny_model(family: str = "qwen3", *, vocab: int = 128, hidden: int = 32, layers: int = 2, seed: int = 0,
                dtype: torch.dtype = torch.float64, attn: str = "sdpa", max_positions: int = 512,
                init: float = 0.5) -> torch.nn.Module:
-    """A random-weight causal LM (`treespec.apps.tiny.tiny_causal_lm`)."""
+    """A random-weight causal LM (`treespec.apps.kit.tiny.tiny_causal_lm`)."""
     return tiny_causal_lm(family, vocab=vocab, hidden=hidden, layers=layers, seed=seed, dtype=dtype, attn=attn,
                           max_positions=max_positions, init=init)
 

@@ -1,4 +1,4 @@
-"""treespec.apps.testing.check_policy: every registered policy passes it, an outside package's policy
+"""treespec.apps.kit.testing.check_policy: every registered policy passes it, an outside package's policy
 can use it in one line, and each kind of broken policy is caught naming the check."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treespec import registry
-from treespec.apps.testing import PolicyCheckError, check_policy
+from treespec.apps.kit.testing import PolicyCheckError, check_policy
 from treespec.interfaces import DraftContext, DraftOutput, TreePolicy
 from treespec.policies.ddtree import DDTree
 from treespec.tree import DraftTree
@@ -48,7 +48,7 @@ class WidthCapped(BestFirstPolicy):
 '''
 
 TEST = '''
-from treespec.apps.testing import check_policy
+from treespec.apps.kit.testing import check_policy
 from widthcapped import WidthCapped
 
 

@@ -1,4 +1,4 @@
-"""Policies side by side on one recorded draft (treespec/apps/replay/views.py, treespec/apps/trace_page.py,
+"""Policies side by side on one recorded draft (treespec/apps/replay/views.py, treespec/apps/drawing/trace_page.py,
 `treespec draw --trace`).
 
 * Each view's tree is the tree the policy builds from the draft replay rebuilds at that position,
@@ -22,11 +22,11 @@ import pytest
 from test_replay import World
 
 from treespec.analysis import accepted_length
+from treespec.apps.assembly.methods import build_policy, parse_method
 from treespec.apps.cli import main
-from treespec.apps.methods import build_policy, parse_method
+from treespec.apps.drawing.trace_page import page_data, trace_page
 from treespec.apps.replay import RecordConfig, ReplayDrafts, TraceError, replay_prompt
 from treespec.apps.replay.views import node_paths, views_at
-from treespec.apps.trace_page import page_data, trace_page
 from treespec.decoding import limit_depth
 
 

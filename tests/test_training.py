@@ -123,8 +123,8 @@ def test_init_from_target_copies_top_layers(target, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
+    from treespec.apps.assembly.loading import load_drafter
     from treespec.apps.commands.train_drafter import export_drafter
-    from treespec.apps.loading import load_drafter
     from treespec.drafters.domino import DominoDrafter
 
     trainer = make(target, tmp_path, kind=kind)
@@ -142,7 +142,7 @@ def test_export_writes_the_trained_drafter_in_bf16(target, tmp_path, kind):
 
 
 def _distill_dir(target, tmp_path, n=6):
-    from treespec.apps.selfdistill import DistillConfig, write_shards
+    from treespec.apps.data.selfdistill import DistillConfig, write_shards
 
     prompts = [(f"p{i}", ids[:8].tolist()) for i, (ids, _) in enumerate(sequences(n, seed=5))]
     cfg = DistillConfig(num_prompts=n, max_new_tokens=20, batch_size=3, shard_size=4)
@@ -154,7 +154,7 @@ _ID = {"name": "tiny", "sha256": "0" * 64}
 
 
 def test_the_teacher_cache_holds_the_live_records_and_resumes(target, tmp_path):
-    from treespec.apps.selfdistill import iter_sequences
+    from treespec.apps.data.selfdistill import iter_sequences
     from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache, live_record
 
     data = _distill_dir(target, tmp_path)
@@ -232,7 +232,7 @@ def test_training_refuses_a_cache_for_another_target_taps_or_k(target, tmp_path)
 
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
 def test_training_from_the_cache_equals_training_live(target, tmp_path, kind):
-    from treespec.apps.selfdistill import iter_sequences
+    from treespec.apps.data.selfdistill import iter_sequences
     from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache
 
     data = _distill_dir(target, tmp_path)
@@ -300,7 +300,7 @@ def attrs_evolve(cfg, **kw):
 
 @pytest.mark.parametrize(("kind", "method"), [("dflash", "ddtree@6"), ("domino", "dominotree@6"), ("domino", "domino")])
 def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
-    from treespec.apps.methods import build_policy, parse_method
+    from treespec.apps.assembly.methods import build_policy, parse_method
     from treespec.apps.training.evaluate import heldout_tau
     from treespec.apps.training.teacher import TeacherSpec, live_record
     from treespec.decoding import SpeculativeDecoder

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import networkx as nx
-import pytest
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

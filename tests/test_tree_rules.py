@@ -174,7 +174,7 @@ def test_learning_policies_replay_as_they_run_live(world, make, drafter, learned
 def test_what_a_policy_learned_is_kept_per_drafter_and_given_back():
     """A learning policy's state goes into the profile under the drafter's key, survives the cache's
     JSON and starts a later policy where the first left off; a damaged state is refused by name."""
-    from treespec.apps.cost_source import restore_learned
+    from treespec.apps.assembly.cost_source import restore_learned
     from treespec.pricing.profile import CostProfile
 
     drafter = registry.create("drafter", "toy-conditional", seed=3)

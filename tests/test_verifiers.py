@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.apps.exactness import chi_square_pvalue
+from treespec.apps.kit.exactness import chi_square_pvalue
 from treespec.interfaces import DraftOutput, SamplingParams
 from treespec.sampling import filter_logits, mix_seed, target_tokens
 from treespec.tree import DraftTree

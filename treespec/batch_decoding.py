@@ -94,10 +94,10 @@ class BatchDecoder:
 
     # ------------------------------------------------------------------ public entry
     def generate(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int | Sequence[int],
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  stop_token_ids: Iterable[int] | None = None,
                  generators: Sequence[torch.Generator | None] | None = None, backend: str = "torch",
-                 position_keyed: bool = True, first_token: str = "round",
+                 position_keyed: bool | None = None, first_token: str = "round",
                  sampling: SamplingParams | None = None) -> list[GenerationResult]:
         """Up to ``max_new_tokens`` (one value, or one per prompt) new tokens after each prompt;
         ``first_token`` as in `SpeculativeDecoder.generate` (``"prefill"``: each sequence's first

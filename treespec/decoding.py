@@ -218,10 +218,10 @@ class SpeculativeDecoder:
         return self.drafter is None
 
     # ------------------------------------------------------------------ public entry
-    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, stop_token_ids: Iterable[int] | None = None,
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, stop_token_ids: Iterable[int] | None = None,
                  generator: torch.Generator | None = None, backend: str = "torch",
-                 position_keyed: bool = True, first_token: str = "round",
+                 position_keyed: bool | None = None, first_token: str = "round",
                  sampling: SamplingParams | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([P] or [1, P]).
 

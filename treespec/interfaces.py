@@ -393,16 +393,33 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def of(cls, sampling: SamplingParams | None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           position_keyed: bool = True) -> SamplingParams:
-        """``sampling`` as given, or one built from the loose keywords (which must then be left at
-        their defaults): the decoders' ``generate`` take either form, never both."""
-        if sampling is None:
-            return cls(temperature, top_k, top_p, position_keyed)
-        if (temperature, top_k, top_p, position_keyed) != (0.0, 0, 1.0, True):
-            raise ValueError("give either sampling=SamplingParams(...) or temperature/top_k/top_p/position_keyed, "
-                             "not both")
-        return sampling
+    def of(cls, sampling: SamplingParams | None = None, temperature: float | None = None, top_k: int | None = None,
+           top_p: float | None = None, position_keyed: bool | None = None, *,
+           do_sample: bool | None = None) -> SamplingParams:
+        """The one sampling rule: ``sampling`` as given, or one built from the loose keywords, never both
+        (a loose keyword given beside ``sampling`` is refused).  Loose keywords left as None take their
+        defaults (greedy, no filters, position-keyed).  ``do_sample`` is Hugging Face's switch: None lets
+        ``temperature`` decide (the decoders' form); False decodes greedily whatever ``temperature`` says
+        (a bad one is still refused); True samples, at temperature 1.0 unless another is given (> 0)."""
+        loose = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "position_keyed": position_keyed,
+                 "do_sample": do_sample}
+        if sampling is not None:
+            given = [k for k, v in loose.items() if v is not None]
+            if given:
+                raise ValueError(f"give either sampling=SamplingParams(...) or {'/'.join(loose)}, not both "
+                                 f"(got sampling and {', '.join(given)})")
+            return sampling
+        params = cls(0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
+                     1.0 if top_p is None else top_p, True if position_keyed is None else position_keyed)
+        if do_sample is None:
+            return params
+        if not do_sample:
+            return attrs.evolve(params, temperature=0.0)
+        if temperature is None:
+            return attrs.evolve(params, temperature=1.0)
+        if params.greedy:
+            raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
+        return params
 
 
 @attrs.frozen(eq=False)

@@ -111,7 +111,7 @@ class TargetModel:
         """Load a causal LM from a local directory (safetensors; never remote code).
 
         ``dtype``: a torch dtype, one of `DTYPE_NAMES`, or ``"checkpoint"`` (the stored dtype); the
-        machine's faster dtype (``"auto"``) is chosen by the apps' loader (`treespec.apps.loading.load_target`,
+        machine's faster dtype (``"auto"``) is chosen by the apps' loader (`treespec.apps.assembly.loading.load_target`,
         through `treespec.pricing.hardware`); ``float32_head``: see the module docstring (None: on for
         bf16/fp16)."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -353,4 +353,4 @@ def _load_dtype(dtype: torch.dtype | str, config) -> torch.dtype | str:
     if dtype == "checkpoint":
         return stored_dtype(config) or "auto"
     raise ValueError(f"unknown dtype {dtype!r} for TargetModel.from_local; expected checkpoint or one of "
-                     f"{', '.join(DTYPE_NAMES)} (treespec.apps.loading.load_target also takes auto)")
+                     f"{', '.join(DTYPE_NAMES)} (treespec.apps.assembly.loading.load_target also takes auto)")

@@ -14,6 +14,7 @@ import sys
 from types import ModuleType
 
 from treespec import registry
+from treespec.apps.commands import threads_from_env
 
 # name -> (module, one-line help).  Modules are imported lazily so ``treespec --help`` stays fast.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     module, help_text = _load(name)
     parser = argparse.ArgumentParser(prog=f"treespec {name}", description=help_text)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)) or 0)
+    args = parser.parse_args(rest)
+    threads_from_env(args, parser)
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

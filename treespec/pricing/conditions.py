@@ -33,11 +33,13 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["BUSY_SHARE", "DISTURBED_MARGIN", "CpuTimes", "Load", "LoadMeter", "ThreadChoice", "allowed_cores",
-           "busy_shares", "choose_threads", "process_started", "read_cpu_times", "run_processes"]
+__all__ = ["BUSY_SHARE", "DISTURBED_MARGIN", "THREADS_ENV", "CpuTimes", "Load", "LoadMeter", "ThreadChoice",
+           "ThreadControl", "allowed_cores", "busy_shares", "check_threads", "choose_threads", "process_started",
+           "read_cpu_times", "run_processes"]
 
 BUSY_SHARE = 0.5  # a core whose time went more than half to other work is not free
 DISTURBED_MARGIN = 0.3  # cores of others' load beyond the free ones that mark a span disturbed
+THREADS_ENV = "TREESPEC_THREADS"  # the threads of every command where it is set (the test suite sets 1)
 
 
 @attrs.frozen
@@ -134,6 +136,23 @@ def allowed_cores() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return list(range(os.cpu_count() or 1))
+
+
+def check_threads(value: int | str, where: str = "threads") -> int:
+    """``value`` (a number or its text) as a thread count: a whole number from 1 to the cores this
+    process may run on (more would run every measurement oversubscribed); else a ValueError naming
+    ``where`` (``--threads``, ``$TREESPEC_THREADS``, ``threads=``).  The one thread-count rule."""
+    try:
+        threads = int(value) if isinstance(value, str) else value
+    except ValueError:
+        threads = None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{where} must be a whole number of threads >= 1, got {value!r}")
+    cores = len(allowed_cores())
+    if threads > cores:
+        raise ValueError(f"{where} {threads}: this process may run on {cores} core(s); more threads than cores "
+                         "would run every measurement oversubscribed")
+    return threads
 
 
 @attrs.frozen
@@ -255,8 +274,7 @@ class ThreadControl:
         import torch
 
         if threads is not None:
-            if threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {threads}")
+            threads = check_threads(threads, "threads")
             torch.set_num_threads(threads)
             return cls(ThreadChoice(threads, reason), fixed=True, report=report, ranks=ranks)
         choice = _shared(chooser(default=torch.get_num_threads()), ranks)
@@ -264,6 +282,13 @@ class ThreadControl:
             return cls(choice, report=report, ranks=ranks)
         torch.set_num_threads(choice.threads)
         return cls(choice, report=report, ranks=ranks, ceiling=max(1, len(allowed_cores()) // ranks))
+
+    @classmethod
+    def keep(cls, report: Callable[[str], None] = print) -> ThreadControl:
+        """The threads torch runs with now, fixed: a run that was given no choice of its own."""
+        import torch
+
+        return cls(ThreadChoice(torch.get_num_threads(), "torch's count"), fixed=True, report=report)
 
     @property
     def threads(self) -> int:

@@ -1,10 +1,11 @@
 """A/B benchmarking of methods: raw JSONL records, derived tables with paired intervals, plots.
 
-One module per job: `config` (what a run measures), `harness` (the target and drafters every
-method shares), `measure` (every method on one prompt turn), `batched` (S turns at a time),
+One module per job: `config` (what a run measures), `measure` (every method on one prompt turn), `batched` (S turns at a time),
 `runner` (a shard's run, resumable), `lossless` (every response against AR's), `outdir`
 (the output folder), `merge` (joining shards), `summary` (per-cell statistics), `report` (the
-derived files) and `plots`.  The names below are the public face.
+derived files) and `plots`.  What every method of a run shares (the target, the drafters, the chat
+template, the costs) is the run's `treespec.apps.assembly.session.Session`.  The names below are the
+public face.
 """
 
 from treespec.apps.bench.config import (
@@ -16,7 +17,6 @@ from treespec.apps.bench.config import (
                                         expand_methods,
                                         pair_seed,
 )
-from treespec.apps.bench.harness import Chat, Harness, load_harness
 from treespec.apps.bench.lossless import GAP_TOLERANCE, Divergence, decision_gap, first_difference, read_divergences
 from treespec.apps.bench.merge import merge_shards
 from treespec.apps.bench.outdir import (
@@ -35,7 +35,7 @@ from treespec.apps.bench.runner import resume_shard, run_shard
 
 __all__ = [
     "BENCH_PRESETS", "DIVERGENCES", "GAP_TOLERANCE", "METHODS", "RECORDS", "SETTINGS", "BenchConfig", "BenchRecord",
-    "Chat", "Divergence", "Harness", "Report", "Shard", "bench_prompts", "decision_gap", "expand_methods",
-    "first_difference", "load_harness", "merge_shards", "pair_seed", "prepare_out", "read_divergences", "read_records",
+    "Divergence", "Report", "Shard", "bench_prompts", "decision_gap", "expand_methods",
+    "first_difference", "merge_shards", "pair_seed", "prepare_out", "read_divergences", "read_records",
     "resume_shard", "run_settings", "run_shard", "shard_paths", "weights_identity", "write_report", "write_settings",
 ]

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
+from treespec.apps.assembly.methods import MethodSpec, naming
 from treespec.apps.bench.measure import Runner, Turn, method_fields, regain_threads, rotated
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
-from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import MethodSpec, naming
+from treespec.apps.data.datasets import PromptRecord
 from treespec.target import ContextOverflowError
 
 __all__ = ["BatchRunner"]
@@ -31,12 +31,12 @@ class BatchRunner(Runner):
     """The measurements of one shard, S conversations at a time (see the module docstring)."""
 
     def make_decoders(self) -> dict:
-        return self.harness.batch_decoders(self.methods)  # one BatchDecoder per method
+        return self.session.batch_decoders(self.methods)  # one BatchDecoder per method
 
     def warm_up(self, prompt: PromptRecord) -> None:
         if self.config.warmup_tokens == 0:
             return
-        ids = self.harness.chat.encode(prompt.turns[:1], [])
+        ids = self.session.chat.encode(prompt.turns[:1], [])
         for m in self.methods:
             self.decoders[m.name].generate([ids] * self.config.batch_size, max_new_tokens=self.config.warmup_tokens,
                                            stop_token_ids=self.stops, backend=self.config.backend)
@@ -53,7 +53,7 @@ class BatchRunner(Runner):
                 break
             turns = [self._turn(prompts[i], t, temperature, answers[i]) for i in members]
             for i, turn in zip(members, turns, strict=True):  # one too long for the window leaves the batch
-                if turn.ids.numel() + self.config.max_new_tokens > self.harness.target.max_positions:
+                if turn.ids.numel() + self.config.max_new_tokens > self.session.target.max_positions:
                     self.skipped.append(f"{turn.prompt.id} turn {t} T={temperature:g}: prompt of "
                                         f"{turn.ids.numel()} tokens + {self.config.max_new_tokens} new tokens")
                     alive.discard(i)
@@ -69,7 +69,7 @@ class BatchRunner(Runner):
             for j, (i, turn) in enumerate(kept):
                 row = {name: recs[j] for name, recs in records.items()}
                 out[i].append((list(row.values()), self.divergences(turn, row)))
-                answers[i].append(self.harness.chat.decode(row[AR].tokens))
+                answers[i].append(self.session.chat.decode(row[AR].tokens))
         return [out[i] if i in alive else [] for i in range(len(prompts))]
 
     def measure_batch(self, turns: Sequence[Turn]) -> dict[str, list[BenchRecord]]:
@@ -77,11 +77,11 @@ class BatchRunner(Runner):
         one record per turn (the methods' order); a disturbed batch is measured again once, as unbatched."""
         records = self._batch_once(turns)
         if any(r.disturbed for rows in records.values() for r in rows):
-            self.harness.disturbed += 1
-            if self.harness.threads.adapt():
+            self.session.disturbed += 1
+            if self.session.threads.adapt():
                 records = self._batch_once(turns)
         else:
-            regain_threads(self.harness.threads, (r for rows in records.values() for r in rows))
+            regain_threads(self.session.threads, (r for rows in records.values() for r in rows))
         return {m.name: records[m.name] for m in self.methods}
 
     def _batch_once(self, turns: Sequence[Turn]) -> dict[str, list[BenchRecord]]:
@@ -89,7 +89,7 @@ class BatchRunner(Runner):
 
     def _batch_records(self, method: MethodSpec, turns: Sequence[Turn]) -> list[BenchRecord]:
         temperature = turns[0].temperature
-        meter = self.harness.threads.meter()
+        meter = self.session.threads.meter()
         meter.start()
         with naming(method):
             results = self.decoders[method.name].generate(

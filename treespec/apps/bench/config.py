@@ -20,9 +20,9 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from treespec.apps.assembly.methods import MethodSpec, parse_method, with_budget
 from treespec.apps.bench.summary import AR, POOLED
-from treespec.apps.datasets import PromptRecord, load_prompts
-from treespec.apps.methods import MethodSpec, parse_method, with_budget
+from treespec.apps.data.datasets import PromptRecord, load_prompts
 from treespec.decoding import check_first_token
 from treespec.tree import check_budget
 

@@ -142,7 +142,7 @@ def token_comparable(record: BenchRecord) -> bool:
     """Whether ``record`` must equal AR's output token for token: at T = 0 always; at T > 0 when its
     verifier commits AR's own position-keyed draws (``reproduces_ar_samples``: match verification).
     Other verifiers at T > 0 (rejection sampling) only sample from the target's distribution, which
-    `treespec.apps.exactness` tests; their outputs are not compared with AR's."""
+    `treespec.apps.kit.exactness` tests; their outputs are not compared with AR's."""
     from treespec import registry
 
     return record.temperature == 0.0 or bool(getattr(registry.resolve("verifier", record.verifier),
@@ -158,7 +158,7 @@ def _lossless_section(temperature: float, records: Sequence[BenchRecord], ar: di
     if distributional:
         lines += [f"{len(records) - len(compared)} responses of {', '.join(distributional)} are not compared with "
                   "AR's: their verifier samples from the target's distribution without reproducing AR's draws "
-                  "(exact in distribution: treespec.apps.exactness, docs/sampling.md).", ""]
+                  "(exact in distribution: treespec.apps.kit.exactness, docs/sampling.md).", ""]
     differing = [r for r in compared if r.hash != ar[r.key].hash]
     for r in differing:
         d = measured.get((r.method, *r.key))

@@ -2,7 +2,7 @@
 
 Contract
 --------
-`Runner(config, harness, methods)` holds one decoder per method.  ``conversation(prompt, T)``
+`Runner(config, session, methods)` holds one decoder per method.  ``conversation(prompt, T)``
 measures every turn of one conversation, the methods in an order rotated from turn to turn (so a
 load that comes and goes hits every method alike), each record holding the threads it ran with and
 what other processes took meanwhile; a turn another process disturbed is measured again once, after
@@ -23,13 +23,13 @@ from pathlib import Path
 import attrs
 import torch
 
+from treespec.apps.assembly.methods import MethodSpec, naming
+from treespec.apps.assembly.session import Session
 from treespec.apps.bench.config import BenchConfig, pair_seed
-from treespec.apps.bench.harness import Harness
 from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_tolerance, token_comparable
 from treespec.apps.bench.records import BenchRecord, cost_schedule
 from treespec.apps.bench.summary import AR
-from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import MethodSpec, naming
+from treespec.apps.data.datasets import PromptRecord
 from treespec.decoding import SpeculativeDecoder
 from treespec.pricing.conditions import Load, ThreadControl, process_started
 from treespec.target import ContextOverflowError
@@ -65,17 +65,17 @@ class Turn:
 class Runner:
     """The measurements of one shard: a decoder per method, and what happens on each prompt turn."""
 
-    def __init__(self, config: BenchConfig, harness: Harness, methods: list[MethodSpec]) -> None:
-        self.config, self.harness, self.methods = config, harness, methods
+    def __init__(self, config: BenchConfig, session: Session, methods: list[MethodSpec]) -> None:
+        self.config, self.session, self.methods = config, session, methods
         self.decoders = self.make_decoders()
-        self.stops = harness.chat.stop_ids if config.stop_at_eos else []
-        self.tolerance = resolve_tolerance(config, harness.target.dtype)
+        self.stops = session.chat.stop_ids if config.stop_at_eos else []
+        self.tolerance = resolve_tolerance(config, session.target.dtype)
         self.skipped: list[str] = []
         self.run_id = run_identity()  # this invocation, named in its records
 
     def make_decoders(self) -> dict:
         """Method name -> the decoder this runner measures it with."""
-        return self.harness.decoders(self.methods)
+        return self.session.decoders(self.methods)
 
     def generate(self, name: str, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
         return self.decoders[name].generate(
@@ -87,7 +87,7 @@ class Runner:
         """One short untimed generation per method (first-call allocations, lazy imports, caches)."""
         if self.config.warmup_tokens == 0:
             return
-        ids = self.harness.chat.encode(prompt.turns[:1], [])
+        ids = self.session.chat.encode(prompt.turns[:1], [])
         for m in self.methods:
             self.generate(m.name, ids, self.config.warmup_tokens, 0.0, 0)
 
@@ -99,18 +99,18 @@ class Runner:
         left the spare cores idle, threads chosen down are chosen again (`ThreadControl.regain`)."""
         records = self._measure_once(turn)
         if any(r.disturbed for r in records.values()):
-            self.harness.disturbed += 1
-            if self.harness.threads.adapt():
+            self.session.disturbed += 1
+            if self.session.threads.adapt():
                 records = self._measure_once(turn)
         else:
-            regain_threads(self.harness.threads, records.values())
+            regain_threads(self.session.threads, records.values())
         return {m.name: records[m.name] for m in self.methods}
 
     def _measure_once(self, turn: Turn) -> dict[str, BenchRecord]:
         return {m.name: self._record(m, turn) for m in rotated(self.methods, turn.seed)}
 
     def _record(self, method: MethodSpec, turn: Turn) -> BenchRecord:
-        meter = self.harness.threads.meter()
+        meter = self.session.threads.meter()
         meter.start()
         with naming(method):
             out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
@@ -125,7 +125,7 @@ class Runner:
 
     def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:
         ar = records[AR]
-        found = (find_divergence(self.harness.target, turn.ids, ar, r, self.tolerance)
+        found = (find_divergence(self.session.target, turn.ids, ar, r, self.tolerance)
                  for name, r in records.items() if name != AR and token_comparable(r))
         return [d for d in found if d is not None]
 
@@ -143,11 +143,11 @@ class Runner:
                 self.skipped.append(f"{prompt.id} turn {t} T={temperature:g}: {exc}")
                 return
             yield list(records.values()), self.divergences(turn, records)
-            answers.append(self.harness.chat.decode(records[AR].tokens))
+            answers.append(self.session.chat.decode(records[AR].tokens))
 
     def _turn(self, prompt: PromptRecord, t: int, temperature: float, answers: list[str]) -> Turn:
         """Turn t of ``prompt``, asked after ``answers`` (AR's answers to the earlier turns)."""
-        ids = self.harness.chat.encode(prompt.turns[:t + 1], answers)
+        ids = self.session.chat.encode(prompt.turns[:t + 1], answers)
         return Turn(prompt, t, temperature, ids, pair_seed(self.config.seed, prompt.dataset, prompt.id, t, temperature))
 
 

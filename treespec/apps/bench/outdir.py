@@ -19,8 +19,8 @@ from pathlib import Path
 
 import attrs
 
+from treespec.apps.assembly.methods import MethodSpec
 from treespec.apps.bench.config import BenchConfig
-from treespec.apps.methods import MethodSpec
 
 __all__ = ["DIVERGENCES", "RECORDS", "SETTINGS", "prepare_out", "run_settings", "shard_files", "shard_paths",
            "weights_identity", "write_settings"]
@@ -49,7 +49,7 @@ def run_settings(config: BenchConfig, methods: Sequence[MethodSpec], extra: dict
 
 def weights_identity(model_dir: str | Path) -> dict[str, str]:
     """``{"path", "sha256"}`` of a model or drafter directory: where it is and what its weights are."""
-    from treespec.apps.models import model_identity
+    from treespec.apps.assembly.loading import model_identity
 
     return {"path": str(model_dir), "sha256": model_identity(str(model_dir), model_dir)["sha256"]}
 

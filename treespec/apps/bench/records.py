@@ -20,7 +20,7 @@ from pathlib import Path
 
 import attrs
 
-from treespec.apps.methods import method_name
+from treespec.apps.assembly.methods import method_name
 from treespec.pricing.conditions import Load
 
 __all__ = ["BenchRecord", "cost_schedule", "output_hash", "read_records", "write_records"]
@@ -71,7 +71,7 @@ class BenchRecord:
 
     @property
     def family(self) -> str:
-        """The method's name with its budget taken out (`treespec.apps.methods.method_name` of the
+        """The method's name with its budget taken out (`treespec.apps.assembly.methods.method_name` of the
         record's fields): the line of a budget curve, options, drafters and verifiers kept apart."""
         policy = None if self.policy == "ar" else self.policy
         return method_name(policy, self.drafter, None, self.options, self.verifier)

@@ -2,8 +2,8 @@
 
 Contract
 --------
-`run_shard(config, harness, out_dir, shard)` measures methods x prompt turns x temperatures over
-one `Harness` (bench/harness.py), a conversation at a time (bench/measure.py) or, with
+`run_shard(config, session, out_dir, shard)` measures methods x prompt turns x temperatures over
+one `treespec.apps.assembly.session.Session`, a conversation at a time (bench/measure.py) or, with
 ``batch_size`` S > 1, S conversations at a time (bench/batched.py):
 
 * Methods come from `expand_methods` (bench/config.py); AR is measured in every cell, the methods of a
@@ -29,20 +29,20 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from treespec.apps.assembly.methods import MethodSpec
+from treespec.apps.assembly.session import Session
 from treespec.apps.bench.batched import BatchRunner
 from treespec.apps.bench.config import BenchConfig, Shard, bench_prompts, expand_methods
-from treespec.apps.bench.harness import Harness
 from treespec.apps.bench.lossless import write_jsonl
 from treespec.apps.bench.measure import Runner
 from treespec.apps.bench.outdir import shard_paths
 from treespec.apps.bench.records import BenchRecord, write_records
-from treespec.apps.datasets import PromptRecord
-from treespec.apps.methods import MethodSpec
+from treespec.apps.data.datasets import PromptRecord
 
 __all__ = ["resume_shard", "run_shard"]
 
 
-def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard: Shard = Shard(), *,
+def run_shard(config: BenchConfig, session: Session, out_dir: str | Path, shard: Shard = Shard(), *,
               progress: bool = True) -> Path:
     """Measure this shard's prompts; streams its records and divergences into ``out_dir``."""
     from tqdm import tqdm
@@ -54,7 +54,7 @@ def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard:
     rec_path, div_path = shard_paths(out_dir, shard.rank)
     done = resume_shard(rec_path, div_path, mine, config.temperatures, [m.name for m in methods])
     todo = [(p, t) for p in mine for t in config.temperatures if (p.dataset, p.id, t) not in done]
-    runner = _runner(config, harness, methods)
+    runner = _runner(config, session, methods)
     if todo:
         runner.warm_up(todo[0][0])
     total = sum(len(p.turns) for p, _ in todo)
@@ -70,8 +70,8 @@ def run_shard(config: BenchConfig, harness: Harness, out_dir: str | Path, shard:
     return rec_path
 
 
-def _runner(config: BenchConfig, harness: Harness, methods: list[MethodSpec]) -> Runner:
-    return Runner(config, harness, methods) if config.batch_size == 1 else BatchRunner(config, harness, methods)
+def _runner(config: BenchConfig, session: Session, methods: list[MethodSpec]) -> Runner:
+    return Runner(config, session, methods) if config.batch_size == 1 else BatchRunner(config, session, methods)
 
 
 def _measured(runner: Runner, todo: Sequence[tuple[PromptRecord, float]], batch_size: int) -> Iterator[list]:

@@ -9,48 +9,55 @@ DTYPES = {"auto": "auto", "checkpoint": "checkpoint", **DTYPE_NAMES}
 CPU_DTYPES = ("auto", "bfloat16", "float32")  # the dtypes worth running a target in on a CPU
 
 
-THREADS_ENV = "TREESPEC_THREADS"  # the default of --threads where it is set (the test suite sets 1)
-
-
 def add_threads_argument(parser) -> None:
     """``--threads N``: torch's intra-op threads; by default $TREESPEC_THREADS, else the cores free at
-    start (`start_threads`)."""
+    start (`start_threads`).  Both are checked by `treespec.pricing.conditions.check_threads` while the
+    arguments are parsed (the CLI's `treespec.apps.cli.main` reads the variable)."""
     parser.add_argument("--threads", type=_thread_count, default=None,
-                        help=f"torch CPU threads (default: ${THREADS_ENV} if set, else the cores not busy with "
-                             "other work at start, chosen again when another process takes one or leaves one)")
+                        help="torch CPU threads, at most the cores this process may use (default: "
+                             "$TREESPEC_THREADS if set, else the cores not busy with other work at start, chosen "
+                             "again when another process takes one or leaves one)")
 
 
 def _thread_count(text: str) -> int:
-    """argparse type of --threads: a whole number >= 1 (argparse names the flag and exits 2 otherwise)."""
+    """argparse type of --threads (argparse names the flag and exits 2 on a bad value)."""
     import argparse
 
+    from treespec.pricing.conditions import check_threads
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of threads, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+        return check_threads(text, "--threads")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--threads ")) from None
+
+
+def threads_from_env(args, parser) -> None:
+    """``args.threads`` from $TREESPEC_THREADS where the command takes --threads and none was given;
+    a bad value ends the command with one line (argparse's usage error, exit 2)."""
+    import os
+
+    from treespec.pricing.conditions import THREADS_ENV, check_threads
+
+    if getattr(args, "threads", "absent") is not None or not os.environ.get(THREADS_ENV):
+        return
+    try:
+        args.threads = check_threads(os.environ[THREADS_ENV], f"${THREADS_ENV}")
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.threads_reason = f"as ${THREADS_ENV} asks"
 
 
 def start_threads(args, *, announce: bool = True, ranks: int = 1):
     """The run's `treespec.pricing.conditions.ThreadControl`: ``--threads`` as given (or
     $TREESPEC_THREADS), else the cores free now, shared by ``ranks`` processes; says the choice and
-    why on stderr (unless ``announce`` is False: the caller prints it), and every later change.  A bad
-    $TREESPEC_THREADS is a ValueError."""
-    import os
+    why on stderr (unless ``announce`` is False: the caller prints it), and every later change."""
     import sys
 
     from treespec.pricing.conditions import ThreadControl
 
     report = lambda line: print(line, file=sys.stderr)  # noqa: E731
-    threads, reason = args.threads, "as asked (--threads)"
-    if threads is None and os.environ.get(THREADS_ENV):
-        text, reason = os.environ[THREADS_ENV], f"as ${THREADS_ENV} asks"
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"${THREADS_ENV} must be a whole number of threads >= 1, got {text!r}")
-        threads = int(text)
-    control = ThreadControl.start(threads, reason=reason, report=report, ranks=ranks)
+    reason = getattr(args, "threads_reason", "as asked (--threads)")
+    control = ThreadControl.start(args.threads, reason=reason, report=report, ranks=ranks)
     if announce:
         report(f"treespec: {control.choice.describe()}")
     return control

@@ -161,7 +161,7 @@ def _report(out_dir: Path, resamples: int) -> int:
 def _drafter_dirs(args: argparse.Namespace, methods) -> dict[str, Path]:
     """The checkpoint of each drafter the methods name: --drafter NAME=DIR (or --dflash / --domino),
     else the embedded one where the embedded target ships it."""
-    from treespec.apps.loading import drafter_dirs
+    from treespec.apps.assembly.loading import drafter_dirs
 
     return drafter_dirs(sorted({m.drafter for m in methods if m.drafter}), args.drafter,
                         {"dflash": args.dflash, "domino": args.domino})
@@ -176,23 +176,24 @@ def _device(args: argparse.Namespace, shard: bench.Shard) -> str:
 
 
 def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> None:
-    from treespec.apps.embedded import embedded_model_dir
+    from treespec.apps.assembly.embedded import embedded_model_dir
 
     methods = bench.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
     bench.bench_prompts(config)  # and so does a missing dataset
-    from treespec.apps.cost_source import CostSource
+    from treespec.apps.assembly.cost_source import CostSource
+    from treespec.apps.assembly.session import Session
 
     costs = CostSource.parse(args.cost_model)
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
     threads = start_threads(args, ranks=shard.world)
-    harness = bench.load_harness(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
-                                  float32_head=args.logits_dtype == "float32")
-    harness.threads = threads
+    session = Session.load(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
+                           float32_head=args.logits_dtype == "float32", costs=costs, threads=threads,
+                           progress=not args.no_progress, profile_repeats=3, enable_thinking=config.enable_thinking)
     # the weights and the dtype actually used, so that a resume never mixes records of others
     settings = bench.run_settings(config, methods, {
         "model": bench.weights_identity(model), "drafters": {k: bench.weights_identity(p) for k, p in drafters.items()},
-        "dtype": str(harness.target.dtype).removeprefix("torch."), "logits_dtype": args.logits_dtype,
+        "dtype": str(session.target.dtype).removeprefix("torch."), "logits_dtype": args.logits_dtype,
         "torch": torch.__version__, "cost_model": costs.describe(), "device": args.device})
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -200,14 +201,10 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
         if state != "new":
             print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
                   f"{args.out}", file=sys.stderr)
-    harness.costs = costs
-    harness.chat.enable_thinking = config.enable_thinking
-    harness.progress = not args.no_progress
-    if shard.rank == 0:
         bench.write_settings(args.out, settings)
-    bench.run_shard(config, harness, args.out, shard, progress=not args.no_progress)
-    if harness.persist_live() is None and harness.not_saved:  # else the next run starts from what this one learned
-        print(f"treespec bench: live-corrected costs not saved: {harness.not_saved}", file=sys.stderr)
+    bench.run_shard(config, session, args.out, shard, progress=not args.no_progress)
+    if session.close() is None and session.not_saved:  # else the next run starts from what this one learned
+        print(f"treespec bench: live-corrected costs not saved: {session.not_saved}", file=sys.stderr)
 
 
 def _run_distributed(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> int:

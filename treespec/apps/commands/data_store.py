@@ -4,7 +4,7 @@
 the pass's new shards into the store (xz-compressed, with a manifest naming the target and the
 tokenizer); ``treespec data-store restore --store ... --data ...`` writes them back byte for byte,
 so the pass resumes and the teacher cache is rebuilt from the same answers
-(`treespec.apps.datastore`).
+(`treespec.apps.data.datastore`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _tokenizer(model_dir: Path | None) -> str:
     from transformers import AutoTokenizer
 
-    from treespec.apps.datastore import tokenizer_identity
-    from treespec.apps.embedded import embedded_model_dir
+    from treespec.apps.assembly.embedded import embedded_model_dir
+    from treespec.apps.data.datastore import tokenizer_identity
 
     path = model_dir or embedded_model_dir()
     try:
@@ -35,7 +35,7 @@ def _tokenizer(model_dir: Path | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.apps.datastore import StoreError, restore_store, save_store
+    from treespec.apps.data.datastore import StoreError, restore_store, save_store
 
     try:
         if args.action == "save":

@@ -87,11 +87,12 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
 
 def run(args: argparse.Namespace) -> int:
     from treespec.apps import bench
+    from treespec.apps.assembly.cost_source import CostSource
+    from treespec.apps.assembly.embedded import cache_root, embedded_model_dir
+    from treespec.apps.assembly.loading import drafter_dirs, embedded_drafter_dir
+    from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, DEMO_METHODS
+    from treespec.apps.assembly.session import Session
     from treespec.apps.bench.records import read_records
-    from treespec.apps.cost_source import CostSource
-    from treespec.apps.embedded import cache_root, embedded_model_dir
-    from treespec.apps.loading import drafter_dirs, embedded_drafter_dir
-    from treespec.apps.methods import DEFAULT_DRAFTERS, DEMO_METHODS
 
     start = time.perf_counter()
     threads = start_threads(args, announce=False)  # the header says the choice
@@ -110,28 +111,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"treespec demo: the embedded drafters are not installed ({', '.join(missing)}); "
               "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
         return 2
-    harness = bench.load_harness(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype],
-                                  float32_head=args.logits_dtype == "float32")
-    harness.progress = True
-    harness.threads = threads
-    harness.costs = CostSource.parse(args.cost_model)
-    print(machine_header(harness, args.dtype), flush=True)
+    session = Session.load(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype],
+                           float32_head=args.logits_dtype == "float32", costs=CostSource.parse(args.cost_model),
+                           threads=threads, progress=True, profile_repeats=3)
+    print(machine_header(session, args.dtype), flush=True)
     out = args.out or fresh_run_dir(cache_root() / "demo")  # never another run's records: timings of other conditions
-    bench.run_shard(config, harness, out)
-    learned = harness.persist_live()
+    bench.run_shard(config, session, out)
+    learned = session.close()
     bench.merge_shards(out)
     report = bench.write_report(out, resamples=200)
-    dtype = str(harness.target.dtype).removeprefix("torch.")
-    print(f"\nSmolLM2-135M-Instruct ({dtype}, {harness.target.device}), T = 0, {args.prompts} prompts x "
+    dtype = str(session.target.dtype).removeprefix("torch.")
+    print(f"\nSmolLM2-135M-Instruct ({dtype}, {session.target.device}), T = 0, {args.prompts} prompts x "
           f"{len(_DATASETS)} domains, {args.max_new_tokens} new tokens\n")
     records = list(read_records(out / bench.RECORDS))
     print(pooled_table(records, [m.name for m in expanded], bench.read_divergences(out / bench.DIVERGENCES)))
     print("\n" + lossless_verdict(records, report.unacceptable))
-    print(conditions_line(records, harness.disturbed))
+    print(conditions_line(records, session.disturbed))
     if learned is not None:
         print(f"live-corrected costs (saved for the next run): {verify_line(learned)}")
-    elif harness.not_saved:
-        print(f"live-corrected costs not saved: {harness.not_saved}")
+    elif session.not_saved:
+        print(f"live-corrected costs not saved: {session.not_saved}")
     print(f"records and full report (with confidence intervals): {out}")
     print(f"total time {time.perf_counter() - start:.0f} s")
     return 1 if report.unacceptable else 0
@@ -167,20 +166,20 @@ def _threads_clause(records: Sequence[BenchRecord]) -> str:
     return "; threads followed the load: " + ", ".join(f"{t} on {n} turn{'s' * (n != 1)}" for t, n in counts.items())
 
 
-def machine_header(harness, dtype_arg: str) -> str:
+def machine_header(session, dtype_arg: str) -> str:
     """What the demo measured about this machine: the dtype and why, and the verify cost in AR steps."""
     from treespec.pricing.hardware import cpu_dtype_choice, machine_identity
 
-    ident = machine_identity(harness.target.device)
-    dtype = str(harness.target.dtype).removeprefix("torch.")
-    if dtype_arg == "auto" and harness.target.device.type == "cpu":
-        why = cpu_dtype_choice(harness.target.config).describe()
+    ident = machine_identity(session.target.device)
+    dtype = str(session.target.dtype).removeprefix("torch.")
+    if dtype_arg == "auto" and session.target.device.type == "cpu":
+        why = cpu_dtype_choice(session.target.config).describe()
     else:
-        why = f"{dtype} ({'bf16 on CUDA' if harness.target.device.type == 'cuda' else 'as asked'})"
-    profile = harness.machine_profile()
+        why = f"{dtype} ({'bf16 on CUDA' if session.target.device.type == 'cuda' else 'as asked'})"
+    profile = session.machine_profile()
     return (f"machine: {ident['cpu']}, {ident['cores']} cores, torch {ident['torch']}\n"
-            f"{harness.threads.choice.describe()}\n"
-            f"dtype {why}\n" + verify_line(profile, harness.drafters, live=harness.costs.live))
+            f"{session.threads.choice.describe()}\n"
+            f"dtype {why}\n" + verify_line(profile, session.drafters, live=session.costs.live))
 
 
 def verify_line(profile, drafters=None, *, live: bool = True) -> str:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import attrs
 
+from treespec.apps.assembly.embedded import EmbeddedError
+from treespec.apps.assembly.loading import load_frozen_model
 from treespec.apps.commands import add_threads_argument, start_threads
-from treespec.apps.datasets import DatasetError, encode_chat, load_prompts
-from treespec.apps.embedded import EmbeddedError
-from treespec.apps.models import load_frozen_model
-from treespec.apps.selfdistill import (
+from treespec.apps.data.datasets import DatasetError, encode_chat, load_prompts
+from treespec.apps.data.selfdistill import (
     SMOLLM2_CPU,
     DistillConfig,
     first_answers,

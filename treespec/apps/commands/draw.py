@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from treespec.apps import draw
-from treespec.apps.commands import CPU_DTYPES, DTYPES, exit_status
+from treespec.apps.commands import CPU_DTYPES, DTYPES, add_threads_argument, exit_status, start_threads
+from treespec.apps.drawing import trees
 from treespec.interfaces import VerifyResult
 from treespec.tree import DraftTree
 
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "with --trace, the prompt's index in the trace (default 0)")
     live.add_argument("--round", type=int, default=1, help="which decoding round to draw (1 = the first)")
     live.add_argument("--dtype", choices=CPU_DTYPES, default="auto", help="target dtype (auto: the faster here)")
+    add_threads_argument(live)
     live.add_argument("--cost-model", default="profile",
                       help="cost model of cost-aware methods: profile (default: this machine's measured profile, "
                            "so a drawing does not depend on the moment's timings), live, or a JSON file / preset:NAME")
@@ -55,11 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def render(tree: DraftTree, out: Path, labels=None, accepted=None, title: str | None = None) -> Path:
     """Write ``tree`` to ``out`` in the format its suffix names."""
-    writers = {".dot": draw.to_dot, ".mmd": draw.to_mermaid}
+    writers = {".dot": trees.to_dot, ".mmd": trees.to_mermaid}
     if out.suffix in writers:
         out.write_text(writers[out.suffix](tree, labels, accepted))
         return out
-    return draw.write_figure(tree, out, labels, accepted, title=title)
+    return trees.write_figure(tree, out, labels, accepted, title=title)
 
 
 class _Enough(Exception):
@@ -131,14 +132,11 @@ def read_tree_record(path: Path) -> tuple[DraftTree, list | None, list | None]:
 
 
 def _from_model(args: argparse.Namespace):
-    import torch
-
-    from treespec.apps.cost_source import CostSource, method_policy
-    from treespec.apps.datasets import encode_chat
-    from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.loading import load_drafter, load_target, load_tokenizer
-    from treespec.apps.methods import parse_method
-    from treespec.pricing.profile import machine_profile
+    from treespec.apps.assembly.cost_source import CostSource
+    from treespec.apps.assembly.embedded import embedded_model_dir
+    from treespec.apps.assembly.loading import load_drafter, load_target, load_tokenizer
+    from treespec.apps.assembly.methods import parse_method
+    from treespec.apps.assembly.session import Chat, Session
 
     method = parse_method(args.method)
     if method.autoregressive:
@@ -146,18 +144,19 @@ def _from_model(args: argparse.Namespace):
     drafter_dir = args.drafter or _embedded_drafter(method.drafter, args.model)  # before any model loads
     model_dir = args.model or embedded_model_dir()
     tokenizer = load_tokenizer(model_dir)  # the labels need one: refuse before the target loads
+    threads = start_threads(args)
     target = load_target(model_dir, dtype=DTYPES[args.dtype])
-    ids = torch.as_tensor(encode_chat(tokenizer, [args.prompt or _DEFAULT_PROMPT]), dtype=torch.int64)
-    drafter = load_drafter(drafter_dir)
-    policy, _ = method_policy(method, drafter, CostSource.parse(args.cost_model),
-                              lambda: machine_profile(target, [drafter], progress=True))
+    ids = Chat(tokenizer).encode([args.prompt or _DEFAULT_PROMPT])
+    session = Session(target, tokenizer, {method.drafter: load_drafter(drafter_dir)},
+                      costs=CostSource.parse(args.cost_model), threads=threads, progress=True)
+    drafter, policy = session.parts(method)
     tree, result = live_round(target, drafter, policy, ids, args.round)
     labels = [repr(tokenizer.decode([t]))[1:-1] for t in tree.tokens.tolist()]
     return tree, labels, result.accepted.tolist()
 
 
 def _embedded_drafter(kind: str, model: Path | None) -> Path:
-    from treespec.apps.loading import embedded_drafter_dir
+    from treespec.apps.assembly.loading import embedded_drafter_dir
 
     if model is not None:
         raise ValueError("--model needs --drafter (the embedded drafters fit the embedded target only)")
@@ -170,8 +169,8 @@ def _embedded_drafter(kind: str, model: Path | None) -> Path:
 def _trace_label(trace, model: Path | None):
     """token -> text with the tokenizer of --model, or of the embedded target when the trace names
     it; token ids when neither is at hand."""
-    from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.loading import load_tokenizer
+    from treespec.apps.assembly.embedded import embedded_model_dir
+    from treespec.apps.assembly.loading import load_tokenizer
 
     source = model
     if source is None and trace.meta["target"].get("name") == "smollm2-135m-instruct":
@@ -192,9 +191,9 @@ def _prompt_index(text: str | None) -> int:
 
 def _from_trace(args: argparse.Namespace) -> str:
     """Draw (and page) the methods' trees at one position of a trace; returns what was written."""
+    from treespec.apps.drawing.trace_page import trace_page
     from treespec.apps.replay import Trace
     from treespec.apps.replay.views import views_at
-    from treespec.apps.trace_page import trace_page
 
     if not args.methods:
         raise ValueError("--trace needs --methods, e.g. --methods ddtree@16,eagle2@16")
@@ -208,9 +207,9 @@ def _from_trace(args: argparse.Namespace) -> str:
     if args.out is not None:
         if args.out.suffix not in (".svg", ".png"):
             raise ValueError(f"side-by-side trees are drawn as .svg or .png, got {args.out.suffix!r}")
-        panels = [draw.Panel(f"{v.method}: tau {v.tau}, {len(v.tree) - 1} nodes, {len(v.only)} in this tree only",
+        panels = [trees.Panel(f"{v.method}: tau {v.tau}, {len(v.tree) - 1} nodes, {len(v.only)} in this tree only",
                              v.tree, [label(t) for t in v.tree.tokens.tolist()], v.accepted, v.only) for v in views]
-        draw.write_side_by_side(panels, args.out, title=args.title or where)
+        trees.write_side_by_side(panels, args.out, title=args.title or where)
         written.append(str(args.out))
     if args.html is not None:
         args.html.write_text(trace_page(trace, methods, prompt, label, start=args.position, title=args.title))

@@ -4,7 +4,7 @@ Builds a seeded random Qwen3-style target in float64 (no download), and the orac
 ``drafters/oracle.py`` (it knows the target's greedy continuation and corrupts it, seeded, so that
 acceptance is long but imperfect; its conditional variant carries a path-dependent scorer as
 Domino does).  Runs AR, the chain, DDTree, CaDDTree and DominoTree through one `SpeculativeDecoder`
-harness and prints the mean acceptance length per method and whether its output equals AR's token
+harness (a `Session`) and prints the mean acceptance length per method and whether its output equals AR's token
 for token (it must: verification is lossless).
 """
 
@@ -15,11 +15,9 @@ import argparse
 import torch
 
 from treespec import registry
+from treespec.apps.assembly.methods import parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.commands import add_threads_argument, start_threads
-from treespec.apps.cost_source import CostSource, method_policy
-from treespec.apps.methods import parse_method
-from treespec.decoding import SpeculativeDecoder
-from treespec.pricing.profile import machine_profile
 from treespec.target import TargetModel
 
 _METHODS = ("ar", "dflash", "ddtree@16", "caddtree@16", "dominotree@16")
@@ -34,13 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tiny_target(seed: int) -> TargetModel:
     """A random 2-layer Qwen3 target in float64 (vocab 512)."""
-    from treespec.apps.tiny import tiny_causal_lm
+    from treespec.apps.kit.tiny import tiny_causal_lm
 
     return TargetModel(tiny_causal_lm(vocab=512, hidden=64, layers=2, max_positions=1024, init=0.3, seed=seed))
 
 
 def run(args: argparse.Namespace) -> int:
-    start_threads(args)
+    threads = start_threads(args)
     target = tiny_target(args.seed)
     oracle = {"dflash": registry.create("drafter", "oracle", config="typical", seed=args.seed),
               "domino": registry.create("drafter", "oracle", config="typical", seed=args.seed, conditional=True)}
@@ -49,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
     outputs: dict[str, list[list[int]]] = {}
     print(f"random Qwen3 target (float64), {args.prompts} prompts x {args.max_new_tokens} tokens, T = 0\n")
     print(f"{'method':<15}{'drafter':<22}{'tau':>6}  output = AR")
-    profile = machine_profile(target, list(oracle.values()))  # prices CaDDTree's trees on this machine
+    session = Session(target, drafters=oracle, threads=threads)  # prices CaDDTree's trees on this machine
     for name in _METHODS:
         method = parse_method(name)
-        drafter = oracle[method.drafter] if method.drafter else None
-        decoder = SpeculativeDecoder(target, drafter, method_policy(method, drafter, CostSource(), lambda: profile)[0])
+        drafter = session.drafter(method)
+        decoder = session.decoder(method)
         results = [decoder.generate(p, max_new_tokens=args.max_new_tokens) for p in prompts]
         outputs[name] = [r.tokens.tolist() for r in results]
         taus = [t for r in results for t in r.stats.taus]

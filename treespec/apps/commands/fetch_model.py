@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from treespec.apps.embedded import EmbeddedError, embedded_model_dir, load_embedded
+from treespec.apps.assembly.embedded import EmbeddedError, embedded_model_dir, load_embedded
 
 _CHECK_PROMPT = "What is the capital of France?"
 

@@ -7,9 +7,9 @@ import json
 import sys
 
 from treespec import registry
+from treespec.apps.assembly.methods import MethodSpec
 from treespec.apps.commands import DTYPES, add_threads_argument, start_threads
 from treespec.interfaces import SamplingParams
-from treespec.tree import check_budget
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +45,10 @@ def typed_settings(args: argparse.Namespace) -> SamplingParams:
     """The numbers given, typed and checked once before anything loads (a ValueError names the flag)."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.budget is not None:
-        check_budget(args.budget, "--budget")
+    try:
+        MethodSpec(args.policy, None, args.budget)  # the method's budget rule
+    except ValueError as exc:
+        raise ValueError(f"--budget: {exc}") from None
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as exc:  # named as the flags are
@@ -61,7 +63,7 @@ def _summary(stats) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import generate
-    from treespec.apps.loading import load_target, load_tokenizer
+    from treespec.apps.assembly.loading import load_target, load_tokenizer
 
     try:
         sampling = typed_settings(args)

@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.apps.embedded import embedded_model_dir
-    from treespec.apps.loading import embedded_drafter_dir, load_drafter, load_target
+    from treespec.apps.assembly.embedded import embedded_model_dir
+    from treespec.apps.assembly.loading import embedded_drafter_dir, load_drafter, load_target
     from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
 
     try:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     measure = refresh_profile if args.fresh else machine_profile
     profile = measure(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats, progress=True)
     if args.calibrate and drafters:
-        from treespec.apps.loading import load_tokenizer
+        from treespec.apps.assembly.loading import load_tokenizer
 
         tokenizer = load_tokenizer(args.model or embedded_model_dir())
         for drafter, name in zip(drafters, paths):
@@ -105,7 +105,7 @@ def calibration_rounds(target, tokenizer, drafter, *, prompts: int = 3, tokens: 
     drafter whose drafts carry a scorer, DDTree otherwise), drafting every round, over ``prompts``
     prompts of each `CALIBRATION_SETS` benchmark."""
     from treespec import registry
-    from treespec.apps.datasets import encode_chat, load_prompts
+    from treespec.apps.data.datasets import encode_chat, load_prompts
     from treespec.decoding import SpeculativeDecoder
 
     if policy is None:

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 def _record(args: argparse.Namespace) -> int:
     from treespec.apps.replay import RECORD_PRESETS, record_trace
 
-    start_threads(args)
+    threads = start_threads(args)
     overrides = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("max_budget", args.max_budget),
                                    ("min_k", args.min_k), ("top_m", args.top_m)) if v is not None}
     config = attrs.evolve(RECORD_PRESETS[args.preset], **overrides)
@@ -123,15 +123,14 @@ def _record(args: argparse.Namespace) -> int:
         shutil.rmtree(parts)
     if args.prompt_ids is not None:
         prompt_ids(args.prompt_ids)  # refused before the models load
-    from treespec.apps.loading import Parts
+    from treespec.apps.assembly.session import Session
 
-    loaded = Parts.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False)
-    target, tokenizer, name, drafters = loaded.target, loaded.tokenizer, loaded.name, dict(loaded.drafters)
-    prompts, ids = _prompts(args, tokenizer)
+    session = Session.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False,
+                           threads=threads, progress=True)
+    prompts, ids = _prompts(args, session.tokenizer)
     start = time.perf_counter()
     try:
-        trace = record_trace(target, drafters, prompts, config=config, prompt_ids=ids, target_name=name,
-                             progress=True, parts_dir=parts)
+        trace = record_trace(session, prompts, config=config, prompt_ids=ids, progress=True, parts_dir=parts)
     except KeyboardInterrupt:
         done = len(list(parts.glob("part-*.safetensors"))) if parts.exists() else 0
         print(f"\ntreespec replay record: interrupted; {done} of {len(prompts)} prompts are kept in {parts}; "
@@ -140,7 +139,7 @@ def _record(args: argparse.Namespace) -> int:
     path = trace.save(args.out.with_name(args.out.name + ".tmp"))
     path = path.replace(args.out)
     shutil.rmtree(parts, ignore_errors=True)
-    print(f"recorded {len(prompts)} prompts x {config.max_new_tokens} tokens with {', '.join(drafters)} in "
+    print(f"recorded {len(prompts)} prompts x {config.max_new_tokens} tokens with {', '.join(session.drafters)} in "
           f"{time.perf_counter() - start:.1f} s -> {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
@@ -166,7 +165,7 @@ def prompt_ids(path: Path) -> list[list[int]]:
 def _drafter_dirs(args: argparse.Namespace) -> dict[str, Path]:
     """The drafters to record: --dflash / --domino (by default, with the embedded target, its shipped
     ones) and any --drafter NAME=DIR."""
-    from treespec.apps.loading import drafter_dirs, embedded_drafter_dir
+    from treespec.apps.assembly.loading import drafter_dirs, embedded_drafter_dir
 
     dirs = {kind: getattr(args, kind) for kind in _KINDS}
     if args.model is None:
@@ -185,7 +184,7 @@ def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[torch.Tensor], l
         return [torch.tensor(r, dtype=torch.int64) for r in rows], [str(i) for i in range(len(rows))]
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer: give prompts as token ids with --prompt-ids")
-    from treespec.apps.datasets import encode_chat, load_prompts
+    from treespec.apps.data.datasets import encode_chat, load_prompts
 
     prompts, ids = [], []
     for source in args.dataset or ["gsm8k"]:
@@ -197,7 +196,7 @@ def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[torch.Tensor], l
 
 # ---------------------------------------------------------------------------- eval and info
 def _methods(args: argparse.Namespace, trace) -> list[str]:
-    from treespec.apps.methods import DEMO_METHODS, parse_method
+    from treespec.apps.assembly.methods import DEMO_METHODS, parse_method
 
     if args.methods:
         return [m for item in args.methods for m in item.split(",") if m]
@@ -336,12 +335,12 @@ def _first_words(trace, count: int = 10) -> list[str]:
 
 def _trace_tokenizer(trace):
     """The recorded target's tokenizer if its folder is on this machine (never fetched), else None."""
-    from treespec.apps.loading import EMBEDDED_NAME, load_tokenizer
+    from treespec.apps.assembly.loading import EMBEDDED_NAME, load_tokenizer
 
     name = str(trace.meta.get("target", {}).get("name", ""))
     folder = Path(name)
     if name == EMBEDDED_NAME:
-        from treespec.apps.embedded import cache_root
+        from treespec.apps.assembly.embedded import cache_root
 
         folder = cache_root() / EMBEDDED_NAME
     try:

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.apps.models import load_frozen_model
+    from treespec.apps.assembly.loading import load_frozen_model
     from treespec.apps.training.teacher import TeacherCacheError, TeacherSpec, build_teacher_cache, default_cache_layers
 
     start_threads(args)

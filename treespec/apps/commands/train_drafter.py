@@ -109,7 +109,7 @@ def _parse(text: str, current, annotation: str = ""):
 
 def _sequences(args: argparse.Namespace, identity, cfg):
     """What training reads: the teacher cache (checked against the target and K), else the data's pairs."""
-    from treespec.apps.selfdistill import iter_sequences
+    from treespec.apps.data.selfdistill import iter_sequences
 
     if args.teacher is None:
         return [(s.tokens, s.response_start) for s in iter_sequences(args.data)]
@@ -182,13 +182,13 @@ def _init_identity(init: Path | None) -> str | None:
     """``--init``'s weights by path and sha256 (a resumed run must continue from the same start)."""
     if init is None:
         return None
-    from treespec.apps.embedded import sha256_of
+    from treespec.apps.assembly.embedded import sha256_of
 
     return f"{init} sha256:{sha256_of(init / 'model.safetensors')}"
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.apps.models import load_frozen_model
+    from treespec.apps.assembly.loading import load_frozen_model
     from treespec.apps.training.trainer import DrafterTrainer
 
     start_threads(args)
@@ -237,6 +237,6 @@ def run(args: argparse.Namespace) -> int:
 
 def export_drafter(source: Path, out: Path, dtype: torch.dtype) -> Path:
     """Reload the checkpoint at ``source`` (strictly) and save it in ``dtype`` at ``out``."""
-    from treespec.apps.loading import load_drafter
+    from treespec.apps.assembly.loading import load_drafter
 
     return load_drafter(source, dtype=dtype).save_pretrained(out)

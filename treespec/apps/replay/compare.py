@@ -27,8 +27,8 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from treespec.apps.assembly.methods import MethodSpec, parse_method, policy_class, with_budget, with_options
 from treespec.apps.bench.summary import bootstrap_interval
-from treespec.apps.methods import MethodSpec, parse_method, policy_class, with_budget, with_options
 from treespec.apps.replay.evaluate import ReplayResult
 
 __all__ = ["ComparisonRow", "baselines", "compare", "compare_traces", "expand_sweep", "markdown_table", "per_prompt_rows",

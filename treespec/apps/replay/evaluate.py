@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from treespec.analysis import accepted_length, accepted_path
-from treespec.apps.methods import MethodSpec, build_policy, naming, parse_method
+from treespec.apps.assembly.methods import MethodSpec, build_policy, naming, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree, limit_depth
@@ -208,7 +208,7 @@ def policy_for(trace: Trace, method: MethodSpec, cache: dict[str, ReplayDrafts] 
 def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, backend: str = "torch",
              stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
              cost_model: CostModel | None = None) -> list[ReplayResult]:
-    """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.apps.methods) on the
+    """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.apps.assembly.methods) on the
     trace; ``cost_model`` prices the trees of cost-aware policies, by default with the cost models
     measured on the recording machine (``trace.meta["cost_models"]``, one per drafter kind)."""
     parsed = [parse_method(m) if isinstance(m, str) else m for m in methods]

@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from treespec import registry
+from treespec.apps.assembly.session import Session
 from treespec.apps.replay.trace import (
     FORMAT,
     VERSION,
@@ -42,7 +43,6 @@ from treespec.apps.replay.trace import (
 )
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, RecordableScorer, TreePolicy
-from treespec.pricing.profile import machine_profile
 from treespec.reach import best_chain, reachable
 from treespec.target import TargetModel, select_taps
 from treespec.topk import exact_topk
@@ -200,22 +200,25 @@ class _Recorder(Drafter):
                             ctx.feature_start)
 
 
-def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: Sequence[torch.Tensor], *,
+def record_trace(session: Session, prompts: Sequence[torch.Tensor], *,
                  config: RecordConfig = RECORD_PRESETS["default"], prompt_ids: Sequence[str] | None = None,
-                 target_name: str = "", progress: bool = False, parts_dir: str | Path | None = None) -> Trace:
-    """Record ``drafters`` (kind -> drafter, e.g. {"dflash": ..., "domino": ...}) along the greedy
-    trajectory of ``target`` for each prompt ([P] token ids); see the module docstring.
+                 progress: bool = False, parts_dir: str | Path | None = None) -> Trace:
+    """Record the session's drafters (kind -> drafter, e.g. {"dflash": ..., "domino": ...}) along the
+    greedy trajectory of its target for each prompt ([P] token ids); see the module docstring.  The
+    trace names the target as the session does, and keeps the cost models and calibrations of the
+    session's machine profile.
 
     ``parts_dir``: record prompt by prompt into one part file each there (written whole, then
     renamed), reuse the parts an interrupted run left (same prompt, settings, target and drafter
     weights, else `TraceError`) and merge them: an interrupted recording resumes.
     """
+    target, drafters = session.target, dict(session.drafters)
     if not drafters:
         raise ValueError("record_trace needs at least one drafter")
     prompt_ids = [str(i) for i in range(len(prompts))] if prompt_ids is None else list(prompt_ids)
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(prompt_ids)} prompt ids")
-    target_meta = {"name": target_name, "vocab_size": target.vocab_size, "max_positions": target.max_positions,
+    target_meta = {"name": session.name, "vocab_size": target.vocab_size, "max_positions": target.max_positions,
                    "dtype": str(target.dtype).removeprefix("torch.")}
     items = list(zip(prompt_ids, prompts, strict=True))
     if parts_dir is None:
@@ -226,7 +229,7 @@ def record_trace(target: TargetModel, drafters: Mapping[str, Drafter], prompts: 
                  for i, item in enumerate(_progress(items, progress, "record"))]
         trace = merge_traces(parts)
     # what cost-aware policies replay with: read from the cache, or measured now (about 20 s, with a bar)
-    profile = machine_profile(target, list(drafters.values()), progress=progress)
+    profile = session.machine_profile()
     meta = trace.meta | {"cost_models": {kind: profile.cost_model(d).to_dict() for kind, d in drafters.items()},
                          "calibrations": {kind: profile.calibration(d).to_record() for kind, d in drafters.items()}}
     return attrs.evolve(trace, meta=meta)

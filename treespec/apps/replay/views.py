@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import attrs
 
 from treespec.analysis import accepted_path
-from treespec.apps.methods import MethodSpec, naming, parse_method
+from treespec.apps.assembly.methods import MethodSpec, naming, parse_method
 from treespec.apps.replay.evaluate import policy_for
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError

@@ -3,7 +3,7 @@
 Contract
 --------
 `build_teacher_cache` runs the target (no grad) once over every sequence of a distill-data
-directory (`treespec.apps.selfdistill`), each cut at ``spec.max_seq_len`` tokens, and writes one
+directory (`treespec.apps.data.selfdistill`), each cut at ``spec.max_seq_len`` tokens, and writes one
 ``teacher-NNNNN.safetensors`` per data shard (same index), holding for its n sequences of T tokens
 in all:
 
@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from treespec.apps.selfdistill import read_shard, shard_rows
+from treespec.apps.data.selfdistill import read_shard, shard_rows
 from treespec.target import select_taps, spread_layers
 from treespec.training import TeacherRecord
 

@@ -158,7 +158,7 @@ class DrafterTrainer:
     @torch.no_grad()
     def evaluate(self, heldout: TeacherCache) -> dict[str, float]:
         """Held-out τ of each eval method (`treespec.apps.training.evaluate`) with the current weights."""
-        from treespec.apps.methods import build_policy, parse_method
+        from treespec.apps.assembly.methods import build_policy, parse_method
         from treespec.apps.training.evaluate import heldout_tau
         from treespec.target import TargetModel
 

@@ -4,7 +4,7 @@ trees side by side at each position (`treespec draw --trace T --html PAGE`).
 Contract
 --------
 `trace_page(trace, methods, prompt)` returns one HTML document with no external resource: the
-data (per position, each method's tree as laid out by `treespec.apps.draw.tree_layout`, its
+data (per position, each method's tree as laid out by `treespec.apps.drawing.trees.tree_layout`, its
 accepted path and the nodes no other method's tree holds: `treespec.apps.replay.views`) is one JSON
 object in the page, and a short script draws it as SVG.  The page opens at ``start`` or at the
 position its address names (``page.html#position=7``); buttons, a slider and the arrow keys step
@@ -17,7 +17,7 @@ import html
 import json
 from collections.abc import Callable, Sequence
 
-from treespec.apps.draw import tree_layout
+from treespec.apps.drawing.trees import tree_layout
 from treespec.apps.replay.trace import Trace
 from treespec.apps.replay.views import TreeView, check_position, views_at
 

@@ -1,7 +1,7 @@
 """Self-distillation data: the target's own responses to training prompts, stored as token ids.
 
 Contract:
-- Input: (prompt id, prompt token ids) pairs, already chat-templated (`treespec.apps.datasets.encode_chat`)
+- Input: (prompt id, prompt token ids) pairs, already chat-templated (`treespec.apps.data.datasets.encode_chat`)
   and drawn from a training split, so the data never overlaps benchmark prompts.
 - Output: shards ``shard-00000.safetensors``, ... in one directory.  Shard k holds prompts
   ``[k * shard_size, (k + 1) * shard_size)`` of the input order, so a rerun with the same prompts
@@ -13,7 +13,7 @@ Contract:
     ``finished``        [n] bool  the response ended with a stop token (else it was cut at the limit)
   and string metadata: ``ids`` (JSON list of prompt ids), ``config`` (JSON), ``model``.
 - Responses are the target's continuations, decoded as one continuous batch of ``batch_size`` rows
-  over every missing shard (`treespec.apps.continuous_batch`): a row leaves at its first stop token,
+  over every missing shard (`treespec.apps.data.continuous_batch`): a row leaves at its first stop token,
   which the response keeps so a drafter learns where answers end, and the next prompt takes its
   place; a shard is written once its last answer is in.  Greedy (argmax) at ``temperature == 0``,
   else sampled from softmax(logits / T), each answer from its own generator seeded by (``seed``,
@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from treespec.apps.continuous_batch import ContinuousBatch, Job, generate_responses
+from treespec.apps.data.continuous_batch import ContinuousBatch, Job, generate_responses
 
 __all__ = [
     "SMOLLM2_CPU",

@@ -37,7 +37,7 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.tiny import tiny_causal_lm
+from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.decoding import PolicyError, SpeculativeDecoder, built_tree, checked_tree
 from treespec.interfaces import BACKENDS, DraftContext, DraftOutput, TreePolicy
 from treespec.pricing.cost import LinearCost

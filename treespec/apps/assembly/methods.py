@@ -59,7 +59,8 @@ class MethodSpec:
 
     policy: str | None  # registry policy name ("chain" for a drafter's own chain; None: autoregressive)
     drafter: str | None  # registered drafter name it runs over (None: autoregressive)
-    budget: int | None = None  # tree budget (None: the policy's default)
+    budget: int | None = attrs.field(default=None, validator=lambda _, __, value: value is None or check_budget(value))
+    # tree budget (None: the policy's default); the one check of a method's budget, wherever it comes from
     options: Mapping[str, Any] = attrs.field(factory=dict)  # extra policy keyword arguments, typed
     verifier: str = "match"  # registered verifier that checks the trees
 
@@ -119,7 +120,10 @@ def default_drafter(policy: str) -> str | None:
 
 def with_budget(method: MethodSpec, budget: int) -> MethodSpec:
     """``method`` at tree budget ``budget``."""
-    return attrs.evolve(method, budget=check_budget(budget, method.name))
+    try:
+        return attrs.evolve(method, budget=budget)
+    except ValueError as exc:
+        raise ValueError(f"{method.name}: {exc}") from None
 
 
 def with_options(method: MethodSpec, options: Mapping[str, str]) -> MethodSpec:
@@ -209,8 +213,11 @@ def _parse_head(head: str, text: str) -> MethodSpec:
     if drafter and needed_role(policy) == "conditional" and drafter_role(drafter) == "marginal":
         raise ValueError(f"method {text!r}: {policy} needs a conditional drafter (one whose drafts carry a "
                          f"ConditionalScorer); {drafter} is marginal")
-    number = check_budget(int(budget) if budget.isdigit() else budget, f"method {text!r}") if budget else None
-    return MethodSpec(policy, drafter or default_drafter(policy), number, _options(policy, option_parts, text))
+    number = (int(budget) if budget.isdigit() else budget) if budget else None
+    try:
+        return MethodSpec(policy, drafter or default_drafter(policy), number, _options(policy, option_parts, text))
+    except ValueError as exc:
+        raise ValueError(f"method {text!r}: {exc}") from None
 
 
 def drafter_names() -> list[str]:

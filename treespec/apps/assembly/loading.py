@@ -7,31 +7,34 @@ One loader of each: `load_target` (a local model folder, a transformers module o
 instance, a registered name, a checkpoint folder read by its config, or a registered name loaded
 from a folder by its declared ``from_pretrained``).  `drafter_dirs` resolves the ``--drafter
 NAME=DIR`` flags of a run (the embedded default's own drafters when none is given) and
-`embedded_drafter_dir` names those shipped in ``treespec/assets/``.  `Parts.load(model_dir,
-drafter_dirs)` loads the drafters first (a missing or unloadable checkpoint fails, naming it,
-before the target's weights are read), then the target (the embedded SmolLM2 when ``model_dir`` is
-None) and its tokenizer (None for a bare model directory unless one is required); bench, demo and
-replay load through it, the api and ``treespec draw`` through the three loaders.
+`embedded_drafter_dir` names those shipped in ``treespec/assets/``.  A run's parts are loaded by
+`treespec.apps.assembly.session.Session.load` (drafters first) or given to a `Session` as built.
+
+For the training tools: `load_frozen_model(path, dtype_name)` loads a local transformers causal LM
+(default: the embedded SmolLM2) in eval mode without gradients, its dtype resolved as the target's,
+its tokenizer through `load_tokenizer`; `model_identity(name, model_dir)` is ``{"name", "sha256"}``
+(the sha256 over the directory's ``*.safetensors`` files in name order), which distillation data and
+teacher caches record so that data made with one target is never used with another; `eos_ids` are
+the ids a generation stops at.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
 from treespec import registry
-from treespec.apps.methods import DEFAULT_DRAFTERS, drafter_names
-from treespec.apps.models import eos_ids
+from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, drafter_names
 from treespec.interfaces import Drafter
 from treespec.target import TargetModel
 
-__all__ = ["EMBEDDED_NAME", "Parts", "drafter_dirs", "embedded_drafter_dir", "load_drafter", "load_target",
-           "load_tokenizer"]
+__all__ = ["EMBEDDED_NAME", "drafter_dirs", "embedded_drafter_dir", "eos_ids", "load_drafter",
+           "load_frozen_model", "load_target", "load_tokenizer", "model_identity"]
 
 PathLike = str | os.PathLike
 EMBEDDED_NAME = "smollm2-135m-instruct"  # how records name the embedded default
@@ -140,33 +143,51 @@ def embedded_drafter_dir(kind: str) -> Path:
     return Path(__file__).resolve().parents[1] / "assets" / f"smollm2-135m-instruct-{kind}"
 
 
-@attrs.frozen(eq=False)
-class Parts:
-    """What a run decodes with."""
+def eos_ids(tokenizer, config=None) -> list[int]:
+    """The end-of-sequence ids a generation stops at: the tokenizer's, else the model config's (one
+    id or several), else none."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
-    target: TargetModel
-    tokenizer: Any  # the target's tokenizer; None for a bare model directory (prompts as token ids)
-    name: str  # how records name the target (the embedded default's name, else its directory)
-    drafters: Mapping[str, Drafter] = attrs.field(factory=dict)  # registered drafter name -> drafter
 
-    @classmethod
-    def load(cls, model_dir: str | Path | None, drafter_dirs: Mapping[str, str | Path] | None = None, *,
-             dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu", float32_head: bool | None = None,
-             tokenizer_required: bool = True) -> Parts:
-        """The parts of the module docstring, drafters first."""
-        from treespec.apps.embedded import embedded_model_dir
+def model_identity(name: str, model_dir: str | Path) -> dict[str, str]:
+    """``{"name", "sha256"}`` of a model directory (see the module docstring)."""
+    digest = hashlib.sha256()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
+    for path in files:
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+    return {"name": name, "sha256": digest.hexdigest()}
 
-        drafters = {name: load_drafter(name, path) for name, path in (drafter_dirs or {}).items()}
-        path = Path(model_dir) if model_dir is not None else embedded_model_dir()
-        target = load_target(path, dtype=dtype, device=device, float32_head=float32_head)
+
+def load_frozen_model(path: Path | None, dtype_name: str, device: str = "cpu", *, tokenizer: bool = True):
+    """(model, tokenizer, identity) of the causal LM at ``path`` (default: the embedded SmolLM2), in
+    eval mode without gradients; ``tokenizer=False`` skips the tokenizer (None in its place) for
+    callers that need only ids.  A directory that holds no model, or no usable tokenizer when one is
+    asked for, raises an OSError naming it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from treespec.apps.assembly.embedded import SMOLLM2_135M_INSTRUCT, embedded_model_dir
+    from treespec.pricing.hardware import resolve_dtype
+    from treespec.target import check_device
+
+    check_device(device)
+    name = str(path) if path else SMOLLM2_135M_INSTRUCT.requirement
+    path = path or embedded_model_dir()
+    if not (Path(path) / "config.json").is_file():
+        raise OSError(f"{path}: no model here (a Hugging Face directory with config.json and *.safetensors)")
+    dtype = resolve_dtype(dtype_name, device=device, config=AutoConfig.from_pretrained(path, local_files_only=True))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.eval().requires_grad_(False).to(device)
+    words = None
+    if tokenizer:
         try:
-            tokenizer = load_tokenizer(path)
-        except (OSError, ValueError):
-            if tokenizer_required:
-                raise
-            tokenizer = None  # a bare model directory: prompts must come as token ids
-        return cls(target, tokenizer, EMBEDDED_NAME if model_dir is None else str(model_dir), drafters)
-
-    @property
-    def stop_ids(self) -> list[int]:
-        return eos_ids(self.tokenizer, self.target.config)
+            words = load_tokenizer(path)
+        except (OSError, ValueError) as exc:
+            raise OSError(f"{path}: no usable tokenizer ({str(exc).strip().splitlines()[0]})") from None
+    return model, words, model_identity(name, path)

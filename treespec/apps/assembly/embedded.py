@@ -70,7 +70,7 @@ class EmbeddedSource:
 
     @property
     def identity(self) -> str:
-        """The converted target as data and teacher caches name it (`treespec.apps.models.model_identity`)."""
+        """The converted target as data and teacher caches name it (`treespec.apps.assembly.loading.model_identity`)."""
         return f"{self.requirement} sha256:{self.weights_sha256}"
 
     @property

@@ -2,7 +2,7 @@
 
 Contract
 --------
-A data pass (`treespec.apps.selfdistill`) writes ``shard-NNNNN.safetensors`` files to an ignored
+A data pass (`treespec.apps.data.selfdistill`) writes ``shard-NNNNN.safetensors`` files to an ignored
 run directory, which does not outlive a session.  `save_store(data_dir, store_dir)` copies every
 shard of a pass into a store directory meant to be committed: each shard as
 ``shard-NNNNN.safetensors.xz`` (the shard's exact bytes, xz-compressed: about a fifth of their size)

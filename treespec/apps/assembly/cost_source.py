@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from treespec.apps.methods import MethodSpec, build_policy
+from treespec.apps.assembly.methods import MethodSpec, build_policy
 from treespec.interfaces import Drafter, TreePolicy
 from treespec.pricing.calibration import Calibration, LiveCalibration
 from treespec.pricing.cost import CostModel, resolve_cost_model
