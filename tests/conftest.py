@@ -1,6 +1,7 @@
 """Test-session settings shared by every test module."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from treespec import register
 # extra threads only add synchronisation stalls (seen here: 20-40x slower small ops under load).
 torch.set_num_threads(1)
 os.environ["TREESPEC_THREADS"] = "1"  # and the commands run in-process keep it (their default: the free cores)
+# The benchmark prompts the tests read (GSM8K, MT-Bench, Alpaca): the offline copies beside the checkout,
+# unless the variable names another folder (.ci/run sets it; a user fills one with `treespec fetch-data`).
+os.environ.setdefault("TREESPEC_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
 
 # A policy added as a user adds one (tests/sibling_capped.py): registered, never listed elsewhere.
 register("policy", NAME, SiblingCapped)

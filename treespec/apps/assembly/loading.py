@@ -140,7 +140,7 @@ def embedded_drafter_dir(kind: str) -> Path:
     """Directory of the drafter shipped for the embedded SmolLM2 target ("dflash" or "domino")."""
     if kind not in ("dflash", "domino"):
         raise ValueError(f"embedded drafters are 'dflash' and 'domino', got {kind!r}")
-    return Path(__file__).resolve().parents[1] / "assets" / f"smollm2-135m-instruct-{kind}"
+    return Path(__file__).resolve().parents[2] / "assets" / f"smollm2-135m-instruct-{kind}"
 
 
 def eos_ids(tokenizer, config=None) -> list[int]:

