@@ -9,7 +9,9 @@ the rest of the generation uses the arm whose probe rounds accepted most tokens 
 earlier arm).  The choice is made before each round (`TreePolicy.plan_round`) and learned after it
 (`TreePolicy.observe_round`, which also reaches the arm that built the round, so an arm that
 learns, such as ``learned-dominotree``, keeps learning).  An arm that needs a scorer is skipped on a
-draft without one.  Without the hooks (batched decoding, a bare ``build``) the first arm builds.
+draft without one.  Without the hooks (a bare ``build``) the first arm builds.  The choice belongs to
+one request: in a batch each request gets its own router (`TreePolicy.for_request`) over the same arms,
+so what an arm learns per drafter it learns from every request.
 A per-request router by task (math, code, chat) would need the request's task, which a policy is
 not told; the acceptance of the first rounds stands in for it.
 """
@@ -72,6 +74,12 @@ class Router(TreePolicy):
         self.choice.current = 0
         for arm in self.policies:
             arm.start_generation()
+
+    def for_request(self) -> Router:
+        """A router of its own choice for one request, over these same arms."""
+        copy = attrs.evolve(self, choice=_Choice([[] for _ in self.policies]))
+        object.__setattr__(copy, "policies", self.policies)
+        return copy
 
     def plan_round(self) -> RoundPlan:
         self.choice.current = self.choice.choose(self.probe)

@@ -298,6 +298,46 @@ def test_every_row_equals_its_own_ar_and_single_run(target, arm, size):
         assert len({len(t) for t in expected}) > 1  # sequences really left the batch in different rounds
 
 
+def test_a_learning_policy_in_a_batch_learns_what_it_learns_from_the_rows_one_by_one(target):
+    """Every row's round is reported to the policy: learned-dominotree (no refit during the run, so its
+    trees stay put) gathers from a batch of four the acceptance counts it gathers from the same four
+    prompts decoded one by one, and every row is still AR's output."""
+    from treespec.policies.learned import AcceptanceTable
+
+    prompts = prompts_of((7, 3, 11, 5), seed=9)
+    made = lambda: registry.create("policy", "learned-dominotree", budget=8,  # noqa: E731
+                                   table=AcceptanceTable(refit_every=10**6))
+    batched, alone = made(), made()
+    out = BatchDecoder(target, OracleDrafter(ORACLE, conditional=True), batched).generate(
+        prompts, max_new_tokens=16, stop_token_ids=())
+    single = SpeculativeDecoder(target, OracleDrafter(ORACLE, conditional=True), alone)
+    for prompt, row in zip(prompts, out, strict=True):
+        single.gate.reset()
+        want = single.generate(prompt, max_new_tokens=16, stop_token_ids=())
+        ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=16, stop_token_ids=())
+        assert row.tokens.tolist() == want.tokens.tolist() == ar.tokens.tolist()
+        assert row.stats.taus == want.stats.taus
+    assert alone.table.accepted.sum() > 0 and alone.table.rounds == batched.table.rounds
+    assert torch.allclose(batched.table.accepted, alone.table.accepted)
+    assert torch.allclose(batched.table.expected, alone.table.expected)
+
+
+def test_a_router_in_a_batch_chooses_per_request_over_shared_arms(target):
+    """What belongs to one request stays with its row (`TreePolicy.for_request`): each row's router makes
+    its own choice, the arms (and what they learn) are the batch's; every row is AR's output."""
+    router = registry.create("policy", "router", budget=8, arms="dominotree|learned-dominotree", probe=1)
+    mine = router.for_request()
+    assert mine is not router and mine.choice is not router.choice and mine.policies is router.policies
+    prompts = prompts_of((6, 9, 4), seed=3)
+    out = BatchDecoder(target, OracleDrafter(ORACLE, conditional=True), router).generate(
+        prompts, max_new_tokens=12, stop_token_ids=())
+    for prompt, row in zip(prompts, out, strict=True):
+        assert row.tokens.tolist() == SpeculativeDecoder(target).generate(
+            prompt, max_new_tokens=12, stop_token_ids=()).tokens.tolist()
+    assert router.policies[1].table.accepted.sum() > 0  # the learning arm learned from the rows' rounds
+    assert router.choice.taus == [[], []]  # the batch's own router was not the rows' router
+
+
 @pytest.mark.parametrize("method", ["ddtree", "dominotree", "chain"])
 def test_position_keyed_sampling_gives_each_row_its_single_run(target, method):
     prompts, conditional = prompts_of((4, 10, 2), seed=7), method == "dominotree"

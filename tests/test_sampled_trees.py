@@ -202,7 +202,7 @@ def test_the_decoder_refuses_recursive_rejection_over_a_deterministic_policy():
         SpeculativeDecoder(tiny_target(), OracleDrafter(), _policy("ddtree"), RecursiveRejectionVerifier())
 
 
-def test_sampled_decoding_at_t1_records_each_rounds_seed_and_refuses_batches():
+def test_sampled_decoding_at_t1_records_each_rounds_seed_and_a_batch_samples_each_rows_own():
     from treespec.batch_decoding import BatchDecoder
     from treespec.drafters.oracle import OracleDrafter
 
@@ -212,6 +212,11 @@ def test_sampled_decoding_at_t1_records_each_rounds_seed_and_refuses_batches():
                            generator=torch.Generator().manual_seed(0))
     seeds = [r.tree_seed for r in out.stats.rounds if r.drafted]
     assert seeds and all(s is not None for s in seeds) and len(set(seeds)) == len(seeds)
-    with pytest.raises(ValueError, match="batched decoding does not do yet"):
-        BatchDecoder(target, OracleDrafter(), _policy("ddtree-sampled", 8)).generate(
-            [torch.tensor([5, 9, 2])], max_new_tokens=4, temperature=1.0)
+    prompts, seeds = [torch.tensor([5, 9, 2, 7]), torch.tensor([1, 3, 4]), torch.tensor([8])], (0, 4, 9)
+    batch = BatchDecoder(target, OracleDrafter(), _policy("ddtree-sampled", 8), RecursiveRejectionVerifier()).generate(
+        prompts, max_new_tokens=16, temperature=1.0, generators=[torch.Generator().manual_seed(s) for s in seeds])
+    for prompt, seed, row in zip(prompts, seeds, batch, strict=True):  # each row's trees are sampled from its stream
+        alone = SpeculativeDecoder(target, OracleDrafter(), _policy("ddtree-sampled", 8), RecursiveRejectionVerifier())
+        want = alone.generate(prompt, max_new_tokens=16, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        assert row.tokens.tolist() == want.tokens.tolist()
+        assert [r.tree_seed for r in row.stats.rounds] == [r.tree_seed for r in want.stats.rounds]

@@ -79,9 +79,10 @@ from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["DRAFT_BACKOFF", "DRAFT_PATIENCE", "FIRST_TOKENS", "DraftGate", "SpeculativeDecoder",
-           "check_first_token", "check_request", "checked_draft", "checked_parts", "commit_first_token", "commit_round",
-           "cut_proposals", "fitted_tree", "limit_depth", "policy_tree", "PolicyError", "built_tree", "built_trees", "checked_tree"]
+__all__ = ["DRAFT_BACKOFF", "DRAFT_PATIENCE", "FIRST_TOKENS", "DraftGate", "OneTarget", "PolicyError", "RoundRunner",
+           "Row", "SequenceState", "SpeculativeDecoder", "Stopwatch", "built_tree", "built_trees", "check_first_token",
+           "check_request", "checked_draft", "checked_parts", "checked_tree", "commit_first_token", "commit_round",
+           "cut_proposals", "fitted_tree", "generator_for", "limit_depth", "policy_tree"]
 
 FIRST_TOKENS = ("round", "prefill")  # where the first new token comes from (see SpeculativeDecoder.generate)
 DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
@@ -195,6 +196,161 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return tree.select(tree.depths <= max_depth)  # closed under ancestors: depths grow along every path
 
 
+@attrs.define
+class Row:
+    """One sequence being decoded: its state, its drafter and policy, its gate, sampling and stats,
+    and what the round under way made for it."""
+
+    seq: SequenceState
+    drafter: Drafter | None  # the decoder's drafter (a fork of it in a batch); None: AR
+    policy: TreePolicy | None  # the decoder's policy, or its `TreePolicy.for_request` copy in a batch
+    gate: DraftGate
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    stats: GenerationStats = attrs.field(factory=GenerationStats)
+    plan: RoundPlan = RoundPlan()  # this round's plan
+    draft: DraftOutput | None = None  # this round's draft (None: an AR round for this sequence)
+    tree: DraftTree | None = None  # this round's tree, cut to the depth the sequence can use
+    proposals: Proposals | None = None  # what a sampled tree's children were drawn from
+
+
+class OneTarget:
+    """The target side of a round for one sequence: a `TargetModel` and its taps."""
+
+    def __init__(self, target: TargetModel, taps: tuple[int, ...]) -> None:
+        self.target, self.taps = target, taps
+
+    def forward(self, trees: Sequence[DraftTree]) -> list[TargetOutput]:
+        (tree,) = trees
+        return [self.target.forward_tree(tree, self.taps)]
+
+    def commit(self, accepted: Sequence[torch.Tensor]) -> None:
+        (nodes,) = accepted
+        self.target.commit(nodes)
+
+
+class RoundRunner:
+    """One decoding round over one row or many (module docstring): plan, draft, build, verify,
+    commit, observe.  ``side`` runs the trees through the target (`OneTarget`, or a batch's) and
+    ``batched`` says whether the rows' drafters are forks drafted together (``Drafter.draft_batch``)."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter | None, verifier: Verifier, side, *, batched: bool,
+                 clock: Callable[[], float] = time.perf_counter,
+                 on_round: Callable[[DraftTree, VerifyResult], None] | None = None) -> None:
+        self.target, self.drafter, self.verifier, self.side = target, drafter, verifier, side
+        self.batched, self.clock, self.on_round = batched, clock, on_round
+
+    def run(self, rows: list[Row], backend: str) -> None:
+        """One round of every row of ``rows`` (each unfinished); appends each row's `RoundStats`."""
+        clock = Stopwatch(self.target.device, self.clock)  # "verify": the trees' forward + the verifiers' walks
+        for row in rows:
+            row.plan = _plan(row, alone=len(rows) == 1)
+        drafting = [r for r in rows if r.drafter is not None and not r.plan.ar_step
+                    and (r.plan.explore or r.gate.drafts_now())]
+        for row in rows:
+            row.draft = None
+        if drafting:
+            clock.run("draft", self._draft, drafting)
+        clock.run("build", self._build, rows, backend)
+        contexts = [r.seq.anchor_position for r in rows]  # cached tokens under each tree
+        results, outputs = clock.run("verify", self._verify, rows)
+        if self.on_round is not None:
+            for row, result in zip(rows, results, strict=True):
+                self.on_round(row.tree, result)
+        clock.run("commit", self._commit, rows, results, outputs)
+        for row, result, ctx in zip(rows, results, contexts, strict=True):
+            self._observe(row, RoundReport(row.tree, result, ctx, clock.times, row.draft is not None,
+                                           row.plan.explore, batch_rows=len(rows)))
+            row.stats.rounds.append(_round_stats(row, result, dict(clock.times)))
+
+    def first_tokens(self, rows: list[Row]) -> None:
+        """``first_token="prefill"``: every row's anchor in one forward of root-only trees; commit the
+        target's token after it (argmax, or a draw at T > 0) as each row's first new token."""
+        device = self.target.device
+        outputs = self.side.forward([DraftTree.root_only(r.seq.anchor, device=device) for r in rows])
+        self.side.commit([torch.zeros(1, dtype=torch.int64, device=device) for _ in rows])
+        for row, out in zip(rows, outputs, strict=True):
+            commit_first_token(row.seq, out.logits, out.features, row.sampling, row.generator)
+
+    def _draft(self, drafting: list[Row]) -> None:
+        """The drafting rows' drafts: one ``draft_batch`` over their forks, or each its own ``draft``."""
+        contexts = [r.seq.context() for r in drafting]
+        drafts = (self.drafter.draft_batch([r.drafter for r in drafting], contexts) if self.batched
+                  else [r.drafter.draft(c) for r, c in zip(drafting, contexts, strict=True)])
+        for row, draft in zip(drafting, drafts, strict=True):
+            row.draft = checked_draft(draft, self.target)
+
+    def _build(self, rows: list[Row], backend: str) -> None:
+        """Each row's tree: its policy's (sampled at T > 0 where it samples from the draft; trees of rows
+        sharing a policy built together), checked, recorded by the gate, cut to the usable depth; the
+        root alone for a row that did not draft."""
+        built = _trees(rows, backend, self.batched)
+        for row in rows:
+            tree, proposals = built.get(id(row), (None, None))
+            if tree is None:
+                row.tree, row.proposals = DraftTree.root_only(row.seq.anchor, device=self.target.device), None
+                continue
+            if not row.plan.explore:  # an exploring round's tree says nothing about whether trees pay
+                row.gate.record(row.policy.pays_for_draft(row.draft, tree))  # before the window and length cut
+            row.tree = fitted_tree(tree, row.seq, self.target)
+            row.proposals = cut_proposals(proposals, tree, row.tree)
+
+    def _verify(self, rows: list[Row]) -> tuple[list[VerifyResult], list[TargetOutput]]:
+        outputs = self.side.forward([r.tree for r in rows])
+        results = [self.verifier.verify(r.tree, out.logits, sampling=r.sampling, generator=r.generator,
+                                        position=r.seq.anchor_position + 1, draft=r.draft, proposals=r.proposals)
+                   for r, out in zip(rows, outputs, strict=True)]
+        return results, outputs
+
+    def _commit(self, rows: list[Row], results: list[VerifyResult], outputs: list[TargetOutput]) -> None:
+        self.side.commit([res.accepted.to(r.tree.device) for r, res in zip(rows, results, strict=True)])
+        for row, result, out in zip(rows, results, outputs, strict=True):
+            drafted = row.draft is not None
+            path_tokens = commit_round(row.seq, row.tree, result, out.features, drafted, row.drafter is None)
+            if drafted:
+                row.drafter.observe(path_tokens)
+
+    @staticmethod
+    def _observe(row: Row, report: RoundReport) -> None:
+        """The round's feedback to the row's policy; a change of the machine's speed found by an exploring
+        round ends the row's drafting back-off (the policy judges the next round afresh)."""
+        if row.policy is not None and row.policy.observe_round(report) and report.explored:
+            row.gate.reset()
+
+
+def _plan(row: Row, *, alone: bool) -> RoundPlan:
+    """What the row's policy asks of this round.  A policy that prices its trees plans to measure the
+    machine's times, which a round verifying several sequences' trees together does not give it: it is
+    asked only when its row's tree is verified alone."""
+    if row.policy is None or (row.policy.uses_cost_model and not alone):
+        return RoundPlan()
+    return row.policy.plan_round()
+
+
+def _trees(rows: list[Row], backend: str, batched: bool) -> dict[int, tuple[DraftTree, Proposals | None]]:
+    """id(row) -> (tree, proposals) for every drafting row: sampled per row where its policy samples at
+    T > 0, else built, the rows of one policy together (`built_trees`) in a batch."""
+    out = {}
+    groups: dict[int, list[Row]] = {}
+    for row in (r for r in rows if r.draft is not None):
+        if not batched or (row.policy.samples_from_draft and not row.sampling.greedy):
+            out[id(row)] = policy_tree(row.policy, row.draft, backend, row.sampling, row.generator)
+        else:
+            groups.setdefault(id(row.policy), []).append(row)
+    for group in groups.values():
+        trees = built_trees(group[0].policy, [r.draft for r in group], backend)
+        out.update({id(r): (t, None) for r, t in zip(group, trees, strict=True)})
+    return out
+
+
+def _round_stats(row: Row, result: VerifyResult, times: dict[str, float]) -> RoundStats:
+    drafted = row.draft is not None
+    return RoundStats(tau=result.tau, tree_size=len(row.tree), times=times, explored=row.plan.explore,
+                      drafted=drafted, priced_with=row.plan.priced_with if drafted else None,
+                      calibrated_with=row.plan.calibrated_with if drafted else None,
+                      tree_seed=None if row.proposals is None else row.proposals.seed)
+
+
 class SpeculativeDecoder:
     """One harness for autoregressive and speculative decoding over a `TargetModel`."""
 
@@ -230,7 +386,7 @@ class SpeculativeDecoder:
         prefilled, the target's own token after it (argmax, or a draw at T > 0) is the first new
         token and the first round's anchor, and rounds (so τ) start after it.  Same output.
         ``sampling`` gives temperature, top-k, top-p and position keying as one value, in place of
-        the four keywords."""
+        the four keywords (`SamplingParams.of`)."""
         sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
         prompt = check_single_batch(input_ids).to(self.target.device)
         check_backend(backend)
@@ -239,96 +395,37 @@ class SpeculativeDecoder:
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
         check_first_token(first_token)
-        stats = GenerationStats()
-        seq = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), stats)
+        row = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), sampling, generator)
+        rounds = RoundRunner(self.target, self.drafter, self.verifier, OneTarget(self.target, self.taps),
+                             batched=False, clock=self.clock, on_round=self.on_round)
         if first_token == "prefill":
             clock = Stopwatch(self.target.device, self.clock)
-            clock.run("prefill", self._first_from_prefill, seq, sampling, generator)
-            stats.prefill_time += clock.times["prefill"]  # the published loops time it with the prefill
+            clock.run("prefill", rounds.first_tokens, [row])
+            row.stats.prefill_time += clock.times["prefill"]  # the published loops time it with the prefill
         clock = Stopwatch(self.target.device, self.clock)
         start = clock.now()
-        while not seq.done:
-            stats.rounds.append(self._round(seq, sampling, generator, backend))
-        stats.decode_time = clock.now() - start
-        stats.new_tokens = seq.length - seq.prompt_len
-        return GenerationResult(seq.tokens[seq.prompt_len:seq.length].clone(), stats)
+        while not row.seq.done:
+            rounds.run([row], backend)
+        row.stats.decode_time = clock.now() - start
+        row.stats.new_tokens = row.seq.length - row.seq.prompt_len
+        return GenerationResult(row.seq.tokens[row.seq.prompt_len:row.seq.length].clone(), row.stats)
 
-    # ------------------------------------------------------------------ set-up
-    def _start(self, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int],
-               stats: GenerationStats) -> SequenceState:
+    def _start(self, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int], sampling: SamplingParams,
+               generator: torch.Generator | None) -> Row:
+        """The generation's row, its prompt prefilled (all but the anchor), timed as the prefill."""
         if self.drafter is not None:
             self.drafter.reset()
             self.policy.start_generation()
         clock = Stopwatch(self.target.device, self.clock)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
-        stats.prefill_time = clock.times["prefill"]
-        seq = SequenceState.start(prompt, max_new_tokens, stops)
-        seq.features = prefill.features
-        return seq
-
-    def _first_from_prefill(self, seq: SequenceState, sampling: SamplingParams,
-                            generator: torch.Generator | None) -> None:
-        """Run the anchor too (timed with the prefill by the caller) and commit the target's token after it."""
-        out = self.target.forward_tree(DraftTree.root_only(seq.anchor, device=self.target.device), self.taps)
-        self.target.commit(torch.zeros(1, dtype=torch.int64, device=self.target.device))
-        commit_first_token(seq, out.logits, out.features, sampling, generator)
-
-    # ------------------------------------------------------------------ one round
-    def _round(self, seq: SequenceState, sampling: SamplingParams, generator: torch.Generator | None,
-               backend: str) -> RoundStats:
-        clock = Stopwatch(self.target.device, self.clock)  # "verify": the tree forward + the verifier's walk
-        plan = self.policy.plan_round() if self.policy is not None else RoundPlan()
-        drafted = not self.autoregressive and not plan.ar_step and (plan.explore or self.gate.drafts_now())
-        draft = clock.run("draft", self._draft, seq) if drafted else None
-        tree, proposals = clock.run("build", self._build, draft, seq, backend, plan.explore, sampling, generator)
-        ctx = seq.anchor_position  # cached tokens under the tree
-        result, verified = clock.run("verify", self._verify, tree, draft, proposals, seq, sampling, generator)
-        if self.on_round is not None:
-            self.on_round(tree, result)
-        clock.run("commit", self._commit, tree, result, verified, seq, drafted)
-        self._observe(RoundReport(tree, result, ctx, clock.times, drafted, plan.explore))
-        return RoundStats(tau=result.tau, tree_size=len(tree), times=clock.times, explored=plan.explore,
-                          drafted=drafted, priced_with=plan.priced_with if drafted else None,
-                          calibrated_with=plan.calibrated_with if drafted else None,
-                          tree_seed=None if proposals is None else proposals.seed)
-
-    def _observe(self, report: RoundReport) -> None:
-        """The round's feedback to the policy; a change of the machine's speed found by an exploring
-        round ends the drafting back-off (the policy judges the next round afresh)."""
-        if self.policy is not None and self.policy.observe_round(report) and report.explored:
-            self.gate.reset()
-
-    def _draft(self, seq: SequenceState) -> DraftOutput | None:
-        if self.autoregressive:
-            return None
-        return checked_draft(self.drafter.draft(seq.context()), self.target)
-
-    def _build(self, draft: DraftOutput | None, seq: SequenceState, backend: str, explore: bool,
-               sampling: SamplingParams, generator: torch.Generator | None) -> tuple[DraftTree, Proposals | None]:
-        if draft is None:
-            return DraftTree.root_only(seq.anchor, device=self.target.device), None
-        tree, proposals = policy_tree(self.policy, draft, backend, sampling, generator)
-        if not explore:  # an exploring round's tree says nothing about whether trees pay
-            self.gate.record(self.policy.pays_for_draft(draft, tree))  # before the window and the length cut
-        fitted = fitted_tree(tree, seq, self.target)
-        return fitted, cut_proposals(proposals, tree, fitted)
-
-    def _verify(self, tree: DraftTree, draft: DraftOutput | None, proposals: Proposals | None, seq: SequenceState,
-                sampling: SamplingParams, generator: torch.Generator | None) -> tuple[VerifyResult, TargetOutput]:
-        out = self.target.forward_tree(tree, self.taps)
-        result = self.verifier.verify(tree, out.logits, sampling=sampling, generator=generator,
-                                      position=seq.anchor_position + 1, draft=draft, proposals=proposals)
-        return result, out
-
-    def _commit(self, tree: DraftTree, result: VerifyResult, verified: TargetOutput, seq: SequenceState,
-                drafted: bool) -> None:
-        self.target.commit(result.accepted.to(tree.device))
-        path_tokens = commit_round(seq, tree, result, verified.features, drafted, self.autoregressive)
-        if drafted:
-            self.drafter.observe(path_tokens)
+        row = Row(SequenceState.start(prompt, max_new_tokens, stops), self.drafter, self.policy, self.gate,
+                  sampling, generator)
+        row.stats.prefill_time = clock.times["prefill"]
+        row.seq.features = prefill.features
+        return row
 
 
-# ---------------------------------------------------------------------------- shared with treespec/batch_decoding.py
+# ---------------------------------------------------------------------------- checks and the steps of a round
 def checked_parts(drafter: Drafter | None, policy: TreePolicy | None, verifier: Verifier | None,
                   draft_backoff: int) -> Verifier:
     """The verifier to use (default: match) once the parts are known to fit together."""

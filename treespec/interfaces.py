@@ -41,7 +41,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import attrs
 import torch
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "Proposals", "RecordableScorer",
-    "RoundPlan", "RoundReport", "SamplingParams",
+    "CalibrationMap", "PricedCurve", "RoundPlan", "RoundReport", "SamplingParams",
     "TreePolicy", "Verifier", "VerifyResult", "check_backend", "check_single_batch", "BACKENDS",
 ]
 
@@ -281,7 +281,16 @@ class Drafter(ABC):
 
 # ---------------------------------------------------------------------------- policies
 class TreePolicy(ABC):
-    """Turns a `DraftOutput` into a `DraftTree`.  Must be a pure function of its inputs."""
+    """Turns a `DraftOutput` into a `DraftTree`.
+
+    What is pure and what is state: ``build`` (and ``sample``, ``build_batch``, ``pays_for_draft``)
+    is a pure function of the draft and of the policy's fields; most policies have no other state.
+    A policy that learns declares ``learns`` and keeps what it learned in its fields, changed only
+    through the round hooks: ``start_generation`` (a new request), ``observe_round`` (a verified
+    round), ``restore_learned`` (what an earlier run learned); ``plan_round`` reads it.  Given the
+    same hooks in the same order it builds the same trees.  ``for_request`` says what is learned per
+    request rather than per drafter.
+    """
 
     name: ClassVar[str] = "policy"
     # what the policy needs, read by the harnesses instead of lists of names:
@@ -289,8 +298,8 @@ class TreePolicy(ABC):
     uses_cost_model: ClassVar[bool] = False  # takes cost_model=; harnesses pass the machine's profile
     samples_from_draft: ClassVar[bool] = False  # tree tokens are drawn from the draft's rows (not chosen)
     budget: int | None = None  # most non-root nodes its trees hold (a field of most policies; None: no fixed cap)
-    learns: ClassVar[bool] = False  # its trees depend on the rounds it observed (`observe_round`): batched decoding,
-    # which reports no rounds, builds as a fresh policy would, and a harness's records depend on the order of prompts
+    learns: ClassVar[bool] = False  # its trees depend on the rounds it observed (`observe_round`), so a harness's
+    # records depend on the order of its prompts
 
     @abstractmethod
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
@@ -316,8 +325,15 @@ class TreePolicy(ABC):
         return len(tree) > 1
 
     def start_generation(self) -> None:
-        """Optional: a new generation (a new request) starts: the single-sequence decoder calls it
-        before its first round, replay before each prompt.  Default: nothing."""
+        """Optional: a new generation (a new request) starts: the decoders call it before the first
+        round (a batch once per `for_request` policy), replay before each prompt.  Default: nothing."""
+
+    def for_request(self) -> TreePolicy:
+        """The policy one request's rounds go to in a batch, where several requests decode at once.
+        Default: this policy itself, whose state (if any) is learned per drafter and shared by every
+        row; a policy whose state belongs to one request (a choice made from its first rounds)
+        returns a copy that keeps that state apart and shares the rest."""
+        return self
 
     def learned_state(self) -> dict | None:
         """Optional: what this policy learned (JSON-ready), for the apps to keep per drafter and give
@@ -329,8 +345,9 @@ class TreePolicy(ABC):
         Default: nothing."""
 
     def plan_round(self) -> RoundPlan:
-        """Optional: before each round of a single-sequence decoder, what this policy's pricing asks
-        of the round (`RoundPlan`).  Default: nothing (draft as the back-off says)."""
+        """Optional: before each round, what this policy asks of it (`RoundPlan`); a policy declaring
+        ``uses_cost_model`` is asked only for a round that verifies its tree alone (its plan is about
+        measuring the machine).  Default: nothing (draft as the back-off says)."""
         return RoundPlan()
 
     def observe_round(self, report: RoundReport) -> bool:
@@ -342,14 +359,28 @@ class TreePolicy(ABC):
         return False
 
 
+class PricedCurve(Protocol):
+    """A frozen cost curve a round was priced with (`treespec.pricing.cost`'s models): the core only
+    keeps it in the round's stats, and the records write it out."""
+
+    def to_dict(self) -> dict: ...
+
+
+class CalibrationMap(Protocol):
+    """A frozen map from the drafter's probabilities to acceptance (`treespec.pricing.calibration`),
+    kept and written out likewise."""
+
+    def to_record(self) -> dict: ...
+
+
 @attrs.frozen(eq=False)
 class RoundPlan:
     """What a policy asks of the next round before it starts (`TreePolicy.plan_round`)."""
 
     explore: bool = False  # draft past the back-off; the tree is not the policy's verdict on whether trees pay
     ar_step: bool = False  # run the round as an AR step without drafting (the pricing measures one)
-    priced_with: Any = None  # the cost curve a drafted round's build prices with (kept in its RoundStats)
-    calibrated_with: Any = None  # the calibration a live fit gives a drafted round (kept likewise)
+    priced_with: PricedCurve | None = None  # the cost curve a drafted round's build prices with (kept in its RoundStats)
+    calibrated_with: CalibrationMap | None = None  # the calibration a live fit gives a drafted round (kept likewise)
 
 
 @attrs.frozen(eq=False)
@@ -362,6 +393,7 @@ class RoundReport:
     times: Mapping[str, float]  # seconds per stage: draft, build, verify, commit
     drafted: bool  # the drafter was asked this round (False: an AR step)
     explored: bool = False  # the round explored (`RoundPlan.explore`)
+    batch_rows: int = 1  # sequences whose trees one forward verified together: > 1, the times are the batch's
 
     @property
     def drafting_seconds(self) -> float | None:

@@ -13,8 +13,7 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
-    from treespec.pricing.calibration import Calibration
-    from treespec.pricing.cost import CostModel
+    from treespec.interfaces import CalibrationMap, PricedCurve
 
 __all__ = ["GenerationResult", "GenerationStats", "RoundStats", "STAGES"]
 
@@ -30,8 +29,8 @@ class RoundStats:
     times: dict[str, float]  # seconds per stage, keys from STAGES
     explored: bool = False  # a live cost model priced this round for exploration (`treespec.interfaces.RoundPlan`)
     drafted: bool = True  # the drafter was asked (False: an AR round of the back-off, or AR decoding)
-    priced_with: CostModel | None = None  # the curve the policy's cost model priced this round's tree with
-    calibrated_with: Calibration | None = None  # the map a live calibration gave this round (None: none live)
+    priced_with: PricedCurve | None = None  # the curve the policy's cost model priced this round's tree with
+    calibrated_with: CalibrationMap | None = None  # the map a live calibration gave this round (None: none live)
     tree_seed: int | None = None  # a sampled tree's noise seed (`Proposals.seed`); None: built deterministically
 
 

@@ -9,7 +9,9 @@ of `treespec.interfaces.TreePolicy` by returning `plan_round(cost_model, calibra
 * a live cost model (`treespec.pricing.live_cost.LiveCost`) decides before the round whether it
   explores (it then prices a verify as an AR step, so the full tree is built and measured) or
   measures an AR step, and after it learns the round's verify seconds for its tree size and cached
-  context and, for a drafted round, its draft + build seconds; it says when the machine changed speed;
+  context and, for a drafted round, its draft + build seconds; it says when the machine changed speed.
+  It learns only from a round whose tree was verified alone (``report.batch_rows == 1``): a batched
+  round's times are the batch's, not its tree's (the decoders ask such a policy's plan only then too);
 * a live calibration (`treespec.pricing.calibration.LiveCalibration`) learns from a drafted round's
   verified tree which nodes the target accepted (`node_outcomes`);
 * fixed models learn nothing.
@@ -37,7 +39,7 @@ def observe_round(cost_model, calibration, report: RoundReport) -> bool:
     """Feed ``report`` to the live models among ``cost_model`` and ``calibration``; True when the cost
     model judged that the machine changed speed."""
     changed = False
-    if isinstance(cost_model, LiveCost):
+    if isinstance(cost_model, LiveCost) and report.batch_rows == 1:
         changed = cost_model.observe(len(report.tree), report.context, report.times["verify"],
                                      report.drafting_seconds)
     if isinstance(calibration, LiveCalibration) and report.drafted:
