@@ -34,6 +34,7 @@ from treespec.apps.assembly.session import Session
 from treespec.apps.commands.demo import _DATASETS
 from treespec.apps.data.datasets import load_prompts
 from treespec.decoding import SpeculativeDecoder
+from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.live_cost import LiveCost
 from treespec.pricing.profile import machine_profile
 
@@ -96,7 +97,7 @@ def decoders(harness, profile, methods, arms, draft_steps: float) -> dict[str, S
 def main() -> None:
     args = parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        ThreadControl.start(args.threads)
     arms = [parse_arm(a) for a in args.arms]
     dirs = {k: getattr(args, k) or embedded_drafter_dir(k) for k in ("dflash", "domino")}
     harness = Session.load(embedded_model_dir(), dirs)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from treespec.pricing.conditions import ThreadControl
+
 METHODS = ("ar", "ddtree@16", "dominotree@16")
 
 
@@ -183,7 +185,7 @@ def _median_ms(fn, repeats: int = 7) -> float:
 def main() -> None:
     args = parse_args()
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        ThreadControl.start(args.threads)
     torch.set_grad_enabled(False)
     if args.layouts:
         layouts(args)

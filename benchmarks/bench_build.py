@@ -36,6 +36,7 @@ from treespec.policies.chain import Chain
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
 from treespec.policies.static_corrected import StaticCorrected
+from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.cost import COST_PRESETS
 
 DEPTH = 16
@@ -247,7 +248,7 @@ def run_vocab(vocab: int, args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args()
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        ThreadControl.start(args.threads)
     torch.set_grad_enabled(False)
     for vocab in args.vocabs:
         run_vocab(vocab, args)

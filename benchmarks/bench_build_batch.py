@@ -20,13 +20,13 @@ import argparse
 import statistics
 import time
 
-import torch
 from bench_build import SIZES, DominoParts, marginal_draft
 
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
 from treespec.policies.engine.frontier import expand_frontier, expand_frontier_batch, resolve_batch
 from treespec.policies.engine.stacked import stack_sources
+from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.hardware import machine_identity
 
 VOCAB, DEPTH = 49152, 7
@@ -70,7 +70,7 @@ def cell(policy, make_drafts, rounds: int) -> tuple[float, float, bool]:
 def main() -> None:
     args = parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        ThreadControl.start(args.threads)
     print(f"machine: {machine_identity()}; V = {VOCAB}, L = {DEPTH}")
     parts = DominoParts(VOCAB, **SIZES[VOCAB], scale=4.0)
     print("| policy | B | S | cells per level | S compact builds (ms) | stacked (ms) | stacked / compact "

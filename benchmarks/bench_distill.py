@@ -20,12 +20,11 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from treespec.apps.assembly.loading import load_frozen_model
 from treespec.apps.commands.distill_data import _encoded_prompts, _stop_and_pad
 from treespec.apps.data.continuous_batch import ContinuousBatch, Job
 from treespec.apps.data.selfdistill import DistillConfig
+from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.hardware import machine_identity
 
 
@@ -67,7 +66,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        ThreadControl.start(args.threads)
     model, tokenizer, _ = load_frozen_model(None, args.dtype)
     stops, pad = _stop_and_pad(model, tokenizer)
     prompts, _, _ = _encoded_prompts(DistillConfig(num_prompts=args.prompts), tokenizer)

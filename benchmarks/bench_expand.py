@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from treespec.drafters.domino import DominoScorer
+from treespec.pricing.conditions import ThreadControl
 
 SIZES = {  # hidden H, GRU state G, correction bottleneck E, vocabulary V
     "smollm2": dict(hidden=576, gru=256, emb=256, vocab=49152),
@@ -110,7 +111,7 @@ def gather_and_reference(parts: Parts, args: argparse.Namespace, states: dict[in
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    ThreadControl.start(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}")
     with torch.no_grad():

@@ -52,6 +52,7 @@ from treespec.decoding import SpeculativeDecoder
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
 from treespec.policies.engine.cost import CostAwareStop
+from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.profile import machine_profile
 
 FIXED = ["ar", "ddtree@16", "dominotree@16"]
@@ -112,7 +113,7 @@ def round_errors(result, prompt_len: int, profile_model) -> tuple[list[float], l
 def main() -> None:
     args = parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        ThreadControl.start(args.threads)
     harness = Session.load(embedded_model_dir(), {k: embedded_drafter_dir(k) for k in ("dflash", "domino")},
                            dtype=args.dtype)
     target, drafters = harness.target, harness.drafters

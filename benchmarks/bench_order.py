@@ -32,7 +32,7 @@ from treespec.apps.assembly.loading import load_target, load_tokenizer
 from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.data.datasets import encode_chat, load_prompts
 from treespec.decoding import SpeculativeDecoder
-from treespec.pricing.conditions import LoadMeter
+from treespec.pricing.conditions import LoadMeter, ThreadControl
 
 
 def parse_args() -> argparse.Namespace:
@@ -117,7 +117,7 @@ def report(name: str, rows: list[list[tuple[float, int, bool]]], resamples: int)
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    ThreadControl.start(args.threads)
     model = embedded_model_dir()
     target, tokenizer = load_target(model), load_tokenizer(model)
     prompts = [torch.tensor(encode_chat(tokenizer, p.turns[:1])) for p in load_prompts("humaneval", limit=8)]

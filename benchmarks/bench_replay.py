@@ -31,6 +31,7 @@ from treespec.apps.assembly.methods import build_policy, parse_method
 from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.apps.replay import RECORD_PRESETS, ReplayDrafts, Trace, evaluate, record_trace
 from treespec.decoding import SpeculativeDecoder
+from treespec.pricing.conditions import ThreadControl
 from treespec.target import TargetModel
 
 METHODS = ["dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "static-corrected@16", "ddtree@64"]
@@ -141,7 +142,7 @@ def report_row(name, live_s, replay_s, live_taus, replayed, same_output: list[bo
 def main() -> None:
     args = parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        ThreadControl.start(args.threads)
     target, drafters, prompts, name = tiny_setup(args) if args.tiny else embedded_setup(args)
     config = attrs.evolve(RECORD_PRESETS[args.preset], max_new_tokens=args.max_new_tokens)
     trace, record_s = timed(record_trace, target, drafters, prompts, config=config, target_name=name, progress=True)

@@ -28,6 +28,7 @@ from treespec.apps.training.teacher import TeacherCache
 from treespec.apps.training.trainer import DrafterTrainer
 from treespec.apps.training.vocabulary import coverage, response_token_counts
 from treespec.drafters.training import TRAIN_PRESETS, BlockRecipe, new_drafter
+from treespec.pricing.conditions import ThreadControl
 from treespec.training import draft_vocabulary
 
 
@@ -98,7 +99,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    ThreadControl.start(args.threads)
 
     from treespec.apps.assembly.loading import load_frozen_model
 

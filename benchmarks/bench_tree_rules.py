@@ -41,6 +41,7 @@ from treespec.apps.replay import RecordConfig, ReplayDrafts, Trace, merge_traces
 from treespec.apps.replay.evaluate import replay_rounds
 from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree
 from treespec.interfaces import ConditionalScorer, DraftOutput, Expansion
+from treespec.pricing.conditions import ThreadControl
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench", "alpaca")
 HELD_OUT = slice(24, 34)  # prompts no drafter or policy was tuned on (module docstring)
@@ -233,7 +234,7 @@ def _ci(stat, n: int, resamples: int, sign: str = "") -> str:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
+    ThreadControl.start(1)
     if args.action == "table":
         print(tables(json.loads(args.records.read_text())), end="")
         return

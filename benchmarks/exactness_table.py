@@ -14,11 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from treespec import registry
 from treespec.apps.kit.exactness import ToyWorld, check_exactness
 from treespec.interfaces import SamplingParams
+from treespec.pricing.conditions import ThreadControl
 
 SETTINGS = {"T = 1.0": SamplingParams(1.0), "T = 0.6": SamplingParams(0.6),
             "T = 1.0, top-p 0.8": SamplingParams(1.0, top_p=0.8)}
@@ -34,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=20000, help="rounds per pair and setting")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    ThreadControl.start(1)
     sampled = [n for n in registry.builtin("policy") if registry.resolve("policy", n).samples_from_draft]
     print("| pair (B = 4) | setting | chi-square (dof) | p | TV | detectable TV | tau | verdict |")
     print("|---|---|---|---|---|---|---|---|")

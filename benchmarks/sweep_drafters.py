@@ -27,6 +27,7 @@ from treespec.apps.training.teacher import TeacherCache
 from treespec.apps.training.trainer import DrafterTrainer
 from treespec.apps.training.vocabulary import response_token_counts
 from treespec.drafters.training import TRAIN_PRESETS, BlockRecipe, TrainConfig, new_drafter
+from treespec.pricing.conditions import ThreadControl
 from treespec.training import draft_vocabulary
 
 # name -> (preset, overrides): the axes the issue names, one change from the base arm each.
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/sweep"))
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    ThreadControl.start(args.threads)
 
     from treespec.apps.assembly.loading import load_frozen_model
 

@@ -192,3 +192,44 @@ def test_the_new_rules_catch_what_they_forbid():
     assert policy_probes("x = getattr(self.policy, 'cost_model', None)\ny = hasattr(policy, 'a')\nz = getattr(d, 'm')") \
         == ["line 1: getattr(self.policy, 'cost_model', None)", "line 2: hasattr(policy, 'a')"]
     assert len(ENGINE_MODULES) >= 6 and "policies/engine/best_first.py" in ENGINE_MODULES
+
+
+# The steps that turn a method into a run's policy and keep what it measured: pricing a policy, restoring
+# what a learning policy learned, saving what live cost models learned, measuring this machine's profile.
+RUN_STEPS = {"method_policy", "restore_learned", "persist_live", "machine_profile", "refresh_profile", "price"}
+STEP_HOMES = {"assembly/session.py", "assembly/cost_source.py"}  # the Session, and where the steps are written
+PROFILE_TOOL = ("commands/profile_cost.py", {"machine_profile", "refresh_profile"})  # measuring it is its job
+
+
+def run_steps(source: str) -> set[str]:
+    """The run steps ``source`` names itself: bare names and imported names (``persist_live(...)``,
+    ``measure = machine_profile``) and attribute calls on a cost source (``costs.price(...)``); a
+    method of the session (``session.machine_profile()``) or of a policy is not a step taken here."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id in RUN_STEPS:
+            found.add(node.id)
+        elif isinstance(node, ast.ImportFrom):
+            found |= {alias.name for alias in node.names if alias.name in RUN_STEPS}
+        elif (isinstance(node, ast.Attribute) and node.attr == "price" and isinstance(node.value, ast.Name)
+              and "cost" in node.value.id):
+            found.add("price")
+    return found
+
+
+def test_only_the_session_assembles_a_run():
+    """Every app gets its policies and decoders from `treespec.apps.assembly.session.Session`: no other
+    module prices a policy, restores what one learned, saves live costs or measures the profile."""
+    for name in APPS:
+        if name in STEP_HOMES:
+            continue
+        steps = run_steps((ROOT / "apps" / name).read_text())
+        allowed = PROFILE_TOOL[1] if name == PROFILE_TOOL[0] else set()
+        assert steps <= allowed, f"treespec/apps/{name} takes the run steps {sorted(steps - allowed)} itself"
+
+
+def test_the_run_step_scan_sees_a_planted_step():
+    planted = "from treespec.apps.assembly.cost_source import persist_live\npersist_live(t, p, [])\n"
+    assert run_steps(planted) == {"persist_live"}
+    assert run_steps("profile = machine_profile\nx = costs.price(f)\n") == {"machine_profile", "price"}
+    assert run_steps("session.machine_profile()\npolicy.restore_learned(state)\n") == set()

@@ -148,8 +148,8 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
     control = ThreadControl.start(threads, reason="as asked (threads=)") if threads is not None else ThreadControl.keep()
     batch = _is_batch(prompt)
     prompts = list(prompt) if batch else [prompt]
+    method = _method(policy, budget, policy_kwargs or {}, drafter is not None)  # a bad budget: refused before loading
     given = load_drafter(drafter, **(drafter_kwargs or {}))
-    method = _method(policy, budget, policy_kwargs or {}, given is not None)  # a bad budget is refused here
     target = load_target(model, dtype=dtype, device=device)
     tokenizer = _tokenizer(model, tokenizer, needed=any(isinstance(p, str) for p in prompts))
     session = Session(target, tokenizer, {_GIVEN: given} if given is not None else {}, costs=_costs(cost_model),

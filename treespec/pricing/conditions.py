@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 
 __all__ = ["BUSY_SHARE", "DISTURBED_MARGIN", "THREADS_ENV", "CpuTimes", "Load", "LoadMeter", "ThreadChoice",
-           "ThreadControl", "allowed_cores", "busy_shares", "check_threads", "choose_threads", "process_started",
+           "ThreadControl", "allowed_cores", "busy_shares", "check_threads", "choose_threads", "current_meter", "process_started",
            "read_cpu_times", "run_processes"]
 
 BUSY_SHARE = 0.5  # a core whose time went more than half to other work is not free
@@ -251,6 +251,14 @@ class LoadMeter:
         own = sum(after.own[p] - before.own[p] for p in before.own if p in after.own)  # the run's processes
         others = max(0.0, (busy - own) / per_core)
         return Load(others, steal / per_core, after.clock - before.clock, self.spare)
+
+
+def current_meter() -> LoadMeter:
+    """A meter over the threads torch runs with now: for a measurement made outside a run's
+    `ThreadControl` (whose ``meter`` is the one to use inside a run)."""
+    import torch
+
+    return LoadMeter(torch.get_num_threads())
 
 
 @attrs.define

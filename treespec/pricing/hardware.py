@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 import torch
 
+from treespec.pricing.conditions import current_meter
 from treespec.target import DTYPE_NAMES, stored_dtype
 
 __all__ = [
@@ -226,7 +227,7 @@ def cpu_dtype_choice(config: Any, *, cache_dir: Path | None = None,
     path = machine_file("dtype", key, cache_dir)
     choice = _UNCACHED.get(str(path)) or _cached_choice(path, key, shapes, benchmark)
     if choice is None:
-        load_meter = (meter or _default_meter)()
+        load_meter = (meter or current_meter)()
         load_meter.start()
         speed = benchmark(shapes)
         load = load_meter.stop()
@@ -242,11 +243,6 @@ def cpu_dtype_choice(config: Any, *, cache_dir: Path | None = None,
         print(f"treespec: dtype {choice.describe()}", file=sys.stderr)
     return choice
 
-
-def _default_meter():
-    from treespec.pricing.conditions import LoadMeter
-
-    return LoadMeter(torch.get_num_threads())
 
 
 def check_dtype_record(record: Mapping[str, Any]) -> str | None:

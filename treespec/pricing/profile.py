@@ -38,6 +38,7 @@ import torch
 
 from treespec.interfaces import DraftContext, Drafter
 from treespec.pricing.calibration import Calibration, to_calibration
+from treespec.pricing.conditions import current_meter
 from treespec.pricing.cost import ConvexCost, fit_verify_curve
 from treespec.pricing.hardware import digest, machine_file, machine_identity, read_cached, set_aside, write_cached
 from treespec.target import TargetModel, crop_cache
@@ -372,7 +373,7 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
         return profile
     work = (len(contexts) if profile is None else 0) + len(missing)
     bar = _bar(work, progress)
-    load_meter = (meter or _default_meter)()
+    load_meter = (meter or current_meter)()
     load_meter.start()
     if profile is None:
         verify = []
@@ -396,11 +397,6 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
         write_cached(path, key, profile.to_record())
     return profile
 
-
-def _default_meter():
-    from treespec.pricing.conditions import LoadMeter
-
-    return LoadMeter(torch.get_num_threads())
 
 
 def _bar(total: int, enabled: bool):

@@ -2,6 +2,24 @@
 
 from treespec.target import DTYPE_NAMES
 
+# name -> (module, one-line help).  Modules are imported lazily so ``treespec --help`` stays fast.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("treespec.apps.commands.demo", "every published method on the embedded SmolLM2 default, checked against AR"),
+    "example": ("treespec.apps.commands.example", "a small end-to-end example on a tiny random model"),
+    "draw": ("treespec.apps.commands.draw", "render a draft tree as SVG/PNG, DOT or Mermaid"),
+    "list": ("treespec.apps.commands.listing", "list the registry's names: policies, drafters, verifiers, scorers, recipes, commands"),
+    "generate": ("treespec.apps.commands.generate", "generate text from a local model, optionally speculatively"),
+    "fetch-model": ("treespec.apps.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
+    "fetch-data": ("treespec.apps.commands.fetch_data", "put a benchmark's prompts into the data folder once (hub or local file)"),
+    "distill-data": ("treespec.apps.commands.distill_data", "generate self-distillation data with the target"),
+    "data-store": ("treespec.apps.commands.data_store", "keep a data pass's shards in the repository, or restore them"),
+    "profile-cost": ("treespec.apps.commands.profile_cost", "measure verify/draft latency and fit a cost model (CaDDTree)"),
+    "replay": ("treespec.apps.commands.replay", "record drafter traces once, then replay policies' tau without the target"),
+    "bench": ("treespec.apps.commands.bench", "A/B comparison of methods: paired runs, tables with CIs, plots"),
+    "teacher-cache": ("treespec.apps.commands.teacher_cache", "run the frozen target once over distill-data shards and store what training needs"),
+    "train-drafter": ("treespec.apps.commands.train_drafter", "train a drafter on self-distillation data through its recipe"),
+}
+
 # --dtype names shared by the subcommands: the kernel's dtype names, and "auto" (the faster of bf16
 # and fp32 for the target on this CPU, measured once (treespec.pricing.hardware), bf16 on CUDA) and
 # "checkpoint" (the stored dtype).  Each command offers the subset that makes sense for it.

@@ -16,7 +16,7 @@ def names(kind: str) -> list[str]:
     """What ``kind`` lists: the registry's names; for commands, treespec's own subcommands too."""
     if kind != "command":
         return registry.available(kind)
-    from treespec.apps.cli import SUBCOMMANDS
+    from treespec.apps.commands import SUBCOMMANDS
 
     return sorted(set(SUBCOMMANDS) | set(registry.available("command")))
 
