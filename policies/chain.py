@@ -16,7 +16,7 @@ from typing import ClassVar
 import attrs
 
 from treespec.interfaces import DraftOutput
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.best_first import BestFirstPolicy, check_logprobs, count_field
 from treespec.policies.engine.candidates import Candidates, ScorerSource, TopTokens
 from treespec.policies.engine.stop import StopRule
 from treespec.tree import check_budget
@@ -37,7 +37,7 @@ class Chain(BestFirstPolicy):
     uses_scorer: ClassVar[str] = "optional"
 
     budget: int | None = attrs.field(default=None, validator=_optional_budget)  # most nodes (None: L)
-    top_m: int = budget_field(64)  # with a scorer: candidates per depth the correction is normalised over
+    top_m: int = count_field(64)  # with a scorer: candidates per depth the correction is normalised over
     stop: StopRule | None = None  # optional early stop (e.g. CostAwareStop)
 
     def max_nodes(self, draft: DraftOutput) -> int:

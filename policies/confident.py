@@ -32,7 +32,7 @@ import torch
 
 from treespec.interfaces import DraftOutput, RoundReport
 from treespec.policies.dominotree import corrected_source, require_scorer
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs, count_field
 from treespec.policies.engine.candidates import ScorerSource, TopTokens
 from treespec.policies.engine.stop import StopRule
 from treespec.tree import DraftTree
@@ -164,8 +164,8 @@ class ConfidentDominoTree(_Confident, BestFirstPolicy):
     uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # most non-root nodes per round
-    top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
-    node_topk: int = budget_field(8)  # children kept per expanded node
+    top_m: int = count_field(64)  # base candidates per depth the correction is normalised over
+    node_topk: int = count_field(8)  # children kept per expanded node
     min_rate: float = 0.02  # the acceptance rate under which a node is not worth verifying
     floor: LearnedFloor = _floor_field()  # θ, learned from verified rounds
 

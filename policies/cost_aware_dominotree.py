@@ -17,7 +17,7 @@ import attrs
 
 from treespec.interfaces import DraftOutput
 from treespec.policies.dominotree import corrected_source, require_scorer
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, count_field
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.cost import CostAware
 
@@ -32,8 +32,8 @@ class CostAwareDominoTree(CostAware, BestFirstPolicy):
     uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # cap on non-root nodes
-    top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
-    node_topk: int = budget_field(8)  # children kept per expanded node
+    top_m: int = count_field(64)  # base candidates per depth the correction is normalised over
+    node_topk: int = count_field(8)  # children kept per expanded node
     def validate(self, draft: DraftOutput) -> None:
         require_scorer(draft, "cost-aware DominoTree")
         self.require_cost_model()

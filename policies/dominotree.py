@@ -20,7 +20,7 @@ from typing import ClassVar
 import attrs
 
 from treespec.interfaces import DraftOutput
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, count_field
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.stop import StopRule
 
@@ -55,8 +55,8 @@ class DominoTree(BestFirstPolicy):
     uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
-    node_topk: int = budget_field(8)  # children kept per expanded node
+    top_m: int = count_field(64)  # base candidates per depth the correction is normalised over
+    node_topk: int = count_field(8)  # children kept per expanded node
     stop: StopRule | None = None  # optional early stop rule
 
     def __attrs_post_init__(self) -> None:

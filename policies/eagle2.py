@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from treespec.interfaces import DraftOutput, TreePolicy, check_backend
-from treespec.policies.engine.best_first import budget_field, check_logprobs
+from treespec.policies.engine.best_first import budget_field, check_logprobs, count_field
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree
 
@@ -53,7 +53,7 @@ class Eagle2(TreePolicy):
     name: ClassVar[str] = "eagle2"
 
     budget: int = budget_field(16)  # non-root nodes kept after re-ranking
-    topk: int = budget_field(10)  # nodes expanded per depth, and children per expanded node
+    topk: int = count_field(10)  # nodes expanded per depth, and children per expanded node
     depth: int | None = attrs.field(default=None, validator=_depth_limit)  # expansion depth; None: the draft's
 
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:

@@ -18,7 +18,7 @@ from typing import ClassVar
 import attrs
 
 from treespec.interfaces import DraftOutput
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs, count_field
 from treespec.policies.engine.candidates import FactorizedSource
 from treespec.topk import exact_topk
 
@@ -37,7 +37,7 @@ class GapDDTree(BestFirstPolicy):
     name: ClassVar[str] = "gap-ddtree"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    width: int = budget_field(8)  # children per node at a depth where the drafter is unsure
+    width: int = count_field(8)  # children per node at a depth where the drafter is unsure
     ratio: float = attrs.field(default=4.0, validator=_ratio)  # p1 / p2 above which one child is enough
     stop = None
 

@@ -37,7 +37,7 @@ import torch
 
 from treespec.interfaces import DraftOutput, RoundReport
 from treespec.policies.dominotree import corrected_source, require_scorer
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs, count_field
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.scorers import RescoredScorer, RowScorer
 from treespec.tree import DraftTree
@@ -145,7 +145,7 @@ class LearnedDDTree(_Learned, BestFirstPolicy):
     name: ClassVar[str] = "learned-ddtree"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    node_topk: int = budget_field(16)  # children a node may have (the budget: DDTree's own tree)
+    node_topk: int = count_field(16)  # children a node may have (the budget: DDTree's own tree)
     table: AcceptanceTable = _table_field()  # the factors, learned from verified rounds
     stop = None
 
@@ -165,8 +165,8 @@ class LearnedDominoTree(_Learned, BestFirstPolicy):
     uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
-    node_topk: int = budget_field(8)  # children kept per expanded node
+    top_m: int = count_field(64)  # base candidates per depth the correction is normalised over
+    node_topk: int = count_field(8)  # children kept per expanded node
     table: AcceptanceTable = _table_field()  # the factors, learned from verified rounds
     stop = None
 

@@ -27,7 +27,7 @@ import torch
 
 from treespec.interfaces import DraftOutput
 from treespec.policies.dominotree import corrected_source, require_scorer
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, count_field
 from treespec.policies.engine.candidates import ScorerSource
 from treespec.policies.engine.scorers import RescoredScorer
 from treespec.policies.engine.stop import StopRule
@@ -60,8 +60,8 @@ class PrunedDominoTree(BestFirstPolicy):
     uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
-    node_topk: int = budget_field(8)  # children a node may keep at most
+    top_m: int = count_field(64)  # base candidates per depth the correction is normalised over
+    node_topk: int = count_field(8)  # children a node may keep at most
     rule: str = attrs.field(default="mass", validator=attrs.validators.in_(RULES))  # "mass" (top-p) or "ratio"
     mass: float = attrs.field(default=0.9, validator=_positive)  # rule "mass": the probability a node's children hold
     ratio: float = attrs.field(default=8.0, validator=_positive)  # rule "ratio": p(best) / p(child) at most

@@ -24,7 +24,7 @@ import attrs
 
 from treespec import registry
 from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy
-from treespec.policies.engine.best_first import budget_field
+from treespec.policies.engine.best_first import budget_field, count_field
 from treespec.tree import DraftTree
 
 __all__ = ["Router"]
@@ -56,7 +56,7 @@ class Router(TreePolicy):
 
     budget: int = budget_field(16)  # non-root nodes per round, for every arm
     arms: str = "dominotree|ddtree|pruned-dominotree"  # registered policies, '|'-separated
-    probe: int = budget_field(2)  # drafted rounds each arm is tried at a request's start
+    probe: int = count_field(2)  # drafted rounds each arm is tried at a request's start
     choice: _Choice = attrs.field(factory=_Choice, metadata={"option": False})  # learned per request
     policies: tuple = attrs.field(init=False, default=(), eq=False, repr=False)
 

@@ -52,7 +52,7 @@ import torch
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, check_backend
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
-from treespec.policies.engine.best_first import budget_field
+from treespec.policies.engine.best_first import count_field
 from treespec.policies.engine.candidates import CandidateSource, FactorizedSource, ScorerSource
 from treespec.tree import DraftTree
 
@@ -206,7 +206,7 @@ class DDTreeSampled(_Sampled, DDTree):
 
     name: ClassVar[str] = "ddtree-sampled"
 
-    top_m: int = budget_field(64)  # candidates per depth q is normalised over
+    top_m: int = count_field(64)  # candidates per depth q is normalised over
     shape: str = shape_field()  # "fixed": DDTree's shape; "perturbed": best-first on perturbed scores
 
     def sampled_source(self, draft: DraftOutput, m: int) -> CandidateSource:

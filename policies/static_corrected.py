@@ -20,7 +20,7 @@ import attrs
 
 from treespec.interfaces import DraftOutput
 from treespec.policies.dominotree import require_scorer
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, count_field
 from treespec.policies.engine.candidates import FactorizedSource
 from treespec.policies.engine.stop import StopRule
 
@@ -52,7 +52,7 @@ class StaticCorrected(BestFirstPolicy):
     uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    top_m: int = budget_field(64)  # base candidates per depth the correction is normalised over
+    top_m: int = count_field(64)  # base candidates per depth the correction is normalised over
     stop: StopRule | None = None  # optional early stop rule
 
     def validate(self, draft: DraftOutput) -> None:

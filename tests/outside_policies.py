@@ -16,7 +16,7 @@ import torch
 
 from treespec import ConditionalScorer, DraftOutput, DraftTree, TreePolicy
 from treespec.interfaces import Expansion, check_backend
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs, count_field
 from treespec.policies.engine.candidates import ScorerSource, TopTokens
 from treespec.topk import exact_topk
 
@@ -28,7 +28,7 @@ class BeamByDepth(TreePolicy):
     name = "beam-by-depth"
 
     budget: int = budget_field(16)  # non-root nodes at most
-    width: int = budget_field(4)  # nodes kept per depth
+    width: int = count_field(4)  # nodes kept per depth
 
     def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
         check_backend(backend)
@@ -57,7 +57,7 @@ class CappedDDTree(BestFirstPolicy):
     name = "capped-ddtree"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    max_depth: int = budget_field(2)  # the deepest depth the tree may reach
+    max_depth: int = count_field(2)  # the deepest depth the tree may reach
     stop = None
 
     def validate(self, draft: DraftOutput) -> None:
@@ -91,7 +91,7 @@ class SureChildren(BestFirstPolicy):
 
     budget: int = budget_field(16)  # non-root nodes per round
     ratio: float = 8.0  # a child is kept when p(best) / p(child) <= ratio
-    node_topk: int = budget_field(8)  # children a node may have at most
+    node_topk: int = count_field(8)  # children a node may have at most
     stop = None
 
     def validate(self, draft: DraftOutput) -> None:

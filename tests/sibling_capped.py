@@ -13,7 +13,7 @@ from typing import ClassVar
 import attrs
 
 from treespec import DraftOutput
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, count_field
 from treespec.policies.engine.candidates import ScorerSource
 
 NAME = "sibling-capped"
@@ -27,8 +27,8 @@ class SiblingCapped(BestFirstPolicy):
     uses_scorer: ClassVar[str] = "required"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    top_m: int = budget_field(32)  # base candidates per depth the scorer normalises over
-    siblings: int = budget_field(2)  # children kept per node
+    top_m: int = count_field(32)  # base candidates per depth the scorer normalises over
+    siblings: int = count_field(2)  # children kept per node
     stop = None  # no early stop rule
 
     def validate(self, draft: DraftOutput) -> None:

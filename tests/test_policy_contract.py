@@ -20,7 +20,7 @@ from treespec.apps.cli import main
 from treespec.apps.kit.testing import PolicyCheckError, check_policy
 from treespec.apps.replay import RecordConfig, evaluate
 from treespec.apps.replay.views import views_at
-from treespec.decoding import PolicyError, built_tree
+from treespec.decoding import PolicyError
 from treespec.interfaces import DraftContext, DraftOutput, TreePolicy
 from treespec.policies.ddtree import DDTree
 from treespec.policies.engine.best_first import BestFirstPolicy, budget_field

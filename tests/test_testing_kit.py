@@ -28,7 +28,7 @@ OUTSIDE = '''
 """An outside package's policy: DDTree with at most `width` candidates per depth."""
 import attrs
 
-from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs
+from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, count_field, check_logprobs
 from treespec.policies.engine.candidates import TopTokens
 
 
@@ -37,7 +37,7 @@ class WidthCapped(BestFirstPolicy):
     name = "width-capped"
 
     budget: int = budget_field(16)  # non-root nodes per round
-    width: int = budget_field(3)  # candidates per depth
+    width: int = count_field(3)  # candidates per depth
     stop = None
 
     def validate(self, draft):

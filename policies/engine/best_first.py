@@ -42,15 +42,18 @@ from treespec.policies.engine.frontier import Mode, expand_frontier, grow_batch,
 from treespec.policies.engine.stop import StopRule
 from treespec.tree import DraftTree, check_budget, check_count
 
-__all__ = ["BestFirstPolicy", "budget_field", "check_logprobs", "grow_graph", "grow_reference", "possible"]
+__all__ = ["BestFirstPolicy", "budget_field", "check_logprobs", "count_field", "grow_graph", "grow_reference", "possible"]
 
 # ---------------------------------------------------------------------------- input checks
 def budget_field(default: int):
-    """An attrs field holding a count: the tree budget (`treespec.tree.check_budget`) for a field
-    named ``budget``, an integer >= 1 for any other (widths, fan-outs, depth caps)."""
-    def check(_, attribute, value) -> None:
-        (check_budget if attribute.name == "budget" else check_count)(value, attribute.name)
-    return attrs.field(default=default, validator=check)
+    """An attrs field holding the tree budget (non-root nodes; `treespec.tree.check_budget`)."""
+    return attrs.field(default=default, validator=lambda _, attribute, value: check_budget(value, attribute.name))
+
+
+def count_field(default: int):
+    """An attrs field holding a count that is not a budget: a width, a fan-out, a depth cap, a number
+    of rounds (an integer >= 1, `treespec.tree.check_count`)."""
+    return attrs.field(default=default, validator=lambda _, attribute, value: check_count(value, attribute.name))
 
 
 def check_logprobs(draft: DraftOutput) -> None:
