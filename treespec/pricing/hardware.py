@@ -93,7 +93,9 @@ def read_cached(path: Path, key: Mapping[str, Any]) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key, default=str)):
+        if not isinstance(data, dict):
+            raise ValueError("its top level is not a JSON object")
+        if data.get("key") != json.loads(json.dumps(key, default=str)):
             raise ValueError("made for another machine, model or dtype")
         return data
     except (OSError, UnicodeDecodeError, ValueError) as exc:

@@ -13,6 +13,18 @@ weights.  A profile made on another machine, architecture or dtype is never used
 not match, and it is measured again; a corrupt cache file is measured again with a one-line
 warning.  Drafters missing from a cached profile are measured and added.
 
+What a profile may say is bounded by what a machine can do, one rule per figure, checked on reading,
+before writing (`implausible`: nothing implausible is cached) and on the live curve a run leaves:
+a verify of n tokens costs between `VERIFY_FLOOR` one-token verifies and `VERIFY_CEILING` n of them
+(`implausible_curve`), a drafter's round between the fractions `DRAFT_RANGE` of one
+(`implausible_drafts`), round counts are whole and >= 0, and a live correction stays near the
+measured curve (`implausible_live`).  A cached profile that breaks them heals instead of being
+believed: its curve, or the drafter's round, is measured again; its calibrations and learned states
+stay.  A cached curve within the bounds but wrong for this machine as it is now (made under other
+conditions, or edited) is caught at start by `spot_check`, which times the one-token and the
+17-token verify again (a fraction of a second) and has the profile measured again when either lies
+beyond `SPOT_BOUND` of its cached figure.
+
 ``profile.cost_model(drafter)`` is what cost-aware policies price trees with: per context, the
 measured median at every profiled size, linear between them (`treespec.pricing.cost.fit_verify_curve`),
 with that drafter's C_d.  The sizes are every tree of up to 17 tokens (a 16-node tree and all the
@@ -44,15 +56,27 @@ from treespec.pricing.hardware import digest, machine_file, machine_identity, re
 from treespec.target import TargetModel, crop_cache
 from treespec.tree import DraftTree
 
-__all__ = ["LIVE_BOUND", "LIVE_DRAFT_BOUND", "LIVE_SHAPE_BOUND", "PROFILE_CONTEXTS", "PROFILE_SIZES", "CostProfile",
-           "calibration_key", "check_profile", "implausible_live", "learned_key", "machine_profile", "refresh_profile",
-           "save_profile", "target_identity", "time_draft", "time_verify", "time_verify_sizes"]
+__all__ = ["DRAFT_RANGE", "LIVE_BOUND", "LIVE_DRAFT_BOUND", "LIVE_SHAPE_BOUND", "PROFILE_CONTEXTS", "PROFILE_SIZES",
+           "SPOT_BOUND", "VERIFY_CEILING", "VERIFY_FLOOR", "CostProfile", "calibration_key", "check_profile",
+           "implausible", "implausible_curve", "implausible_drafts", "implausible_live", "learned_key", "machine_profile",
+           "refresh_profile", "save_profile", "spot_check", "target_identity", "time_draft", "time_verify",
+           "time_verify_sizes"]
 
 PROFILE_SIZES = (*range(1, 18), 24, 33)  # tree tokens n (root included) of the verify samples
 PROFILE_CONTEXTS = (128, 512)  # cached context lengths of the verify samples
 LIVE_BOUND = 3.0  # a live-corrected verify time lies within this factor of the measured one, either way
 LIVE_SHAPE_BOUND = 1.5  # ... and its price in AR steps within this factor of the measured price, either way
 LIVE_DRAFT_BOUND = 8.0  # a live draft + build time is at most this many times the measured draft
+# What any curve may say of a machine, in its own one-token verifies C_v(1; c) (the smallest size's, per
+# context): a forward over more tokens never runs far faster than one over fewer, and never costs more
+# than a few one-token forwards per token (memory-bound engines: a 17-token verify at 1.5 steps;
+# compute-bound: 10 steps).
+VERIFY_FLOOR = 0.5  # C_v(n) >= this times C_v(1)
+VERIFY_CEILING = 4.0  # C_v(n) <= this times n C_v(1)
+DRAFT_RANGE = (1 / 1000, 20.0)  # a drafter's round, in the one-token verifies of the shortest context
+SPOT_BOUND = LIVE_BOUND  # a cached curve's smallest and 17-token verify within this factor of a quick measurement
+_SPOT_SIZE = 17  # the tree size the start-up spot check times beside the smallest one
+_SPOT_REPEATS = 5
 _FORMAT = 1  # version of the cached JSON
 
 
@@ -221,8 +245,8 @@ class CostProfile:
             raise ValueError(f"profile format {record.get('format')!r}, expected {_FORMAT}")
         verify = tuple((int(n), int(c), float(s)) for n, c, s in record["verify"])
         calibrations = {str(k): Calibration.from_record(v) for k, v in dict(record.get("calibrations", {})).items()}
-        live = tuple((int(n), int(c), float(s), int(r)) for n, c, s, r in record.get("live_verify", []))
-        live_drafts = {str(k): (float(s), int(r)) for k, (s, r) in dict(record.get("live_drafts", {})).items()}
+        live = tuple((int(n), int(c), float(s), _rounds(r)) for n, c, s, r in record.get("live_verify", []))
+        live_drafts = {str(k): (float(s), _rounds(r)) for k, (s, r) in dict(record.get("live_drafts", {})).items()}
         learned = {str(k): dict(v) for k, v in dict(record.get("learned", {})).items()}
         profile = cls(verify, {str(k): float(v) for k, v in dict(record["drafts"]).items()}, calibrations, live,
                       live_drafts, learned=learned)
@@ -236,9 +260,16 @@ def _seconds_ok(values) -> bool:
     return all(math.isfinite(s) and s > 0 for s in values)
 
 
+def _rounds(value) -> int | float:
+    """A stored round count as read: an int when whole (`implausible_live` refuses the rest)."""
+    number = float(value)
+    return int(number) if number.is_integer() else number
+
+
 def check_profile(profile: CostProfile) -> str | None:
-    """The rule a profile's measured values break, or None: at least one verify sample, every tree
-    size >= 1 and context >= 0, every time (verify, draft, live) finite and positive."""
+    """The rule a profile's stored values break as data, or None: at least one verify sample, every
+    tree size >= 1 and context >= 0, every time (verify, draft, live) finite and positive.  What the
+    values say of the machine is `implausible_curve`'s, `implausible_drafts`' and `implausible_live`'s."""
     if not profile.verify:
         return "it holds no verify samples"
     if any(n < 1 or c < 0 for n, c, _ in profile.verify):
@@ -252,17 +283,55 @@ def check_profile(profile: CostProfile) -> str | None:
     return None
 
 
-def implausible_live(profile: CostProfile) -> str | None:
-    """The rule a profile's live correction breaks against the profile measured quietly, or None.
+def implausible_curve(samples: Sequence[tuple[int, int, float]], what: str = "verify") -> str | None:
+    """The rule a verify curve ((n, context, seconds) samples) breaks against what a machine can do,
+    or None: per context, with m its smallest size, VERIFY_FLOOR C_v(m) <= C_v(n) <= VERIFY_CEILING
+    (n / m) C_v(m) (a forward over more tokens is never far cheaper than one over fewer, and never
+    dearer than a few of the smaller forwards per token)."""
+    by_context: dict[int, dict[int, float]] = {}
+    for n, c, s in samples:
+        by_context.setdefault(c, {})[n] = s
+    for c, curve in sorted(by_context.items()):
+        m = min(curve)
+        for n, s in sorted(curve.items()):
+            steps = s / curve[m]
+            if not VERIFY_FLOOR <= steps <= VERIFY_CEILING * n / m:
+                return (f"its {what} of {n} tokens at context {c} costs {steps:.3g} {m}-token verifies (a machine "
+                        f"can do {VERIFY_FLOOR:g} to {VERIFY_CEILING * n / m:g})")
+    return None
 
-    A live curve corrects each size of the measured one by what decoding rounds cost, and a CPU's own
-    dips (a 5-token verify cheaper than a 2-token one) are measured and stay; what a busy machine
-    teaches is not that.  So, per context: each size's live time lies within `LIVE_BOUND` times the
-    measured one either way, and its price in AR steps (C_v(n) / C_v(1)) within `LIVE_SHAPE_BOUND`
-    times the measured price either way (a 17-token verify learned at a quarter of a one-token step,
-    where the profile measured 1.6, is an artifact of a load on the one-token steps); each drafter's
-    live draft + build time lies within [1/2, `LIVE_DRAFT_BOUND`] times its measured draft (the live
-    figure adds the build)."""
+
+def _one_token_seconds(samples: Sequence[tuple[int, int, float]]) -> float:
+    """C_v of the smallest size at the shortest context: the unit the draft bounds are stated in."""
+    c = min(c for _, c, _ in samples)
+    return min(((n, s) for n, cc, s in samples if cc == c))[1]
+
+
+def implausible_drafts(profile: CostProfile) -> dict[str, str]:
+    """Drafter identity -> the rule its measured round breaks, for every drafter whose round lies
+    outside `DRAFT_RANGE` times the profile's one-token verify."""
+    one = _one_token_seconds(profile.verify)
+    low, high = DRAFT_RANGE
+    return {ident: (f"a round of drafter {ident} is {s / one:.3g} one-token verifies (a machine can do "
+                    f"{low:g} to {high:g})")
+            for ident, s in profile.drafts.items() if not low <= s / one <= high}
+
+
+def implausible_live(profile: CostProfile) -> str | None:
+    """The rule a profile's live correction breaks, or None.
+
+    Its round counts are whole and >= 0, it lies near the profile measured quietly, and its curve is
+    one a machine can have (`implausible_curve`).  A live curve corrects each size of the measured
+    one by what decoding rounds cost, and a CPU's own dips (a 5-token verify cheaper than a 2-token
+    one) are measured and stay; what a busy machine teaches is not that.  So, per context: each size's
+    live time lies within `LIVE_BOUND` times the measured one either way, and its price in AR steps
+    (C_v(n) / C_v(1)) within `LIVE_SHAPE_BOUND` times the measured price either way (a 17-token verify
+    learned at a quarter of a one-token step, where the profile measured 1.6, is an artifact of a
+    load on the one-token steps); each drafter's live draft + build time lies within
+    [1/2, `LIVE_DRAFT_BOUND`] times its measured draft (the live figure adds the build)."""
+    counts = [r for *_, r in profile.live_verify] + [r for _, r in profile.live_drafts.values()]
+    if any(not isinstance(r, int) or r < 0 for r in counts):
+        return "a round count of its live correction is not a whole number >= 0"
     measured = {(n, c): s for n, c, s in profile.verify}
     live = {(n, c): s for n, c, s, _ in profile.live_verify}
     for (n, c), s in sorted(live.items()):
@@ -283,6 +352,32 @@ def implausible_live(profile: CostProfile) -> str | None:
         if base is not None and not 0.5 <= seconds / base <= LIVE_DRAFT_BOUND:
             return (f"its live draft + build is {seconds / base:.2f}x the measured draft "
                     f"(bound: 1/2 to {LIVE_DRAFT_BOUND:g}x)")
+    if profile.live_verify:
+        return implausible_curve([(n, c, s) for n, c, s, _ in profile.live_verify], "live verify")
+    return None
+
+
+def implausible(profile: CostProfile) -> str | None:
+    """The first rule anywhere in ``profile`` breaks (data, measured curve, drafts, live correction): what
+    is never written to the cache."""
+    broken = check_profile(profile) or implausible_curve(profile.verify)
+    return broken or next(iter(implausible_drafts(profile).values()), None) or implausible_live(profile)
+
+
+def spot_check(target: TargetModel, profile: CostProfile, generator: torch.Generator,
+               repeats: int = _SPOT_REPEATS) -> str | None:
+    """A quick look at a cached profile against the machine as it is: the smallest size and the 17-token
+    verify (or the largest profiled size below it) timed at the shortest profiled context, as the
+    profile was; the disagreement beyond `SPOT_BOUND` either way, or None."""
+    c = min(c for _, c, _ in profile.verify)
+    stored = {n: s for n, cc, s in profile.verify if cc == c}
+    sizes = sorted({min(stored), max((n for n in stored if n <= _SPOT_SIZE), default=min(stored))})
+    now = time_verify_sizes(target, sizes, c, repeats, generator)
+    target.reset()
+    for n in sizes:
+        if not 1 / SPOT_BOUND <= now[n] / stored[n] <= SPOT_BOUND:
+            return (f"a {n}-token verify at context {c} takes {now[n]:.3g} s now where it holds {stored[n]:.3g} s "
+                    f"(bound: {SPOT_BOUND:g}x either way)")
     return None
 
 
@@ -311,15 +406,16 @@ def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     previous = _cached_profile(path, key)
     if previous is not None:
         fresh = attrs.evolve(fresh, calibrations=previous.calibrations, learned=previous.learned)
-    write_cached(path, key, fresh.to_record())
+    _write_profile(path, key, fresh)
     return fresh
 
 
 def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,
                  contexts: Sequence[int] = PROFILE_CONTEXTS, cache_dir: Path | None = None) -> None:
-    """Write ``profile`` (a calibration added, say) where `machine_profile` finds it."""
+    """Write ``profile`` (a calibration added, say) where `machine_profile` finds it; a ValueError naming
+    the rule when it is implausible (`implausible`): nothing implausible is cached."""
     path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
-    write_cached(path, key, profile.to_record())
+    _write_profile(path, key, profile)
 
 
 def _profile_file(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int],
@@ -335,53 +431,110 @@ def _profile_file(target: TargetModel, sizes: Sequence[int], contexts: Sequence[
     return machine_file("profile", key, cache_dir), key, contexts
 
 
+_CHECKED: set[tuple[str, int]] = set()  # (profile file, its mtime) spot-checked or written by this process
+
+
+def _stamp(path: Path) -> tuple[str, int]:
+    try:
+        return str(path), path.stat().st_mtime_ns
+    except OSError:
+        return str(path), -1
+
+
+def _write_profile(path: Path, key: dict, profile: CostProfile) -> None:
+    broken = implausible(profile)
+    if broken is not None:
+        raise ValueError(f"refusing to cache the cost profile {path}: {broken}")
+    write_cached(path, key, profile.to_record())
+    _CHECKED.add(_stamp(path))
+
+
+def _timings_dropped(profile: CostProfile) -> CostProfile:
+    """``profile`` with every timing gone (measured again by `machine_profile`): what it learned stays."""
+    return attrs.evolve(profile, verify=(), drafts={}, live_verify=(), live_drafts={})
+
+
 def _cached_profile(path: Path, key: dict) -> CostProfile | None:
-    """The cached profile, None when it fails its checks (set aside, naming the file and the rule);
-    a live correction that breaks `implausible_live` is dropped (said, and the file rewritten without it)."""
+    """The cached profile, healed: None when its data fails `check_profile` (set aside, naming the file
+    and the rule); its timings dropped (an empty ``verify``: measure again) when its measured curve is
+    implausible (`implausible_curve`); an implausible drafter's round dropped (measured again); a live
+    correction that breaks `implausible_live` dropped (the file rewritten without it).  One line each."""
     record = read_cached(path, key)
     if record is None:
         return None
     try:
         profile = CostProfile.from_record(record)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         set_aside(path, str(exc) or type(exc).__name__)
         return None
+    broken = implausible_curve(profile.verify)
+    if broken is not None:
+        print(f"treespec: measuring the cached cost profile {path} again: {broken}", file=sys.stderr)
+        return _timings_dropped(profile)
+    for ident, rule in implausible_drafts(profile).items():
+        print(f"treespec: measuring a drafter's round in the cached cost profile {path} again: {rule}",
+              file=sys.stderr)
+        profile = attrs.evolve(profile, drafts={k: v for k, v in profile.drafts.items() if k != ident},
+                               live_drafts={k: v for k, v in profile.live_drafts.items() if k != ident})
     broken = implausible_live(profile)
     if broken is not None:
         print(f"treespec: dropping the live correction of the cached cost profile {path}: {broken}; pricing "
               "with the profile as measured", file=sys.stderr)
         profile = attrs.evolve(profile, live_verify=(), live_drafts={})
-        write_cached(path, key, profile.to_record())
+        _write_profile(path, key, profile)
     return profile
+
+
+def _spot_checked(target: TargetModel, profile: CostProfile, path: Path, generator: torch.Generator,
+                  meter: Callable[[], object] | None) -> CostProfile:
+    """``profile`` if a quick measurement now agrees with it (`spot_check`; once per file and version in
+    a process, and not judged while another process takes the cores), else its timings dropped, said."""
+    if not profile.verify or _stamp(path) in _CHECKED:
+        return profile
+    load_meter = (meter or current_meter)()
+    load_meter.start()
+    disagreement = spot_check(target, profile, generator)
+    if load_meter.stop().disturbed:
+        return profile  # a busy machine says nothing about the cached figures
+    _CHECKED.add(_stamp(path))
+    if disagreement is None:
+        return profile
+    print(f"treespec: measuring the cached cost profile {path} again: {disagreement}", file=sys.stderr)
+    return _timings_dropped(profile)
 
 
 def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
                     contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 9, cache: bool = True,
                     cache_dir: Path | None = None, progress: bool = False,
-                    meter: Callable[[], object] | None = None) -> CostProfile:
+                    meter: Callable[[], object] | None = None, spot: bool = True) -> CostProfile:
     """This machine's `CostProfile` of ``target`` and ``drafters`` (cached; see the module docstring).
-    A profile measured while another process took the cores it ran on (``meter``: a
-    `treespec.pricing.conditions.LoadMeter` factory, by default over torch's threads) is used but not
-    cached, and says so (``disturbed``)."""
+    A cached profile is healed on reading (`_cached_profile`) and, with ``spot``, checked once per
+    process against a quick measurement (`spot_check`), its timings measured again where either
+    finds them wrong (its calibrations and learned states kept).  A profile measured while another
+    process took the cores it ran on (``meter``: a `treespec.pricing.conditions.LoadMeter` factory, by
+    default over torch's threads), or one whose figures no machine has (`implausible`), is used but
+    not cached, and says so (``disturbed``)."""
     if any(n < 1 for n in sizes) or not sizes or not contexts or repeats < 1:
         raise ValueError("a profile needs sizes >= 1, at least one context and repeats >= 1")
     path, key, contexts = _profile_file(target, sizes, contexts, cache_dir)
-    profile = _cached_profile(path, key) if cache else None
     generator = torch.Generator().manual_seed(0)
+    profile = _cached_profile(path, key) if cache else None
+    if profile is not None and spot:
+        profile = _spot_checked(target, profile, path, generator, meter)
+    measure_verify = profile is None or not profile.verify
     missing = [d for d in drafters if profile is None or d.identity() not in profile.drafts]
-    if profile is not None and not missing:
+    if not measure_verify and not missing:
         return profile
-    work = (len(contexts) if profile is None else 0) + len(missing)
-    bar = _bar(work, progress)
+    bar = _bar((len(contexts) if measure_verify else 0) + len(missing), progress)
     load_meter = (meter or current_meter)()
     load_meter.start()
-    if profile is None:
+    if measure_verify:
         verify = []
         for c in contexts:
             seconds = time_verify_sizes(target, sizes, c, repeats, generator)
             verify += [(n, c, seconds[n]) for n in sizes]
             bar.update(1)
-        profile = CostProfile(tuple(verify))
+        profile = attrs.evolve(profile, verify=tuple(verify)) if profile is not None else CostProfile(tuple(verify))
     drafts = dict(profile.drafts)
     for drafter in missing:
         drafts[drafter.identity()] = time_draft(target, drafter, min(contexts), repeats, generator)
@@ -390,11 +543,16 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     target.reset()
     load = load_meter.stop()
     profile = attrs.evolve(profile, drafts=drafts, disturbed=load.describe() if load.disturbed else "")
+    broken = implausible(profile)
     if load.disturbed:
         print(f"treespec: the cost profile was measured while {load.describe()}: used for this run, not "
               "cached", file=sys.stderr)
+    elif broken is not None:
+        print(f"treespec: the cost profile measured now is implausible ({broken}): used for this run, not cached",
+              file=sys.stderr)
+        profile = attrs.evolve(profile, disturbed=f"the machine gave implausible figures ({broken})")
     elif cache:
-        write_cached(path, key, profile.to_record())
+        _write_profile(path, key, profile)
     return profile
 
 

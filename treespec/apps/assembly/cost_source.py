@@ -101,10 +101,10 @@ def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | No
     """Write what the live models among ``priced`` ((cost model, drafter) per priced policy) learned into
     the machine's profile cache; returns (the updated profile, "") or (None, why nothing was written):
     no live model observed a round, the profile itself was measured under another process's load, or
-    the learned curve breaks the plausibility rules against the measured profile
-    (`treespec.pricing.profile.implausible_live`).  The verify curve is the one of the live model that
+    the learned curve breaks the plausibility rules, its own or against the measured profile
+    (`treespec.pricing.profile.implausible`).  The verify curve is the one of the live model that
     observed the most tree rounds; each drafter's draft + build cost is its own policy's."""
-    from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, implausible_live, save_profile
+    from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, implausible, save_profile
 
     lives = [(c, d) for c, d in priced if isinstance(c, LiveCost) and c.observations]
     if not lives:
@@ -117,7 +117,7 @@ def persist_live(target, profile, priced: Sequence[tuple[CostModel, Drafter | No
     for live, drafter in lives:
         if drafter is not None:
             updated = updated.with_live_draft(live, drafter)
-    broken = implausible_live(updated)
+    broken = implausible(updated)
     if broken is not None:
         return None, f"the learned curve is implausible: {broken}"
     save_profile(target, updated, sizes=sizes or PROFILE_SIZES, contexts=contexts or PROFILE_CONTEXTS)
