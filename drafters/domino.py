@@ -339,6 +339,28 @@ class DominoScorer(RecordableScorer):
         return {name: parts[0][name] for name in _HEAD_KEYS} | {"input_tokens": unique, "input_rows": rows[first]}
 
     @classmethod
+    def check_record(cls, rounds: Mapping[str, torch.Tensor], shared: Mapping[str, torch.Tensor], meta: Mapping,
+                     vocab_size: int) -> str | None:
+        """Every tensor a replay reads present; token ids inside the vocabulary; every round's tensors
+        one per anchor; one input row per input token."""
+        missing = [n for n in ("rows", "base_tokens", "base_logits", "prefix_tokens", "prefix_logprobs", "anchor")
+                   if n not in rounds] + [n for n in (*_HEAD_KEYS, "input_tokens", "input_rows") if n not in shared]
+        if missing:
+            return f"it lacks {', '.join(missing)}"
+        if len({t.shape[0] for t in rounds.values()}) != 1:
+            return "its round tensors hold different numbers of anchors"
+        for name in ("base_tokens", "prefix_tokens", "anchor", "input_tokens"):
+            ids = rounds[name] if name in rounds else shared[name]
+            if ids.numel() and bool((ids.min() < 0) | (ids.max() >= vocab_size)):
+                return f"{name} holds a token id outside the vocabulary ({vocab_size})"
+        for ids, values in (("base_tokens", "base_logits"), ("prefix_tokens", "prefix_logprobs")):
+            if rounds[ids].shape != rounds[values].shape:
+                return f"{ids} and {values} differ in shape"
+        if shared["input_rows"].shape[0] != shared["input_tokens"].numel():
+            return "input_rows and input_tokens differ in number"
+        return None
+
+    @classmethod
     def replayer(cls, shared: Mapping[str, torch.Tensor], meta: Mapping,
                  vocab_size: int) -> Callable[[Mapping[str, torch.Tensor], int], DominoScorer]:
         """Modules built once around the recorded weights; each round's scorer reads its recorded

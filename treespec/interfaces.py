@@ -188,6 +188,13 @@ class RecordableScorer(ConditionalScorer):
                  vocab_size: int) -> Callable[[Mapping[str, torch.Tensor], int], ConditionalScorer]:
         """A function (one round's tensors, the anchor token) -> the scorer of that round."""
 
+    @classmethod
+    def check_record(cls, rounds: Mapping[str, torch.Tensor], shared: Mapping[str, torch.Tensor], meta: Mapping,
+                     vocab_size: int) -> str | None:
+        """What is wrong with a loaded record (a token id outside the vocabulary, shapes that disagree),
+        or None; trace loading asks before any round is rebuilt.  Default: nothing to check."""
+        return None
+
 
 @attrs.frozen(eq=False)
 class DraftOutput:

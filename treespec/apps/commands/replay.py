@@ -309,6 +309,10 @@ def _info(args: argparse.Namespace) -> int:
     meta = dict(trace.meta)
     prompts = meta.pop("prompts")
     print(json.dumps(meta, indent=2))
+    tensors = sum(3 + (0 if r.scorer is None else len(r.scorer.rounds) + len(r.scorer.shared))
+                  for r in trace.drafters.values()) + 2
+    print(f"\ndata: {tensors} tensors, " + ("each matching its digest" if trace.checked else
+                                             "recorded without digests (not checked)"))
     print(f"\n{len(prompts)} prompts (index, id, first words):")
     for i, (prompt, words) in enumerate(zip(prompts, _first_words(trace), strict=True)):
         print(f"{i:4d}  {prompt.get('id', '')}  {words}")

@@ -5,15 +5,22 @@ Contract
 A `Trace` holds, per prompt, the trajectory (prompt and greedy tokens) and, per drafter kind, a
 `DrafterRecord`: the kept marginal tokens of every anchor and, for a `RecordableScorer`, a
 `ScorerRecord` (its per-round tensors stacked, and what the rounds share).  `Trace.save` writes one
-safetensors file whose header carries the JSON metadata (`Trace.meta`); `Trace.load` reads it back
-and names what is wrong with a file that is not a trace of this version.  No pickles.
+safetensors file whose header carries the JSON metadata (`Trace.meta`) and a sha256 digest of each
+tensor (its dtype, shape and bytes); `Trace.load` reads it back, names what is wrong with a file that
+is not a trace of this version, checks every tensor against its digest (a trace written before the
+digests loads with one line saying it cannot be checked) and the tensors against each other and the
+metadata (token ids inside the vocabulary, counts and lengths that add up, a scorer's own record
+through `RecordableScorer.check_record`), so a damaged file is refused in one line naming it and
+what failed instead of failing deep inside a replay.  No pickles.
 `merge_traces` joins traces recorded prompt by prompt (the recording's resumable parts);
 `check_paired` refuses to pair two traces unless they hold the same prompts and target answers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -23,11 +30,12 @@ import torch
 from treespec import registry
 from treespec.interfaces import RecordableScorer
 
-__all__ = ["FORMAT", "META_KEY", "VERSION", "DrafterRecord", "ScorerRecord", "Trace", "TraceError", "check_paired",
-           "merge_traces", "scorer_class"]
+__all__ = ["DIGESTS_KEY", "FORMAT", "META_KEY", "VERSION", "DrafterRecord", "ScorerRecord", "Trace", "TraceError",
+           "check_paired", "merge_traces", "scorer_class", "tensor_digest"]
 
 FORMAT, VERSION = "treespec-trace", 2
 META_KEY = "treespec_trace"  # safetensors header entry holding the JSON metadata
+DIGESTS_KEY = "treespec_digests"  # header entry holding {tensor name: `tensor_digest`}
 
 
 class TraceError(ValueError):
@@ -59,6 +67,7 @@ class Trace:
     meta: dict  # JSON metadata: format, config, target, prompts, drafters
     sequences: tuple[torch.Tensor, ...]  # per prompt [P + N] int64: the prompt, then N greedy tokens
     drafters: dict[str, DrafterRecord]  # drafter kind ("dflash", "domino") -> its record
+    checked: bool = False  # loaded from a file whose every tensor matched its digest
 
     @property
     def max_new_tokens(self) -> int:
@@ -81,7 +90,9 @@ class Trace:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(_flatten(self), str(path), metadata={META_KEY: json.dumps(self.meta)})
+        tensors = _flatten(self)
+        digests = {name: tensor_digest(t) for name, t in tensors.items()}
+        save_file(tensors, str(path), metadata={META_KEY: json.dumps(self.meta), DIGESTS_KEY: json.dumps(digests)})
         return path
 
     @classmethod
@@ -96,7 +107,70 @@ class Trace:
                 tensors = {key: handle.get_tensor(key) for key in names}
         except Exception as exc:  # safetensors raises its own error types for a file that is not one
             raise TraceError(f"cannot read trace {path}: not a treespec trace file ({exc})") from None
-        return _unflatten(_read_meta(header, path), tensors)
+        meta = _read_meta(header, path)
+        checked = _check_digests(header, tensors, path)
+        trace = attrs.evolve(_unflatten(meta, tensors, path), checked=checked)
+        broken = _broken_ranges(trace)
+        if broken is not None:
+            raise TraceError(f"{path}: {broken}; the trace is damaged")
+        return trace
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes."""
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    head = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}".encode()
+    return hashlib.sha256(head + data).hexdigest()
+
+
+def _check_digests(header: Mapping[str, str], tensors: Mapping[str, torch.Tensor], path) -> bool:
+    """True when every tensor matches its digest; False (said in one line) for a trace written without
+    digests; a `TraceError` naming the first tensor that does not match."""
+    if DIGESTS_KEY not in header:
+        print(f"treespec: {path} was recorded without digests: its data cannot be checked", file=sys.stderr)
+        return False
+    try:
+        digests = json.loads(header[DIGESTS_KEY])
+    except json.JSONDecodeError:
+        raise TraceError(f"{path}: its digest header is not JSON; the trace is damaged") from None
+    if not isinstance(digests, dict) or set(digests) != set(tensors):
+        raise TraceError(f"{path}: its digests do not list the tensors it holds; the trace is damaged")
+    for name in sorted(tensors):
+        if tensor_digest(tensors[name]) != digests[name]:
+            raise TraceError(f"{path}: tensor {name!r} does not match its digest; the trace is damaged")
+    return True
+
+
+def _outside(ids: torch.Tensor, vocab: int) -> bool:
+    return ids.numel() > 0 and bool((ids.min() < 0) | (ids.max() >= vocab))
+
+
+def _broken_ranges(trace: Trace) -> str | None:
+    """What in ``trace``'s tensors disagrees with its metadata or with each other, or None."""
+    meta, vocab = trace.meta, int(trace.meta["target"]["vocab_size"])
+    if len(trace.sequences) != len(meta["prompts"]):
+        return f"{len(trace.sequences)} trajectories for {len(meta['prompts'])} prompts"
+    for i, sequence in enumerate(trace.sequences):
+        if sequence.numel() <= trace.prompt_len(i) or _outside(sequence, vocab):
+            return f"trajectory {i} is shorter than its prompt or holds a token id outside the vocabulary ({vocab})"
+    for kind, record in trace.drafters.items():
+        info = meta["drafters"][kind]
+        if record.counts.dim() != 2 or record.counts.shape[1] != int(info["depth"]) or bool((record.counts < 0).any()):
+            return f"the {kind} drafter's counts are not [anchors, {info['depth']}] of counts >= 0"
+        kept = int(record.counts.sum())
+        if not kept == record.tokens.numel() == record.logprobs.numel():
+            return (f"the {kind} drafter's counts add up to {kept} tokens but it holds {record.tokens.numel()} tokens "
+                    f"and {record.logprobs.numel()} log-probs")
+        if _outside(record.tokens, int(info["vocab_size"])):
+            return f"the {kind} drafter holds a token id outside its vocabulary ({info['vocab_size']})"
+        if bool(record.logprobs.isnan().any() | (record.logprobs > 1e-3).any()):
+            return f"the {kind} drafter holds a log-probability that is NaN or above 0"
+        if record.scorer is not None:
+            broken = scorer_class(info["scorer"]["kind"]).check_record(
+                record.scorer.rounds, record.scorer.shared, info["scorer"], int(info["vocab_size"]))
+            if broken is not None:
+                return f"the {kind} drafter's scorer record: {broken}"
+    return None
 
 
 def _read_meta(header: Mapping[str, str], path) -> dict:
@@ -120,9 +194,16 @@ def _flatten(trace: Trace) -> dict[str, torch.Tensor]:
     return {key: value.contiguous() for key, value in out.items()}
 
 
-def _unflatten(meta: dict, tensors: dict[str, torch.Tensor]) -> Trace:
-    lengths = tensors["trajectory.lengths"].tolist()
-    sequences = tuple(tensors["trajectory.tokens"].split(lengths))
+def _unflatten(meta: dict, tensors: dict[str, torch.Tensor], path: object = "the trace") -> Trace:
+    needed = ["trajectory.tokens", "trajectory.lengths"] + [f"{kind}.{name}" for kind in meta["drafters"]
+                                                            for name in ("counts", "tokens", "logprobs")]
+    missing = [name for name in needed if name not in tensors]
+    if missing:
+        raise TraceError(f"{path}: it lacks the tensor(s) {', '.join(missing)}; the trace is damaged")
+    lengths = tensors["trajectory.lengths"]
+    if lengths.dim() != 1 or bool((lengths < 0).any()) or int(lengths.sum()) != tensors["trajectory.tokens"].numel():
+        raise TraceError(f"{path}: its trajectory lengths do not add up to its tokens; the trace is damaged")
+    sequences = tuple(tensors["trajectory.tokens"].split(lengths.tolist()))
     drafters = {}
     for kind, info in meta["drafters"].items():
         scorer = None
