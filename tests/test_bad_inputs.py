@@ -45,7 +45,7 @@ def test_generate_on_cuda_without_a_gpu_says_so(model_dir, capsys):
 
 def test_a_missing_drafter_directory_is_named_as_a_path(model_dir, capsys):
     missing = model_dir / "no-such-drafter"
-    assert main(["generate", str(model_dir), "--prompt", "w3", "--dtype", "float32", "--drafter", str(missing)]) == 1
+    assert main(["generate", str(model_dir), "--prompt", "w3", "--dtype", "float32", "--drafter", str(missing)]) == 2
     assert f"no drafter checkpoint directory at {missing}" in capsys.readouterr().err
 
 
@@ -258,3 +258,90 @@ def test_generate_wraps_a_text_prompt_in_the_chat_template_when_asked():
     assert chat.tokens.tolist() == treespec.generate(target, ids, max_new_tokens=6, stop_token_ids=[]).tokens.tolist()
     with pytest.raises(ValueError, match="chat=True wraps a text prompt"):
         treespec.generate(target, [1, 2, 3], chat=True, max_new_tokens=2)
+
+
+# ---------------------------------------------------------------------------- documented inputs, before any load
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any target or weights load fails the test: the refusal must come first."""
+    import treespec.apps.assembly.loading as loading
+    import treespec.pricing.hardware as hardware
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(loading, "load_target", refuse)
+    monkeypatch.setattr(loading, "load_tokenizer", refuse)
+    monkeypatch.setattr(hardware, "measure_linear_speed", refuse)
+
+
+@pytest.mark.parametrize("name", ["domino", "dflash"])
+def test_a_registered_drafter_name_without_weights_for_the_model_gets_one_line(model_dir, capsys, no_loading, name):
+    assert main(["generate", str(model_dir), "--prompt", "w3", "--drafter", name]) == 2
+    err = capsys.readouterr().err
+    assert f"the {name} drafter loads from a checkpoint directory: name its directory" in err
+    assert err.count("\n") == 1 and "config= or path=" not in err
+    with pytest.raises(ValueError, match="loads from a checkpoint directory"):
+        treespec.generate(model_dir, [1, 2, 3], drafter=name)
+
+
+def test_a_registered_drafter_name_is_the_shipped_checkpoint_for_the_embedded_default(tmp_path, monkeypatch):
+    from treespec.apps.assembly.loading import drafter_source, embedded_drafter_dir
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    for name in ("dflash", "domino"):
+        assert drafter_source(name, tmp_path / "smollm2-135m-instruct") == embedded_drafter_dir(name)
+    assert drafter_source("toy-conditional", "any") == "toy-conditional"  # built from its arguments
+    with pytest.raises(ValueError, match="unknown drafter 'nosuch'"):
+        drafter_source("nosuch", "any")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--round", "0"], "--round must be >= 1 (1 = the first round), got 0"),
+    (["--method", "eagle2@16+topk=0"], "eagle2 option topk='0': topk must be an integer >= 1, got 0"),
+    (["--trace", "t.safetensors", "--methods", "ddtree@16", "--prompt", "first"], "the prompt's index in the trace"),
+    (["--trace", "t.safetensors", "--methods", "ddtree@16", "--position", "-1"], "--position must be >= 0"),
+])
+def test_draw_refuses_bad_arguments_before_the_model_loads(tmp_path, capsys, no_loading, flags, message):
+    assert main(["draw", "--out", str(tmp_path / "t.svg"), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_refuses_a_bad_option_value_before_loading(tmp_path, capsys, no_loading):
+    assert main(["bench", "--methods", "eagle2@16+topk=0", "--out", str(tmp_path / "b")]) == 2
+    assert "topk must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"temperature": 0.7}, "do_sample=False decodes greedily: pass do_sample=True"),
+    ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+    ({"top_k": 5}, "top_k=5 filter sampling, and this decodes greedily"),
+    ({"do_sample": True, "temperature": 0.0}, "do_sample=True needs temperature > 0"),
+])
+def test_the_api_refuses_contradictory_sampling_settings(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        treespec.generate(tiny_target(), [1, 2, 3], max_new_tokens=2, **kwargs)
+
+
+def test_the_cli_refuses_a_filter_on_greedy_decoding(model_dir, capsys, no_loading):
+    assert main(["generate", str(model_dir), "--prompt", "w3", "--top-k", "5"]) == 2
+    assert "--top-k=5 filter sampling, and this decodes greedily (temperature 0)" in capsys.readouterr().err
+
+
+def test_generate_takes_a_cost_model_and_refuses_a_bad_one(model_dir, tmp_path, capsys, no_loading):
+    bad = tmp_path / "cost.json"
+    bad.write_text("{")
+    assert main(["generate", str(model_dir), "--prompt", "w3", "--cost-model", str(bad)]) == 2
+    assert f"{bad}: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_shipped_data_pass_is_found_by_name(tmp_path):
+    from pathlib import Path
+
+    from treespec.apps.data.datastore import read_manifest, shipped_store, shipped_stores
+
+    assert "greedy" in shipped_stores()
+    folder = shipped_store(Path("greedy"))
+    assert folder.is_dir() and read_manifest(folder)
+    assert shipped_store(tmp_path / "greedy") == tmp_path / "greedy"  # a path stays a path

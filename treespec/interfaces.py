@@ -439,7 +439,9 @@ class SamplingParams:
         (a loose keyword given beside ``sampling`` is refused).  Loose keywords left as None take their
         defaults (greedy, no filters, position-keyed).  ``do_sample`` is Hugging Face's switch: None lets
         ``temperature`` decide (the decoders' form); False decodes greedily whatever ``temperature`` says
-        (a bad one is still refused); True samples, at temperature 1.0 unless another is given (> 0)."""
+        (a bad one is still refused); True samples, at temperature 1.0 unless another is given (> 0).
+        Settings that contradict each other are refused, never silently dropped: a temperature > 0 with
+        ``do_sample=False``, and a top-k or top-p filter on greedy decoding (it filters nothing there)."""
         loose = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "position_keyed": position_keyed,
                  "do_sample": do_sample}
         if sampling is not None:
@@ -450,14 +452,18 @@ class SamplingParams:
             return sampling
         params = cls(0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
                      1.0 if top_p is None else top_p, True if position_keyed is None else position_keyed)
-        if do_sample is None:
-            return params
-        if not do_sample:
-            return attrs.evolve(params, temperature=0.0)
-        if temperature is None:
-            return attrs.evolve(params, temperature=1.0)
-        if params.greedy:
+        if do_sample is False and not params.greedy:
+            raise ValueError(f"temperature={temperature} samples, but do_sample=False decodes greedily: pass "
+                             "do_sample=True to sample, or leave temperature out")
+        if do_sample is True and temperature is None:
+            params = attrs.evolve(params, temperature=1.0)
+        if do_sample is True and params.greedy:
             raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
+        filters = [f"{name}={value}" for name, value, off in (("top_k", params.top_k, 0), ("top_p", params.top_p, 1.0))
+                   if value != off]
+        if params.greedy and filters:
+            raise ValueError(f"{' and '.join(filters)} filter sampling, and this decodes greedily (temperature 0): "
+                             "give a temperature > 0 to sample, or leave the filter out")
         return params
 
 

@@ -17,7 +17,8 @@ is assembled by a `treespec.apps.assembly.session.Session`, as every command's i
   round for all of them) and gives a list of outputs, each equal to that prompt's own ``generate``
   with the same arguments (``seed`` seeds each row's generator alike).
 * ``drafter``: None (autoregressive decoding), a `Drafter`, a registered drafter name (built with
-  ``drafter_kwargs``), or a local DFlash / Domino checkpoint directory.
+  ``drafter_kwargs``; ``"dflash"`` / ``"domino"`` alone: the checkpoints shipped for the embedded
+  default, for that model only), or a local DFlash / Domino checkpoint directory.
 * ``policy``: a `TreePolicy` or a registered name, built with ``budget`` (when given) and
   ``policy_kwargs``; a cost-aware one (CaDDTree, the cost-aware DominoTree) named here prices its
   trees as ``cost_model`` says: ``"live"`` (default) this machine's measured cost profile
@@ -28,11 +29,14 @@ is assembled by a `treespec.apps.assembly.session.Session`, as every command's i
   (measured once and cached, `treespec.pricing.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
   stored dtype.
 
-``do_sample=False`` (the default) decodes greedily whatever ``temperature`` says, as in Hugging Face
-(a temperature that is not a number >= 0 is still refused); ``do_sample=True`` samples at
-``temperature`` (default 1.0, > 0).  ``sampling=SamplingParams(...)`` gives them as one typed value
-instead; with it, the loose keywords must be left out (`SamplingParams.of`, the one rule).  Without ``stop_token_ids``, the tokenizer's or the
-config's EOS ids stop generation; pass ``stop_token_ids=[]`` to run the full length.
+``do_sample=False`` (the default) decodes greedily, as in Hugging Face; ``do_sample=True`` samples at
+``temperature`` (default 1.0, > 0).  What the two would contradict is refused in one line, never
+dropped silently (Hugging Face only warns): a temperature > 0 without ``do_sample=True``, a top-k or
+top-p filter on greedy decoding, a temperature that is not a number >= 0.  ``sampling=SamplingParams(...)``
+gives them as one typed value instead; with it, the loose keywords must be left out
+(`SamplingParams.of`, the one rule, which the CLI's flags pass through too).  Without
+``stop_token_ids``, the tokenizer's or the config's EOS ids stop generation; pass ``stop_token_ids=[]``
+to run the full length.
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
     batch = _is_batch(prompt)
     prompts = list(prompt) if batch else [prompt]
     method = _method(policy, budget, policy_kwargs or {}, drafter is not None)  # a bad budget: refused before loading
-    given = load_drafter(drafter, **(drafter_kwargs or {}))
+    given = load_drafter(drafter, model=model, **(drafter_kwargs or {}))
     target = load_target(model, dtype=dtype, device=device)
     tokenizer = _tokenizer(model, tokenizer, needed=any(isinstance(p, str) for p in prompts))
     session = Session(target, tokenizer, {_GIVEN: given} if given is not None else {}, costs=_costs(cost_model),

@@ -33,7 +33,7 @@ from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, drafter_names
 from treespec.interfaces import Drafter
 from treespec.target import TargetModel
 
-__all__ = ["EMBEDDED_NAME", "drafter_dirs", "embedded_drafter_dir", "eos_ids", "load_drafter",
+__all__ = ["EMBEDDED_NAME", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "eos_ids", "load_drafter",
            "load_frozen_model", "load_target", "load_tokenizer", "model_identity"]
 
 PathLike = str | os.PathLike
@@ -83,21 +83,63 @@ def load_tokenizer(path: PathLike) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
-def load_drafter(drafter: Drafter | PathLike | None, path: PathLike | None = None, **kwargs: Any) -> Drafter | None:
+def load_drafter(drafter: Drafter | PathLike | None, path: PathLike | None = None, *, model: Any = None,
+                 **kwargs: Any) -> Drafter | None:
     """The one drafter loader: ``drafter`` itself (an instance, or None for AR); with ``path``, the
     registered drafter ``drafter`` loaded from that folder through its declared loader (its class's
     ``from_pretrained``); a DFlash / Domino checkpoint folder, read by its config; or a registered
-    name built with ``kwargs``.  A missing folder or a drafter with no loader is refused by name."""
+    name, built with ``kwargs`` or, for a drafter that loads only from a folder, named alone: its
+    checkpoint for ``model`` (`drafter_source`).  A missing folder or a drafter with no loader is
+    refused by name."""
     if drafter is None or isinstance(drafter, Drafter):
         return drafter
     if path is not None:
         return _from_folder(str(drafter), Path(path))
+    source = drafter_source(drafter, model, given_kwargs=bool(kwargs))
+    if isinstance(source, Path):
+        return registry.create("drafter", "checkpoint", path=source, **kwargs)
+    return registry.create("drafter", source, **kwargs)
+
+
+def drafter_source(drafter: PathLike | Drafter | None, model: Any = None, *,
+                   given_kwargs: bool = False) -> Drafter | Path | str | None:
+    """What `load_drafter` loads for ``drafter``, found without loading anything (so a command refuses
+    a bad one before a model loads): a checkpoint folder (a `Path`), a registered name built with
+    its keyword arguments (the name), or the instance itself.  A registered drafter that loads only
+    from a folder (it declares ``from_pretrained``), named alone, is the checkpoint treespec ships
+    for ``model`` when ``model`` is the embedded default; for any other model it is refused in one
+    line asking for the folder.  A path that is no folder is refused by name."""
+    if drafter is None or isinstance(drafter, Drafter):
+        return drafter
     if Path(drafter).is_dir():
-        return registry.create("drafter", "checkpoint", path=drafter, **kwargs)
-    if str(drafter) not in registry.available("drafter") and (
-            isinstance(drafter, os.PathLike) or os.sep in str(drafter) or Path(drafter).exists()):
-        raise FileNotFoundError(f"no drafter checkpoint directory at {drafter}")
-    return registry.create("drafter", str(drafter), **kwargs)
+        return Path(drafter)
+    name = str(drafter)
+    if name not in registry.available("drafter"):
+        if isinstance(drafter, os.PathLike) or os.sep in name or Path(drafter).exists():
+            raise FileNotFoundError(f"no drafter checkpoint directory at {drafter}")
+        raise ValueError(f"unknown drafter {name!r}: name a checkpoint directory or one of "
+                         f"{', '.join(registry.available('drafter'))}")
+    if given_kwargs or not _loads_from_folder(name):
+        return name
+    if name in DEFAULT_DRAFTERS.values() and _is_embedded(model):
+        return embedded_drafter_dir(name)
+    raise ValueError(f"the {name} drafter loads from a checkpoint directory: name its directory instead of "
+                     f"{name!r} (treespec ships {name} weights for the embedded default only)")
+
+
+def _loads_from_folder(name: str) -> bool:
+    cls = registry.resolve("drafter", name)
+    return isinstance(cls, type) and getattr(cls.from_pretrained, "__func__", None) is not \
+        Drafter.from_pretrained.__func__
+
+
+def _is_embedded(model: Any) -> bool:
+    """Whether ``model`` names the embedded default's converted folder (never fetching it)."""
+    from treespec.apps.assembly.embedded import SMOLLM2_135M_INSTRUCT, cache_root
+
+    if not isinstance(model, str | os.PathLike):
+        return False
+    return Path(model).expanduser().resolve() == (cache_root() / SMOLLM2_135M_INSTRUCT.dirname).resolve()
 
 
 def _from_folder(name: str, path: Path) -> Drafter:

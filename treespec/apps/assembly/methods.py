@@ -134,7 +134,30 @@ def with_options(method: MethodSpec, options: Mapping[str, str]) -> MethodSpec:
 
 
 def _option_value(policy: str, key: str, text: str) -> Any:
-    """``text`` as the type of the policy's field ``key`` (its default's type; bool, int, float, str)."""
+    """``text`` as the type of the policy's field ``key`` (its default's type; bool, int, float, str),
+    checked by the field's own validator (`_checked`), so a bad value is refused while the method
+    string is parsed, before anything loads."""
+    value = _typed_option(policy, key, text)
+    field = attrs.fields_dict(policy_class(policy))[key]
+    return _checked(policy, field, value, text)
+
+
+def _checked(policy: str, field: attrs.Attribute, value: Any, text: str) -> Any:
+    """``value`` after the field's validator passed it; a validator that reads the instance (a rule
+    between fields) is left to the policy's construction."""
+    if field.validator is None:
+        return value
+    try:
+        field.validator(None, field, value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{policy} option {field.name}={text!r}: {exc}") from None
+    except AttributeError:
+        pass
+    return value
+
+
+def _typed_option(policy: str, key: str, text: str) -> Any:
+    """``text`` as the type of the policy's field ``key``."""
     cls = policy_class(policy)
     fields = attrs.fields_dict(cls) if attrs.has(cls) else {}
     settable = {n for n, f in fields.items()

@@ -16,7 +16,9 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("save", "restore"), help="save: run directory -> store; restore: back")
     parser.add_argument("--data", type=Path, required=True, help="the pass's run directory of shard-*.safetensors")
-    parser.add_argument("--store", type=Path, required=True, help="the committed store directory of the pass")
+    parser.add_argument("--store", type=Path, required=True,
+                        help="the committed store directory of the pass; for restore, also the name of a pass "
+                             "installed with treespec (greedy, t07, ...: the embedded drafters' training data)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="the target the data was made with, for its tokenizer (default: the embedded SmolLM2)")
 
@@ -35,14 +37,14 @@ def _tokenizer(model_dir: Path | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treespec.apps.data.datastore import StoreError, restore_store, save_store
+    from treespec.apps.data.datastore import StoreError, restore_store, save_store, shipped_store
 
     try:
         if args.action == "save":
             names = save_store(args.data, args.store, tokenizer=_tokenizer(args.model_dir))
             print(f"{len(names)} shard(s) saved to {args.store}")
         else:
-            names = restore_store(args.store, args.data)
+            names = restore_store(shipped_store(args.store), args.data)
             print(f"{len(names)} shard(s) restored to {args.data}")
     except StoreError as exc:
         raise SystemExit(f"treespec data-store: {exc}") from None

@@ -199,6 +199,8 @@ def _from_trace(args: argparse.Namespace) -> str:
         raise ValueError("--trace needs --methods, e.g. --methods ddtree@16,eagle2@16")
     methods = [m for m in args.methods.split(",") if m]
     trace, prompt = Trace.load(args.trace), _prompt_index(args.prompt)
+    if prompt >= trace.num_prompts:
+        raise ValueError(f"--prompt {prompt}: the trace holds {trace.num_prompts} prompts (0 to {trace.num_prompts - 1})")
     label = _trace_label(trace, args.model)
     views = views_at(trace, methods, prompt, args.position)
     prompt_id = trace.meta["prompts"][prompt]["id"]
@@ -221,7 +223,10 @@ def _from_trace(args: argparse.Namespace) -> str:
 
 def _usage(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments themselves (None: nothing): one source, an output, and no
-    existing output replaced without --overwrite."""
+    existing output replaced without --overwrite; the round, position, prompt index and methods
+    well formed, all before anything loads."""
+    from treespec.apps.assembly.methods import parse_method
+
     sources = [name for name, given in (("--tree", args.tree), ("--trace", args.trace),
                                         ("--drafter", args.drafter)) if given is not None]
     if len(sources) > 1:
@@ -230,6 +235,20 @@ def _usage(args: argparse.Namespace) -> str | None:
         return "--html pages step through a trace; give --trace T"
     if args.out is None and args.html is None:
         return "give --out FILE (or, with --trace, --html PAGE)"
+    if args.round < 1:
+        return f"--round must be >= 1 (1 = the first round), got {args.round}"
+    if args.position < 0:
+        return f"--position must be >= 0 (response tokens before the round), got {args.position}"
+    try:
+        if args.trace is not None:
+            _prompt_index(args.prompt)
+            for method in (args.methods or "").split(","):
+                if method:
+                    parse_method(method)
+        elif args.tree is None:
+            parse_method(args.method)
+    except ValueError as exc:
+        return str(exc)
     taken = [f"{flag} {path}" for flag, path in (("--out", args.out), ("--html", args.html))
              if path is not None and path.exists()]
     if taken and not args.overwrite:

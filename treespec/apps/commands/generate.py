@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--drafter", default=None,
-                        help="DFlash/Domino checkpoint directory or registered drafter name (default: none, AR)")
+                        help="DFlash/Domino checkpoint directory, or a registered drafter name (dflash, domino: the "
+                             "checkpoints shipped for the embedded default; default: none, AR)")
     parser.add_argument("--policy", default="ddtree", choices=registry.available("policy"),
                         help="tree policy (cost-aware ones price trees with this machine's measured profile)")
     parser.add_argument("--budget", type=int, default=None, help="tree budget: non-root nodes (default: the policy's)")
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default="torch", choices=("torch", "networkx"),
                         help="policy backend: torch (fast) or networkx (the readable reference)")
+    parser.add_argument("--cost-model", default="live",
+                        help="what cost-aware policies price trees with: live (default: this machine's profile, "
+                             "corrected by this generation's round times and saved), profile (as measured), or a "
+                             "cost model JSON file / preset:NAME")
     parser.add_argument("--json", action="store_true", help="print the stats as JSON instead of a summary")
     add_threads_argument(parser)
 
@@ -50,7 +55,7 @@ def typed_settings(args: argparse.Namespace) -> SamplingParams:
     except ValueError as exc:
         raise ValueError(f"--budget: {exc}") from None
     try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        return SamplingParams.of(None, args.temperature, args.top_k, args.top_p)
     except ValueError as exc:  # named as the flags are
         raise ValueError("--" + str(exc).replace("top_k", "top-k").replace("top_p", "top-p")) from None
 
@@ -63,13 +68,16 @@ def _summary(stats) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import generate
-    from treespec.apps.assembly.loading import load_target, load_tokenizer
+    from treespec.apps.assembly.cost_source import CostSource
+    from treespec.apps.assembly.loading import drafter_source, load_target, load_tokenizer
 
     try:
         sampling = typed_settings(args)
+        drafter = drafter_source(args.drafter, args.model)  # a bad drafter name refused before anything loads
+        costs = CostSource.parse(args.cost_model)
         start_threads(args)
-    except ValueError as exc:
-        print(f"treespec generate: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"treespec generate: {'--drafter: ' if 'drafter' in str(exc) else ''}{exc}", file=sys.stderr)
         return 2
     try:
         tokenizer = load_tokenizer(args.model)
@@ -84,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         out = generate(target, args.prompt, chat=args.chat, tokenizer=tokenizer,
-                       drafter=args.drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
+                       drafter=drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
                        max_new_tokens=args.max_new_tokens, sampling=sampling,
-                       stop_token_ids=args.stop_token_id, seed=args.seed, backend=args.backend)
+                       stop_token_ids=args.stop_token_id, seed=args.seed, backend=args.backend, cost_model=costs)
     except (OSError, ValueError, TypeError, LookupError) as exc:
         print(f"treespec generate: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ a temporary name and renamed.  No pickles: shards are safetensors, the manifest 
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import lzma
 import os
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from safetensors.torch import load
 
-__all__ = ["FORMAT", "StoreError", "read_manifest", "restore_store", "save_store", "shard_metadata", "stored_shard",
+__all__ = ["FORMAT", "StoreError", "read_manifest", "shipped_store", "shipped_stores", "restore_store", "save_store", "shard_metadata", "stored_shard",
            "tokenizer_identity"]
 
 FORMAT = 1
@@ -42,6 +43,26 @@ _SUFFIX = ".safetensors.xz"
 
 class StoreError(ValueError):
     """A store that cannot be read or written as asked (the message names the file and the problem)."""
+
+
+def _shipped_root() -> Path:
+    """The installed folder of the data passes (package data of ``treespec.drafters``)."""
+    return Path(str(importlib.resources.files("treespec.drafters"))) / "embedded" / "data"
+
+
+def shipped_stores() -> list[str]:
+    """Names of the data passes installed with treespec (``treespec/drafters/embedded/data/NAME``):
+    the embedded drafters' training answers."""
+    root = _shipped_root()
+    return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file()) if root.is_dir() else []
+
+
+def shipped_store(store: Path) -> Path:
+    """``store`` itself when it is a folder or a path; a bare name of a shipped pass (`shipped_stores`)
+    becomes that pass's installed folder."""
+    if store.exists() or len(store.parts) != 1 or str(store) not in shipped_stores():
+        return store
+    return _shipped_root() / str(store)
 
 
 def tokenizer_identity(tokenizer) -> str:
