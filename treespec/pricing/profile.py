@@ -307,12 +307,18 @@ def _one_token_seconds(samples: Sequence[tuple[int, int, float]]) -> float:
     return min(((n, s) for n, cc, s in samples if cc == c))[1]
 
 
+def _short(ident: str) -> str:
+    """A drafter identity as a line names it: its class and a digest of the rest."""
+    kind, _, rest = ident.partition(":")
+    return f"{kind} ({digest(rest)[:8]})" if rest else kind
+
+
 def implausible_drafts(profile: CostProfile) -> dict[str, str]:
     """Drafter identity -> the rule its measured round breaks, for every drafter whose round lies
     outside `DRAFT_RANGE` times the profile's one-token verify."""
     one = _one_token_seconds(profile.verify)
     low, high = DRAFT_RANGE
-    return {ident: (f"a round of drafter {ident} is {s / one:.3g} one-token verifies (a machine can do "
+    return {ident: (f"a round of drafter {_short(ident)} is {s / one:.3g} one-token verifies (a machine can do "
                     f"{low:g} to {high:g})")
             for ident, s in profile.drafts.items() if not low <= s / one <= high}
 
