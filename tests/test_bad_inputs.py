@@ -345,3 +345,20 @@ def test_a_shipped_data_pass_is_found_by_name(tmp_path):
     folder = shipped_store(Path("greedy"))
     assert folder.is_dir() and read_manifest(folder)
     assert shipped_store(tmp_path / "greedy") == tmp_path / "greedy"  # a path stays a path
+
+
+def test_an_engine_whose_binding_is_missing_gets_one_line(tmp_path, monkeypatch, capsys, model_dir):
+    import sys
+
+    from test_embedded import write_tiny_gguf
+
+    from treespec.apps.assembly.loading import load_target
+    from treespec.target import EngineUnavailable
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(EngineUnavailable, match="needs llama-cpp-python, which is not installed"):
+        load_target(path, engine="llama.cpp", dtype="float32")
+    assert main(["generate", str(path), "--engine", "llama.cpp", "--prompt", "w3", "--dtype", "float32"]) == 1
+    err = capsys.readouterr().err
+    assert "needs llama-cpp-python" in err and "Traceback" not in err

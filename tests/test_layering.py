@@ -1,5 +1,5 @@
 """The layering the docs claim, checked on the source: a kernel that names no implementation and no
-app, and apps that reach policies/, drafters/ and verifiers/ through the registry only.
+app, and apps that reach policies/, drafters/, verifiers/ and engines/ through the registry only.
 
 The kernel is every module of ``treespec/`` outside ``treespec/apps/`` (the tree, the interfaces,
 the decoding loop, the target wrapper, the registry, sampling, stats, top-k, reachability, tree
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "treespec"
 KERNEL = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                 if p.parts[len(ROOT.parts)] != "apps" and p.name != "__init__.py")
 APPS = sorted(str(p.relative_to(ROOT / "apps")) for p in (ROOT / "apps").rglob("*.py"))
-IMPLEMENTATIONS = ("policies", "drafters", "verifiers")  # repository folders, installed as treespec.<name>
+IMPLEMENTATIONS = ("policies", "drafters", "verifiers", "engines")  # repository folders, installed as treespec.<name>
 IMPLEMENTATION_MODULES = sorted(str(p.relative_to(ROOT.parent)) for package in IMPLEMENTATIONS
                                 for p in (ROOT.parent / package).rglob("*.py"))
 

@@ -111,7 +111,7 @@ def test_the_one_token_step_and_trees_are_corrected_apart():
 
 
 def test_exploration_comes_after_explore_every_rounds_without_a_large_tree_and_prices_a_step():
-    live = LiveCost(profile(), LiveSettings(explore_every=4))
+    live = LiveCost(profile(), LiveSettings(explore_every=4, explore_share=1.0))  # cheap enough to come every 4
     assert not live.begin_round()
     live.observe(17, 300, 0.2, 0.02)  # a large tree
     flags = []
@@ -124,6 +124,25 @@ def test_exploration_comes_after_explore_every_rounds_without_a_large_tree_and_p
             live.observe(1, 300, 0.05)
     assert flags == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 2
     assert not LiveCost(profile(), LiveSettings(explore_every=0)).begin_round()
+
+
+def test_a_dear_tree_is_explored_less_often_so_exploring_costs_a_bounded_share():
+    """On a compute-bound engine (a 17-token verify at 4 AR steps here) exploring every 32 rounds would
+    cost 10 % of the AR steps' time; the period grows until one exploration costs ``explore_share`` of
+    the steps between two."""
+    live = LiveCost(profile(), LiveSettings(explore_every=32, explore_share=0.025))
+    assert live.explore_period() == 32  # nothing explored yet: the size it would build is unknown
+    live.begin_round()
+    for _ in range(16):  # a window of large trees at 4 AR steps of 0.05 s (with their drafts), and AR steps
+        live.observe(17, 300, 0.2, 0.02)
+        live.observe(1, 300, 0.05)
+    excess = live.draft_cost + live.verify_seconds(17, 300) - live.verify_seconds(1, 300)
+    assert live.explore_period() == max(32, math.ceil(excess / (0.025 * live.verify_seconds(1, 300)))) > 100
+    flags = []
+    for _ in range(live.explore_period() + 1):
+        flags.append(live.begin_round())
+        live.observe(17 if flags[-1] else 1, 300, 0.2 if flags[-1] else 0.05, 0.02 if flags[-1] else None)
+    assert flags.count(True) == 1 and flags.index(True) >= 100  # once, long after explore_every
 
 
 @settings(max_examples=25, deadline=None)
@@ -200,7 +219,9 @@ def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_root_only_an
     clock, phase = FakeClock(), {"verify": "cheap"}
     costs = {"cheap": lambda n: 0.05 + 0.0005 * n, "dear": lambda n: 0.05 if n == 1 else 0.4}
     clocked(target, drafter, clock, lambda n: costs[phase["verify"]](n))
-    live = LiveCost(profile(step=0.05, per_token=0.0005), LiveSettings(explore_every=8))
+    # only the trees' price moves here (a real load slows the AR steps too, and their change of regime
+    # explores at once); exploring every 8 rounds whatever a tree costs (explore_share 1)
+    live = LiveCost(profile(step=0.05, per_token=0.0005), LiveSettings(explore_every=8, explore_share=1.0))
     policy = registry.create("policy", "caddtree", budget=16, cost_model=live)
     assert policy.plan_round().priced_with is live.priced()  # the loop reaches it through the declared hook
     decoder = SpeculativeDecoder(target, drafter, policy, clock=clock)

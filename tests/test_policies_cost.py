@@ -378,7 +378,7 @@ def test_the_decoder_backs_off_after_a_verified_tree_that_did_not_pay_for_its_dr
     target = tiny_target("qwen3")
     drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))
     prompt = torch.tensor([5, 9, 2, 7])
-    for draft_cost, pays in ((1.0, False), (0.001, True)):
+    for draft_cost, pays in ((0.3, False), (0.001, True)):  # 0.3: a 16-node tree pays only if nearly all accepted
         policy = CaDDTree(budget=16, cost_model=LinearCost(draft=draft_cost, base=0.05, per_token=1e-4))
         out = SpeculativeDecoder(target, drafter, policy).generate(prompt, max_new_tokens=40)
         assert out.tokens.tolist() == hf_greedy(target.model, prompt, 40)
@@ -390,3 +390,32 @@ def test_the_decoder_backs_off_after_a_verified_tree_that_did_not_pay_for_its_dr
         else:
             gaps = [b - a - 1 for a, b in zip(drafted, drafted[1:])]  # AR steps between drafts
             assert gaps[:5] == [0] * (DRAFT_PATIENCE - 1) + [1, 2, 4]
+
+
+def test_where_no_tree_could_pay_the_decoder_does_not_draft_at_all():
+    """A drafter dearer than the most a tree could save (20 AR steps for a 16-node tree that commits 17
+    tokens at best): the generation runs as AR steps with no draft and no taps, says so, and is the
+    target's greedy output; a policy that can pay drafts as before."""
+    from test_target import hf_greedy, tiny_target
+
+    from treespec.decoding import SpeculativeDecoder
+    from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
+    from treespec.policies.engine.cost import tree_can_pay
+
+    target = tiny_target("qwen3")
+    prompt = torch.tensor([5, 9, 2, 7])
+    dear = LinearCost(draft=1.0, base=0.05, per_token=1e-4)
+    compute_bound = LinearCost(draft=0.01, base=0.0, per_token=0.05)  # n tokens cost n steps: never pays
+    assert not tree_can_pay(dear, 16) and not tree_can_pay(compute_bound, 16)
+    assert tree_can_pay(LinearCost(draft=0.3, base=0.05, per_token=1e-4), 16)
+    for cost in (dear, compute_bound):
+        drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))
+        calls = []
+        drafter.draft = lambda ctx, calls=calls: calls.append(ctx)  # never asked
+        policy = CaDDTree(budget=16, cost_model=cost)
+        assert not policy.can_pay()
+        out = SpeculativeDecoder(target, drafter, policy).generate(prompt, max_new_tokens=24)
+        assert out.tokens.tolist() == hf_greedy(target.model, prompt, 24)
+        assert out.stats.undrafted and not calls and all(r.tree_size == 1 and not r.drafted for r in out.stats.rounds)
+    published = CaDDTree(budget=16, cost_model=dear, convention="published")
+    assert published.can_pay()  # the released rule never compares with AR: it drafts

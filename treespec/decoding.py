@@ -14,6 +14,11 @@ KV cache; the round commits the accepted draft tokens plus the bonus (tau tokens
 its previous draft, so ``feature_start + len(features) == anchor position`` always: the prompt's
 taps (all but the anchor) in the first round, the accepted nodes' taps (root first) afterwards.
 
+A policy whose cost model shows that no tree within its budget could pay for its draft, even with
+every node accepted (`TreePolicy.can_pay`; a compute-bound engine, where a verify of n tokens costs
+nearly n AR steps), decodes that generation without drafting: no draft, no taps, the target's AR
+steps, said in the stats (``undrafted``).
+
 Drafting that does not pay is backed off: when a round's policy says its tree did not pay for its
 draft (`TreePolicy.pays_for_draft`: by default, a root-only tree; a cost-aware policy's cost rule
 judges any tree, and may still have returned one worth verifying now that the draft is made), the
@@ -395,9 +400,12 @@ class SpeculativeDecoder:
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
         check_first_token(first_token)
-        row = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), sampling, generator)
-        rounds = RoundRunner(self.target, self.drafter, self.verifier, OneTarget(self.target, self.taps),
-                             batched=False, clock=self.clock, on_round=self.on_round)
+        drafting = self.drafter is not None and self.policy.can_pay()
+        row = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), sampling, generator, drafting)
+        row.stats.undrafted = self.drafter is not None and not drafting
+        rounds = RoundRunner(self.target, self.drafter if drafting else None, self.verifier,
+                             OneTarget(self.target, self.taps if drafting else ()), batched=False, clock=self.clock,
+                             on_round=self.on_round)
         if first_token == "prefill":
             clock = Stopwatch(self.target.device, self.clock)
             clock.run("prefill", rounds.first_tokens, [row])
@@ -411,15 +419,16 @@ class SpeculativeDecoder:
         return GenerationResult(row.seq.tokens[row.seq.prompt_len:row.seq.length].clone(), row.stats)
 
     def _start(self, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int], sampling: SamplingParams,
-               generator: torch.Generator | None) -> Row:
-        """The generation's row, its prompt prefilled (all but the anchor), timed as the prefill."""
-        if self.drafter is not None:
+               generator: torch.Generator | None, drafting: bool) -> Row:
+        """The generation's row, its prompt prefilled (all but the anchor), timed as the prefill; without
+        ``drafting``, an AR row (no drafter, no policy, no taps)."""
+        if drafting:
             self.drafter.reset()
             self.policy.start_generation()
         clock = Stopwatch(self.target.device, self.clock)
-        prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps)
-        row = Row(SequenceState.start(prompt, max_new_tokens, stops), self.drafter, self.policy, self.gate,
-                  sampling, generator)
+        prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps if drafting else ())
+        row = Row(SequenceState.start(prompt, max_new_tokens, stops), self.drafter if drafting else None,
+                  self.policy if drafting else None, self.gate, sampling, generator)
         row.stats.prefill_time = clock.times["prefill"]
         row.seq.features = prefill.features
         return row

@@ -331,6 +331,14 @@ class TreePolicy(ABC):
         verifying now that the draft is made (policies/engine/cost.py)."""
         return len(tree) > 1
 
+    def can_pay(self) -> bool:
+        """Whether any tree this policy may build could pay for its draft on this machine: False only
+        where the policy prices its trees and its cost model shows that even a tree whose every node
+        the target accepts costs more than the AR steps it saves (a compute-bound engine, where a verify
+        of n tokens costs nearly n steps).  A decoder then decodes that generation without drafting:
+        no draft, no taps (`treespec.decoding.SpeculativeDecoder`).  Default: True."""
+        return True
+
     def start_generation(self) -> None:
         """Optional: a new generation (a new request) starts: the decoders call it before the first
         round (a batch once per `for_request` policy), replay before each prompt.  Default: nothing."""

@@ -1,11 +1,11 @@
-"""Name -> implementation lookup for policies, drafters, verifiers, recordable scorers, training recipes
-and CLI commands.
+"""Name -> implementation lookup for policies, drafters, verifiers, recordable scorers, training recipes,
+CLI commands and target engines.
 
 Contract: built-in names map to ``"module:attribute"`` strings that are imported only when the name
 is resolved, so the kernel never imports ``policies``, ``drafters`` or ``verifiers``.
 Third-party packages register more names through the entry-point groups ``treespec.policies``,
-``treespec.drafters``, ``treespec.verifiers``, ``treespec.scorers``, ``treespec.recipes`` and
-``treespec.commands`` (value
+``treespec.drafters``, ``treespec.verifiers``, ``treespec.scorers``, ``treespec.recipes``,
+``treespec.commands`` and ``treespec.engines`` (value
 ``"pkg.mod:Class"``; a command is a module, ``"pkg.mod"``), or at run time with `register`.
 """
 
@@ -17,9 +17,10 @@ from typing import Any
 
 __all__ = ["KINDS", "RegistryError", "available", "builtin", "create", "register", "resolve"]
 
-KINDS = ("policy", "drafter", "verifier", "scorer", "recipe", "command")
+KINDS = ("policy", "drafter", "verifier", "scorer", "recipe", "command", "engine")
 _GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers",
-           "scorer": "treespec.scorers", "recipe": "treespec.recipes", "command": "treespec.commands"}
+           "scorer": "treespec.scorers", "recipe": "treespec.recipes", "command": "treespec.commands",
+           "engine": "treespec.engines"}
 
 # Built-ins, resolved lazily.  A new policy is one file in policies/ plus one line here.
 _BUILTIN: dict[str, dict[str, str]] = {
@@ -65,6 +66,9 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "block": "treespec.drafters.training:BlockRecipe",
     },
     "command": {},  # `treespec NAME` subcommands of other packages (modules: add_arguments, run)
+    "engine": {  # targets on another engine than torch (classes with from_file): `--engine NAME`
+        "llama.cpp": "treespec.engines.llama_cpp:LlamaCppTarget",
+    },
 }
 _RUNTIME: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 

@@ -42,6 +42,7 @@ class GenerationStats:
     prefill_time: float = 0.0  # seconds spent on the prompt (excluded from decode speed)
     decode_time: float = 0.0  # seconds from the first round to the last commit
     new_tokens: int = 0  # tokens emitted (after truncation to max_new_tokens / stop)
+    undrafted: bool = False  # the policy's cost model showed no tree could pay: decoded without drafting
 
     @property
     def taus(self) -> list[int]:

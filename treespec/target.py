@@ -13,7 +13,10 @@ token, the tree's root, outside the cache.
   logits is the target's next-token distribution after node i's root-to-node path.
 * ``commit(accepted)`` keeps the K/V rows of the accepted nodes (root first, a root-to-node path),
   moves them into place right after the prefix and drops the rest of the tree's rows, so the cache
-  again equals a plain prefill of the committed tokens.
+  again equals a plain prefill of the committed tokens; ``drop_tree()`` drops them all.
+
+Another engine's target (``treespec.engines``, reached through the registry kind ``"engine"``) offers
+the same calls and attributes; the decoding loop and the cost profile drive either alike.
 
 Hidden-state taps: tap t is ``hidden_states[t]`` of the model (0 = embedding output, t = output of
 decoder layer t, the last one after the final norm, as transformers returns it); the taps are
@@ -44,7 +47,7 @@ import torch
 
 from treespec.tree import DraftTree
 
-__all__ = ["DTYPE_NAMES", "SUPPORTED_ATTENTION", "ContextOverflowError", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
+__all__ = ["DTYPE_NAMES", "SUPPORTED_ATTENTION", "ContextOverflowError", "EngineUnavailable", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
            "check_device", "crop_cache", "select_taps", "spread_layers", "tap_features", "use_float32_head"]
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -68,6 +71,11 @@ SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom 
 
 class ContextOverflowError(ValueError):
     """The sequence would not fit in the target's context window."""
+
+
+class EngineUnavailable(RuntimeError):
+    """A target engine that cannot run here: its binding is not installed or does not load (the message
+    says which, and how to install it)."""
 
 
 @attrs.frozen(eq=False)
@@ -184,6 +192,11 @@ class TargetModel:
             layer.values[..., start:start + n_kept, :] = rows[1]
         crop_cache(self.cache, start + n_kept)
         self.length = start + n_kept
+
+    def drop_tree(self) -> None:
+        """Forget the last tree forward's rows: the cache holds the committed tokens only (the profile's
+        timing loop runs tree after tree on one prefix)."""
+        crop_cache(self.cache, self.length)
 
     def reset(self) -> None:
         """Drop the sequence: an empty cache, length 0."""

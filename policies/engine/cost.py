@@ -55,7 +55,8 @@ from treespec.pricing.cost import CostModel
 from treespec.tree import DraftTree
 
 __all__ = [
-    "CONVENTIONS", "CostAwareStop", "CostAware", "check_convention", "check_cost_model", "require_cost_model",
+    "CONVENTIONS", "PAY_CONTEXTS", "CostAwareStop", "CostAware", "check_convention", "check_cost_model",
+    "require_cost_model", "tree_can_pay",
 ]
 
 CONVENTIONS = ("treespec", "published")
@@ -193,6 +194,13 @@ class CostAware:
         """The round's times to the live cost model, its node outcomes to the live calibration."""
         return feedback.observe_round(self.cost_model, self.calibration, report)
 
+    def can_pay(self) -> bool:
+        """Whether some tree within the budget could pay for its draft (`tree_can_pay`); the published
+        convention never compares with AR, so it always drafts."""
+        if self.convention != "treespec":
+            return True
+        return tree_can_pay(self.require_cost_model(), self.budget)
+
     def require_cost_model(self) -> CostModel:
         """The cost model, or a ValueError saying where one comes from (before any work is done)."""
         return require_cost_model(self.name, self.cost_model)
@@ -200,6 +208,24 @@ class CostAware:
     @property
     def stop(self) -> CostAwareStop:
         return CostAwareStop(self.require_cost_model(), self.convention, self.calibration)
+
+
+PAY_CONTEXTS = (0, 512, 4096)  # cached lengths at which `tree_can_pay` looks for a tree that could pay
+
+
+def tree_can_pay(cost: CostModel, budget: int) -> bool:
+    """Whether a tree of at most ``budget`` nodes could pay for its draft at some context of
+    `PAY_CONTEXTS`: whether (n + 1) C_v(1; ctx) > C_d + C_v(n + 1; ctx) for some n <= budget.  An n-node
+    tree commits at most n + 1 tokens (its deepest path accepted, and the bonus), so where no n
+    passes, no drafter's tree pays, whatever it proposes: the verify of n + 1 tokens alone costs
+    about as much as n + 1 AR steps (llama.cpp's quantized forward on a CPU: 17 tokens at 8 steps
+    leaves a 16-node tree needing tau 8, and a 1-node tree 2.4 where it can make 2)."""
+    for ctx in PAY_CONTEXTS:
+        costs = cost.verify_costs(budget + 1, ctx)  # [budget + 2] C_v(n; ctx), n = 0..budget + 1
+        gain = torch.arange(2, budget + 2, dtype=torch.float64) * costs[1] - cost.draft_cost - costs[2:]
+        if bool((gain > 0).any()):
+            return True
+    return False
 
 
 def require_cost_model(name: str, cost_model: CostModel | None) -> CostModel:

@@ -25,6 +25,10 @@ is assembled by a `treespec.apps.assembly.session.Session`, as every command's i
   (`treespec.pricing.profile`, cached) corrected by the round times of this generation, which are then
   saved with the profile; ``"profile"`` the profile as measured; a `CostModel`, a JSON file or
   ``preset:NAME`` that model (`treespec.apps.assembly.cost_source`).  Ignored for autoregressive decoding.
+* ``engine``: ``"torch"`` (default) runs the model's transformers modules; ``"llama.cpp"`` runs its
+  GGUF file (a ``.gguf`` path, or the folder holding one; the embedded default's folder keeps its
+  own) on llama.cpp through llama-cpp-python (`treespec.engines.llama_cpp`), the drafters staying
+  torch modules; with ``drafter=None`` that is the engine's own AR.
 * ``dtype``: ``"auto"`` (default) is the faster of bf16 and fp32 for this model on this CPU
   (measured once and cached, `treespec.pricing.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
   stored dtype.
@@ -139,7 +143,8 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
              device: str | torch.device = "cpu", backend: str = "torch", position_keyed: bool | None = None,
              drafter_kwargs: dict[str, Any] | None = None, policy_kwargs: dict[str, Any] | None = None,
              cost_model: str | CostModel | CostSource = "live", threads: int | None = None,
-             sampling: SamplingParams | None = None, chat: bool = False) -> GenerateOutput | list[GenerateOutput]:
+             sampling: SamplingParams | None = None, chat: bool = False,
+             engine: str = "torch") -> GenerateOutput | list[GenerateOutput]:
     """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring).
 
     ``sampling`` (a `SamplingParams`) gives temperature, top-k, top-p and position keying as one typed
@@ -154,7 +159,7 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
     prompts = list(prompt) if batch else [prompt]
     method = _method(policy, budget, policy_kwargs or {}, drafter is not None)  # a bad budget: refused before loading
     given = load_drafter(drafter, model=model, **(drafter_kwargs or {}))
-    target = load_target(model, dtype=dtype, device=device)
+    target = load_target(model, dtype=dtype, device=device, engine=engine)
     tokenizer = _tokenizer(model, tokenizer, needed=any(isinstance(p, str) for p in prompts))
     session = Session(target, tokenizer, {_GIVEN: given} if given is not None else {}, costs=_costs(cost_model),
                       threads=control)

@@ -71,8 +71,11 @@ The estimator (all of it deterministic in the observations, so a recorded run ca
   then never observes a tree again.  So when ``explore_every`` rounds have passed without a verified
   tree of at least the last explored size, `begin_round` answers True once: that round drafts (past
   the decoder's back-off) and is priced as if a verify cost what an AR step costs, so the policy
-  builds its full budget, which is observed.  At most one round in ``explore_every + 1`` explores,
-  and it still commits its accepted tokens: it costs at most (C_d + C_v(B + 1) - C_v(1)) / (explore_every
+  builds its full budget, which is observed.  At most one round in ``explore_every + 1`` explores
+  (more rounds apart where a tree is dear: the period grows until an exploration costs at most
+  ``explore_share`` of the AR steps between two, `explore_period`; on llama.cpp's compute-bound
+  verify, where a 17-token tree costs 8 AR steps, about every 300 rounds), and it still commits its
+  accepted tokens: it costs at most (C_d + C_v(B + 1) - C_v(1)) / (explore_every
   + 1) per round over the right choice (2.3 % of an AR step for a round of 1.76 AR steps and
   explore_every 32), and nothing while trees are being built anyway.
 
@@ -111,6 +114,8 @@ class LiveSettings:
     drift_rounds: int = attrs.field(default=5, validator=attrs.validators.ge(1))
     # rounds before exploring (0: never)
     explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))
+    # most of the AR steps' time exploring may cost: a dear tree (a compute-bound engine) explores less often
+    explore_share: float = attrs.field(default=0.025, validator=attrs.validators.gt(0))
     # rounds' worth of the kind's pooled correction in each tree size's own (0: none)
     pool_weight: float = attrs.field(default=4.0, validator=attrs.validators.ge(0))
 
@@ -164,6 +169,7 @@ class LiveCost(CostModel):
         self._since_fit = 0
         self._since_large = 0  # rounds since a verified tree of at least `_explore_size` tokens
         self._explore_size = 2
+        self._largest = 1  # the largest tree observed
         self._exploring = False
         self._flat: ConvexCost | None = None  # the exploring round's curve
         self.observations: list[Observation] = []  # every round observed, in order
@@ -195,11 +201,26 @@ class LiveCost(CostModel):
     # ------------------------------------------------------------------ the loop's side
     def begin_round(self) -> bool:
         """Called by the loop before each round; True when this round explores (module docstring)."""
-        every = self.settings.explore_every
+        every = self.explore_period()
         self._exploring = every > 0 and self._since_large >= every
         if self._exploring:
             self._flat = self._flat_curve()
         return self._exploring
+
+    def explore_period(self) -> int:
+        """Rounds between explorations (0: never): ``explore_every``, or more where one exploring round
+        costs more than ``explore_share`` of that many AR steps: (C_d + C_v(n) - C_v(1)) / (share C_v(1)),
+        n the size the last exploration built (or the largest tree seen), at the shortest context."""
+        every = self.settings.explore_every
+        size = max(self._explore_size, self._largest)
+        if every == 0 or size <= 2:
+            return every
+        cur, ctx = self._current, self._current.contexts[0]
+        step = cur.verify_seconds(1, ctx)
+        excess = cur.draft + cur.verify_seconds(size, ctx) - step
+        if step <= 0 or excess <= 0:
+            return every
+        return max(every, math.ceil(excess / (self.settings.explore_share * step)))
 
     def observe(self, n: int, ctx: int, verify: float, draft: float | None = None) -> bool:
         """One round's measured seconds: ``verify`` for ``n`` tree tokens on ``ctx`` cached tokens, and
@@ -236,6 +257,7 @@ class LiveCost(CostModel):
             self._draft_count += 1
         if obs.explored and obs.n > 1:
             self._explore_size = obs.n
+        self._largest = max(self._largest, obs.n)
         self._since_large = 0 if obs.n >= self._explore_size else self._since_large + 1
         self._exploring = False
         self._since_fit += 1
@@ -297,7 +319,7 @@ class LiveCost(CostModel):
         if any(other):
             self._stale = 1 - kind
             if self._stale == 1:
-                self._since_large = max(self._since_large, self.settings.explore_every)  # explore next round
+                self._since_large = max(self._since_large, self.explore_period())  # explore next round
 
     def _windows(self, kind: int) -> list[deque]:
         """The ratio windows of one kind's buckets (0: the one-token step, 1: trees)."""

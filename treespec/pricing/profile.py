@@ -53,7 +53,7 @@ from treespec.pricing.calibration import Calibration, to_calibration
 from treespec.pricing.conditions import current_meter
 from treespec.pricing.cost import ConvexCost, fit_verify_curve
 from treespec.pricing.hardware import digest, machine_file, machine_identity, read_cached, set_aside, write_cached
-from treespec.target import TargetModel, crop_cache
+from treespec.target import TargetModel
 from treespec.tree import DraftTree
 
 __all__ = ["DRAFT_RANGE", "LIVE_BOUND", "LIVE_DRAFT_BOUND", "LIVE_SHAPE_BOUND", "PROFILE_CONTEXTS", "PROFILE_SIZES",
@@ -119,7 +119,7 @@ def time_verify_sizes(target: TargetModel, sizes: Sequence[int], ctx: int, repea
 
     def timed(n: int) -> float:
         seconds = _seconds(lambda: target.forward_tree(trees[n]), target.device)
-        crop_cache(target.cache, target.length)  # drop the tree's rows: the next forward sees the same cache
+        target.drop_tree()  # the next forward sees the same cache
         return seconds
 
     order = list(trees)

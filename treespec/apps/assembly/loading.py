@@ -2,7 +2,9 @@
 
 Contract
 --------
-One loader of each: `load_target` (a local model folder, a transformers module or a `TargetModel`),
+One loader of each: `load_target` (a local model folder, a transformers module or a `TargetModel`;
+with ``engine=``, another engine's target of the model's file, `target_file`: ``llama.cpp`` runs a
+GGUF file through llama-cpp-python, `treespec.engines.llama_cpp`),
 `load_tokenizer` (a local model folder's; a clear error when it has none) and `load_drafter` (an
 instance, a registered name, a checkpoint folder read by its config, or a registered name loaded
 from a folder by its declared ``from_pretrained``).  `drafter_dirs` resolves the ``--drafter
@@ -31,9 +33,10 @@ import torch
 from treespec import registry
 from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, drafter_names
 from treespec.interfaces import Drafter
-from treespec.target import TargetModel
+from treespec.target import DTYPE_NAMES, TargetModel
 
-__all__ = ["EMBEDDED_NAME", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "eos_ids", "load_drafter",
+__all__ = ["EMBEDDED_NAME", "ENGINE_TORCH", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "engines",
+           "eos_ids", "load_drafter", "target_file",
            "load_frozen_model", "load_target", "load_tokenizer", "model_identity"]
 
 PathLike = str | os.PathLike
@@ -41,20 +44,77 @@ EMBEDDED_NAME = "smollm2-135m-instruct"  # how records name the embedded default
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+ENGINE_TORCH = "torch"  # the default engine: transformers modules driven by treespec.target
+
+
+def engines() -> list[str]:
+    """The engines a target can run on: torch and those registered (registry kind "engine")."""
+    return [ENGINE_TORCH, *registry.available("engine")]
+
+
 def load_target(model: PathLike | TargetModel | torch.nn.Module, *, dtype: torch.dtype | str = "auto",
-                device: str | torch.device = "cpu", float32_head: bool | None = None) -> TargetModel:
-    """A `TargetModel` from a directory, a transformers model, or itself.
+                device: str | torch.device = "cpu", float32_head: bool | None = None,
+                engine: str = ENGINE_TORCH) -> TargetModel:
+    """A `TargetModel` from a directory, a transformers model, or itself; with another ``engine``, that
+    engine's target of the model's file (`target_file`), its torch side (the embedding and head the
+    drafters share, the taps) in ``dtype`` (``"auto"``: the faster of bf16 and fp32 here).
 
     ``float32_head``: the final norm and LM head of a bf16/fp16 target in float32 (None: on).
     """
-    if isinstance(model, TargetModel):
+    if _is_target(model):
         return model
+    if engine != ENGINE_TORCH:
+        return _engine_target(model, engine, dtype, device)
     if isinstance(model, torch.nn.Module):
         return TargetModel(model, float32_head=float32_head)
     if not Path(model).is_dir():
         raise FileNotFoundError(f"no local model directory at {model}")
     return TargetModel.from_local(model, dtype=_resolved_dtype(model, dtype, device), device=device,
                                   float32_head=float32_head)
+
+
+def _is_target(model: Any) -> bool:
+    """Whether ``model`` is a target already: a `TargetModel` or a registered engine's."""
+    if isinstance(model, TargetModel):
+        return True
+    if isinstance(model, str | os.PathLike | torch.nn.Module):
+        return False
+    return isinstance(model, tuple(registry.resolve("engine", name) for name in registry.available("engine")))
+
+
+def _engine_target(model: Any, engine: str, dtype: torch.dtype | str, device: str | torch.device):
+    """The ``engine``'s target of ``model``'s file (see `load_target`)."""
+    from treespec.pricing.hardware import resolve_dtype
+
+    if engine not in engines():
+        raise ValueError(f"unknown engine {engine!r}; available: {', '.join(engines())}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"the {engine} engine runs on the CPU here, not on {device}")
+    cls = registry.resolve("engine", engine)
+    path = target_file(model, engine)
+    if dtype == "auto":
+        dtype = resolve_dtype("auto", device="cpu", config=cls.describe(path))
+        dtype = torch.float32 if dtype == "auto" else dtype
+    return cls.from_file(path, dtype=DTYPE_NAMES.get(dtype, dtype))
+
+
+def target_file(model: Any, engine: str) -> Path:
+    """The file an engine runs for ``model``: a ``.gguf`` file as given, or the one ``.gguf`` file in a
+    folder (the embedded default's folder keeps its own: `treespec.apps.assembly.embedded.embedded_gguf`)."""
+    from treespec.apps.assembly.embedded import embedded_gguf
+
+    if not isinstance(model, str | os.PathLike):
+        raise ValueError(f"the {engine} engine runs a model file; pass its path, not a {type(model).__name__}")
+    path = Path(model)
+    if path.is_file():
+        return path
+    if _is_embedded(path):
+        return embedded_gguf()
+    files = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(files) != 1:
+        found = "no .gguf file" if not files else f"{len(files)} .gguf files"
+        raise FileNotFoundError(f"the {engine} engine runs a GGUF file: {path} holds {found}; name the file")
+    return files[0]
 
 
 def _resolved_dtype(path: PathLike, dtype: torch.dtype | str, device: str | torch.device) -> torch.dtype | str:
@@ -74,13 +134,28 @@ def _resolved_dtype(path: PathLike, dtype: torch.dtype | str, device: str | torc
 
 
 def load_tokenizer(path: PathLike) -> Any:
-    """The tokenizer of a local model directory; a clear error when the directory has none."""
+    """The tokenizer of a local model directory (or of a GGUF file: the one beside it, else the one it
+    carries); a clear error when there is none."""
+    if Path(path).is_file():
+        return _file_tokenizer(Path(path))
     if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
         # transformers 5 would build an empty tokenizer here; refuse instead of encoding garbage
         raise ValueError(f"no tokenizer files in {path}: pass tokenizer= or token ids")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+
+
+def _file_tokenizer(path: Path) -> Any:
+    """The tokenizer of the folder a model file sits in, else the one the GGUF file carries."""
+    from transformers import AutoTokenizer
+
+    if any((path.parent / name).is_file() for name in _TOKENIZER_FILES):
+        return load_tokenizer(path.parent)
+    try:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"no tokenizer beside {path} and none readable in it ({exc}): pass token ids") from None
 
 
 def load_drafter(drafter: Drafter | PathLike | None, path: PathLike | None = None, *, model: Any = None,

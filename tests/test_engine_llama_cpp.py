@@ -1,0 +1,160 @@
+"""The target on llama.cpp (treespec/engines/llama_cpp.py), on a tiny GGUF made here (tests/test_embedded.py's
+Q4_1 llama file): a tree's logits are each node's path run alone, bit for bit; a commit leaves a cache
+whose next decode equals a plain run of the accepted path (holes of rejected nodes closed); the taps
+are those of the same tokens run as a chain; speculative decoding on the engine is the engine's own AR
+output token for token; bad files and limits get one line.
+
+llama-cpp-python builds from source (.ci/run installs it); without it these tests are skipped, and
+under CI its absence fails them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_embedded import write_tiny_gguf
+
+from treespec.decoding import SpeculativeDecoder
+from treespec.interfaces import DraftContext
+from treespec.target import ContextOverflowError
+from treespec.tree import DraftTree
+
+if not os.environ.get("CI"):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'treespec[engine]')")
+
+from treespec.apps.assembly.loading import load_target
+from treespec.drafters.toy import MarginalDrafter
+
+TAPS = (0, 1, 2)  # the embedding output and both layers' outputs of the tiny model
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("engine") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_file):
+    return load_target(gguf_file, engine="llama.cpp", dtype=torch.float32)
+
+
+def prompt(n: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def random_tree(root: int, nodes: int, seed: int) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes + 1)]
+    return DraftTree.build([root] + torch.randint(3, 250, (nodes,), generator=g).tolist(), parents)
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    parents, path = tree.parents.tolist(), []
+    while node >= 0:
+        path.append(node)
+        node = parents[node] if node > 0 else -1
+    return path[::-1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trees_logits_and_taps_are_each_nodes_path_run_alone(engine, seed):
+    ids = prompt(seed=seed)
+    tree = random_tree(int(ids[-1]), 9, seed)
+    engine.prefill(ids[:-1], TAPS)
+    out = engine.forward_tree(tree, TAPS)
+    assert out.logits.shape == (10, engine.vocab_size) and out.features.shape == (10, 3 * engine.hidden_size)
+    for node in range(len(tree)):
+        path = path_to(tree, node)
+        engine.prefill(ids[:-1], TAPS)
+        alone = engine.forward_tree(DraftTree.chain(int(ids[-1]), tree.tokens[path[1:]]), TAPS)
+        assert torch.equal(out.logits[node], alone.logits[-1]) and torch.equal(out.features[node], alone.features[-1])
+
+
+@pytest.mark.parametrize(("tokens", "parents", "accepted"), [
+    ([7, 5, 9, 11], [-1, 0, 0, 2], [0, 2, 3]),  # the rejected branch's cell sits before the path's
+    ([7, 5, 9, 11], [-1, 0, 1, 0], [0, 1, 2]),  # it sits after
+    ([7, 5, 9, 11, 13], [-1, 0, 0, 1, 2], [0, 2, 4]),
+])
+def test_a_commit_leaves_the_cache_a_plain_run_of_the_accepted_path_leaves(engine, tokens, parents, accepted):
+    ids = prompt(seed=1)
+    tokens = [int(ids[-1])] + tokens[1:]
+    engine.prefill(ids[:-1])
+    engine.forward_tree(DraftTree.build(tokens, parents))
+    engine.commit(torch.tensor(accepted))
+    assert engine.length == engine.cache_length() == ids.numel() - 1 + len(accepted)
+    after_tree = engine.forward_tree(DraftTree.chain(42, torch.tensor([43, 44]))).logits
+    engine.prefill(torch.cat([ids[:-1], torch.tensor([tokens[i] for i in accepted])]))
+    for _ in range(2):  # the plain run: the path prefilled, then the same chain
+        plain = engine.forward_tree(DraftTree.chain(42, torch.tensor([43, 44]))).logits
+        assert torch.equal(after_tree, plain)
+        engine.drop_tree()
+
+
+def ar_output(engine, ids: torch.Tensor, n: int) -> list[int]:
+    return SpeculativeDecoder(engine, None, None).generate(ids, max_new_tokens=n).tokens.tolist()
+
+
+class Peeking(MarginalDrafter):
+    """Drafts the engine's own continuation at most depths (so trees are accepted, partly), noise
+    elsewhere; it declares taps, so the loop carries the engine's taps through every round."""
+
+    tap_layers = TAPS
+
+    def __init__(self, answer: list[int], offset: int, vocab: int, depth: int = 4) -> None:
+        self.answer, self.offset, self.vocab = answer, offset, vocab
+        g = torch.Generator().manual_seed(0)
+        self.noise = torch.randn(4096, depth, vocab, generator=g)
+        super().__init__(self._logits)
+
+    def _logits(self, ctx: DraftContext) -> torch.Tensor:
+        logits = self.noise[ctx.position].clone()  # [L, V]
+        for d in range(logits.shape[0]):
+            i = ctx.position + d + 1 - self.offset
+            if 0 <= i < len(self.answer) and (ctx.position + d) % 3:  # right two times in three
+                logits[d, self.answer[i]] += 6.0
+        return logits
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree", "eagle2"])
+def test_speculative_decoding_on_the_engine_is_its_own_ar_output(engine, method):
+    from treespec import registry
+
+    ids = prompt(16, seed=3)
+    answer = ar_output(engine, ids, 40)
+    drafter = Peeking(answer, ids.numel(), engine.vocab_size)
+    policy = registry.create("policy", method, budget=8) if method != "chain" else registry.create("policy", "chain")
+    out = SpeculativeDecoder(engine, drafter, policy).generate(ids, max_new_tokens=40)
+    assert out.tokens.tolist() == answer
+    assert out.stats.mean_tau > 1.2  # trees were accepted in part: commits moved cells around
+
+
+def test_bad_files_and_limits_get_one_line(engine, tmp_path, gguf_file):
+    text = tmp_path / "model.gguf"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match=f"{text} is not a GGUF file"):
+        load_target(text, engine="llama.cpp")
+    with pytest.raises(FileNotFoundError, match="holds no .gguf file"):
+        load_target(tmp_path / "nowhere", engine="llama.cpp")
+    engine.prefill(prompt()[:-1])
+    wide = DraftTree.build([7] + [8] * 70, [-1] + [0] * 70)  # 70 leaves
+    with pytest.raises(ValueError, match="70 leaves exceeds the engine's 64 sequences"):
+        engine.forward_tree(wide)
+    engine.prefill(torch.zeros(engine.max_positions - 2, dtype=torch.long) + 5)
+    with pytest.raises(ContextOverflowError, match="exceeds the engine's context"):
+        engine.forward_tree(DraftTree.chain(5, torch.tensor([6, 7, 8])))
+
+
+def test_a_gguf_that_is_not_a_causal_lm_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "encoder.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_block_count(1)
+    writer.add_tensor("position_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"{path} is a GGUF file but not a causal language model"):
+        load_target(path, engine="llama.cpp")
