@@ -89,6 +89,8 @@ class TargetOutput:
 class TargetModel:
     """A Hugging Face causal LM with a KV cache, tree forwards and accepted-path compaction."""
 
+    engine = "torch"  # what runs it (another engine's target names its own)
+
     def __init__(self, model: torch.nn.Module, *, max_positions: int | None = None,
                  float32_head: bool | None = None) -> None:
         self.model = model.eval()

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
+
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import threads_by_turn, time_per_token
 from treespec.apps.commands import CPU_DTYPES, DTYPES, add_threads_argument, start_threads
@@ -58,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target dtype (auto: the faster of bf16 and fp32 on this machine, measured once)")
     parser.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
                         help="a bf16 target's final norm and LM head: in float32 (default) or in bf16")
+    parser.add_argument("--engines", default="torch,llama.cpp",
+                        help="comma-separated engines to run every method on (default: torch,llama.cpp; one that "
+                             "is not installed is left out with one line)")
 
 
 def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
@@ -87,12 +92,9 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
 
 def run(args: argparse.Namespace) -> int:
     from treespec.apps import bench
-    from treespec.apps.assembly.cost_source import CostSource
-    from treespec.apps.assembly.embedded import cache_root, embedded_model_dir
+    from treespec.apps.assembly.embedded import cache_root
     from treespec.apps.assembly.loading import drafter_dirs, embedded_drafter_dir
     from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, DEMO_METHODS
-    from treespec.apps.assembly.session import Session
-    from treespec.apps.bench.records import read_records
 
     start = time.perf_counter()
     threads = start_threads(args, announce=False)  # the header says the choice
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         expanded = bench.expand_methods(config.methods, config.budgets)
         dirs = drafter_dirs(sorted({m.drafter for m in expanded if m.drafter}), args.drafter)
+        engines = _engines(args.engines)
     except ValueError as exc:
         print(f"treespec demo: {exc}", file=sys.stderr)
         return 2
@@ -111,29 +114,105 @@ def run(args: argparse.Namespace) -> int:
         print(f"treespec demo: the embedded drafters are not installed ({', '.join(missing)}); "
               "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
         return 2
-    session = Session.load(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype],
+    out = args.out or fresh_run_dir(cache_root() / "demo")  # never another run's records: timings of other conditions
+    results = [_run_engine(engine, args, config, expanded, dirs, threads, out / engine) for engine in engines]
+    if len(results) > 1:
+        print("\nwhere trees pay (each engine's own AR is its 1.00x):\n" + regimes_table(results))
+    print(f"records and full reports (with confidence intervals): {out}")
+    print(f"total time {time.perf_counter() - start:.0f} s")
+    return 1 if any(r.unacceptable for r in results) else 0
+
+
+def _engines(text: str) -> list[str]:
+    """The engines asked for that can run here; one that cannot is left out with one line (why and how
+    to install it), and at least one must remain."""
+    from treespec import registry
+    from treespec.apps.assembly.loading import ENGINE_TORCH, engines
+
+    asked = [e for e in text.split(",") if e]
+    unknown = [e for e in asked if e not in engines()]
+    if unknown or not asked:
+        raise ValueError(f"--engines: unknown engine {', '.join(unknown) or text!r}; available: {', '.join(engines())}")
+    here = [e for e in asked if e == ENGINE_TORCH or registry.resolve("engine", e).installed()]
+    for engine in (e for e in asked if e not in here):
+        print(f"treespec demo: the {engine} engine is not installed here (`treespec install-engine {engine}` builds "
+              "it); leaving it out", file=sys.stderr)
+    if not here:
+        raise ValueError("--engines: none of the engines asked for can run here")
+    return here
+
+
+@attrs.frozen
+class EngineResult:
+    """One engine's part of the demo: its AR speed, its fastest method, its verify cost, its verdict."""
+
+    engine: str  # torch or a registered engine
+    ar_tps: float  # AR tokens per second (turns no other process disturbed)
+    best: str  # the fastest method
+    best_tps: float  # its tokens per second
+    verify17: float  # a 17-token verify in AR steps (the profile the cost-aware methods priced with)
+    break_even: str  # the tau a 16-node tree needs, per drafter
+    unacceptable: int  # outputs that differ from AR beyond the tolerance
+
+
+def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, threads, out: Path) -> EngineResult:
+    """Every method on one engine: the machine header, the bench run, the pooled table and its lines."""
+    from treespec.apps import bench
+    from treespec.apps.assembly.cost_source import CostSource
+    from treespec.apps.assembly.embedded import embedded_model_dir
+    from treespec.apps.assembly.session import Session
+    from treespec.apps.bench.records import read_records
+
+    session = Session.load(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype], engine=engine,
                            float32_head=args.logits_dtype == "float32", costs=CostSource.parse(args.cost_model),
                            threads=threads, progress=True, profile_repeats=3)
-    print(machine_header(session, args.dtype), flush=True)
-    out = args.out or fresh_run_dir(cache_root() / "demo")  # never another run's records: timings of other conditions
+    print(f"\n== engine {engine} ==\n" + machine_header(session, args.dtype), flush=True)
+    profile = session.machine_profile()
     bench.run_shard(config, session, out)
     learned = session.close()
     bench.merge_shards(out)
     report = bench.write_report(out, resamples=200)
     dtype = str(session.target.dtype).removeprefix("torch.")
-    print(f"\nSmolLM2-135M-Instruct ({dtype}, {session.target.device}), T = 0, {args.prompts} prompts x "
-          f"{len(_DATASETS)} domains, {args.max_new_tokens} new tokens\n")
+    what = f"{dtype}, {session.target.device}" if engine == "torch" else f"{session.target.config.path.name}"
+    print(f"\nSmolLM2-135M-Instruct ({what}), T = 0, {args.prompts} prompts x {len(_DATASETS)} domains, "
+          f"{args.max_new_tokens} new tokens\n")
     records = list(read_records(out / bench.RECORDS))
-    print(pooled_table(records, [m.name for m in expanded], bench.read_divergences(out / bench.DIVERGENCES)))
+    order = [m.name for m in expanded]
+    print(pooled_table(records, order, bench.read_divergences(out / bench.DIVERGENCES)))
     print("\n" + lossless_verdict(records, report.unacceptable))
     print(conditions_line(records, session.disturbed))
     if learned is not None:
         print(f"live-corrected costs (saved for the next run): {verify_line(learned)}")
     elif session.not_saved:
         print(f"live-corrected costs not saved: {session.not_saved}")
-    print(f"records and full report (with confidence intervals): {out}")
-    print(f"total time {time.perf_counter() - start:.0f} s")
-    return 1 if report.unacceptable else 0
+    speeds = method_speeds(records)
+    best = max(speeds, key=speeds.get)
+    even = ", ".join(f"{kind} {profile.break_even_tau(d, 16):.1f}" for kind, d in sorted(session.drafters.items()))
+    return EngineResult(engine, speeds.get("ar", 0.0), best, speeds[best], profile.verify_in_steps(17), even,
+                        report.unacceptable)
+
+
+def method_speeds(records: Sequence[BenchRecord]) -> dict[str, float]:
+    """Tokens per second of each method over the turns no other process disturbed (all, if every one was)."""
+    hit = {r.key for r in records if r.disturbed}
+    hit = set() if hit == {r.key for r in records} else hit
+    methods = sorted({r.method for r in records})
+    return {m: 1 / time_per_token(r for r in records if r.method == m and r.key not in hit) for m in methods}
+
+
+def regimes_table(results: Sequence[EngineResult]) -> str:
+    """One row per engine: its AR speed, what a tree costs there, and its fastest method; then the
+    fastest row of the run."""
+    lines = [f"{'engine':<11}{'AR tok/s':>9}{'17-token verify':>17}  {'16-node tree breaks even at tau':<34}fastest",
+             "-" * 100]
+    for r in results:
+        lines.append(f"{r.engine:<11}{r.ar_tps:>9.1f}{r.verify17:>11.2f} steps  {r.break_even:<34}"
+                     f"{r.best} {r.best_tps:.1f} tok/s ({r.best_tps / r.ar_tps:.2f}x its AR)")
+    top = max(results, key=lambda r: r.best_tps)
+    base = next((r for r in results if r.engine == "torch"), None)
+    versus = f", {top.best_tps / base.ar_tps:.1f}x torch's AR" if base is not None and top is not base else ""
+    lines.append(f"fastest row: {top.best} on {top.engine}, {top.best_tps:.1f} tok/s{versus}")
+    return "\n".join(lines)
 
 
 def conditions_line(records: Sequence[BenchRecord], remeasured: int) -> str:
@@ -177,6 +256,9 @@ def machine_header(session, dtype_arg: str) -> str:
     else:
         why = f"{dtype} ({'bf16 on CUDA' if session.target.device.type == 'cuda' else 'as asked'})"
     profile = session.machine_profile()
+    if session.target.engine != "torch":
+        why = (f"{session.target.config.path.name} as stored (file type {session.target.config.file_type}); "
+               f"the drafters' side in {why}")
     return (f"machine: {ident['cpu']}, {ident['cores']} cores, torch {ident['torch']}\n"
             f"{session.threads.choice.describe()}\n"
             f"dtype {why}\n" + verify_line(profile, session.drafters, live=session.costs.live))
