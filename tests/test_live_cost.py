@@ -145,6 +145,25 @@ def test_a_dear_tree_is_explored_less_often_so_exploring_costs_a_bounded_share()
     assert flags.count(True) == 1 and flags.index(True) >= 100  # once, long after explore_every
 
 
+def test_drafting_that_yields_less_than_ar_steps_stops_for_a_few_generations_then_is_measured_again():
+    from treespec.pricing.feedback import drafting_pays
+
+    live = LiveCost(profile(step=0.05, per_token=0.0005), LiveSettings(value_rounds=4, reprobe_every=3))
+    assert live.drafting_verdict() is None and drafting_pays(live)  # nothing measured: draft
+    for _ in range(4):  # rounds of 2 tokens that took 0.12 s with their draft: AR makes 2 in 0.1 s
+        live.observe(9, 300, 0.1, 0.02, tokens=2)
+    assert live.drafting_verdict() is None  # 0.83 of AR's speed: short of 1, not yet 1 - 1/sqrt(4) = 0.5
+    for _ in range(4):  # rounds of 1 token in 0.12 s: 0.42 of AR's speed
+        live.observe(9, 300, 0.1, 0.02, tokens=1)
+    assert live.drafting_verdict() is False
+    assert [drafting_pays(live) for _ in range(4)] == [False, False, False, True]  # the third skip forgets
+    for _ in range(4):  # now 3 tokens in 0.12 s: better than AR's 0.15
+        live.observe(9, 300, 0.1, 0.02, tokens=3)
+    assert live.drafting_verdict() is True and drafting_pays(live)
+    live.observe(1, 300, 0.05)  # AR steps (no draft) do not count
+    assert len(live._yields) == 4
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(SIZES), st.integers(0, 900), st.floats(0.01, 1.0),
                           st.one_of(st.none(), st.floats(0.0, 0.2))), min_size=1, max_size=40))
@@ -220,8 +239,10 @@ def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_root_only_an
     costs = {"cheap": lambda n: 0.05 + 0.0005 * n, "dear": lambda n: 0.05 if n == 1 else 0.4}
     clocked(target, drafter, clock, lambda n: costs[phase["verify"]](n))
     # only the trees' price moves here (a real load slows the AR steps too, and their change of regime
-    # explores at once); exploring every 8 rounds whatever a tree costs (explore_share 1)
-    live = LiveCost(profile(step=0.05, per_token=0.0005), LiveSettings(explore_every=8, explore_share=1.0))
+    # explores at once); exploring every 8 rounds whatever a tree costs (explore_share 1), and every
+    # generation drafting whatever the last one's drafted rounds yielded (a verdict never reached)
+    live = LiveCost(profile(step=0.05, per_token=0.0005),
+                    LiveSettings(explore_every=8, explore_share=1.0, value_rounds=10**6))
     policy = registry.create("policy", "caddtree", budget=16, cost_model=live)
     assert policy.plan_round().priced_with is live.priced()  # the loop reaches it through the declared hook
     decoder = SpeculativeDecoder(target, drafter, policy, clock=clock)

@@ -195,11 +195,14 @@ class CostAware:
         return feedback.observe_round(self.cost_model, self.calibration, report)
 
     def can_pay(self) -> bool:
-        """Whether some tree within the budget could pay for its draft (`tree_can_pay`); the published
-        convention never compares with AR, so it always drafts."""
+        """Whether the next generation should draft: some tree within the budget could pay for its draft
+        (`tree_can_pay`), and the drafted rounds the live model measured lately did not deliver tokens
+        slower than AR steps (`treespec.pricing.feedback.drafting_pays`).  The published convention never
+        compares with AR, so it always drafts."""
         if self.convention != "treespec":
             return True
-        return tree_can_pay(self.require_cost_model(), self.budget)
+        cost = self.require_cost_model()
+        return tree_can_pay(cost, self.budget) and feedback.drafting_pays(cost)
 
     def require_cost_model(self) -> CostModel:
         """The cost model, or a ValueError saying where one comes from (before any work is done)."""

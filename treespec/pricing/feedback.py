@@ -23,7 +23,7 @@ from treespec.interfaces import RoundPlan, RoundReport
 from treespec.pricing.calibration import LiveCalibration, node_outcomes
 from treespec.pricing.live_cost import LiveCost
 
-__all__ = ["observe_round", "plan_round"]
+__all__ = ["drafting_pays", "observe_round", "plan_round"]
 
 
 def plan_round(cost_model, calibration=None) -> RoundPlan:
@@ -41,7 +41,18 @@ def observe_round(cost_model, calibration, report: RoundReport) -> bool:
     changed = False
     if isinstance(cost_model, LiveCost) and report.batch_rows == 1:
         changed = cost_model.observe(len(report.tree), report.context, report.times["verify"],
-                                     report.drafting_seconds)
+                                     report.drafting_seconds, len(report.result.accepted))
     if isinstance(calibration, LiveCalibration) and report.drafted:
         calibration.observe(*node_outcomes(report.tree, report.result))
     return changed
+
+
+def drafting_pays(cost_model) -> bool:
+    """Whether a generation priced by ``cost_model`` should draft: not when its live model measured that
+    the drafted rounds of late delivered tokens slower than AR steps (`LiveCost.drafting_verdict`; each
+    such answer counts a generation toward measuring again); True otherwise (nothing measured yet, or a
+    fixed model)."""
+    if not isinstance(cost_model, LiveCost) or cost_model.drafting_verdict() is not False:
+        return True
+    cost_model.skip_generation()
+    return False

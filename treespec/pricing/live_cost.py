@@ -116,6 +116,12 @@ class LiveSettings:
     explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))
     # most of the AR steps' time exploring may cost: a dear tree (a compute-bound engine) explores less often
     explore_share: float = attrs.field(default=0.025, validator=attrs.validators.gt(0))
+    # drafted rounds kept to judge whether drafting pays (`LiveCost.drafting_verdict`); the last this many
+    value_rounds: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    # fewest drafted rounds a verdict rests on
+    value_min_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    # generations decoded without drafting before drafting is measured again
+    reprobe_every: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     # rounds' worth of the kind's pooled correction in each tree size's own (0: none)
     pool_weight: float = attrs.field(default=4.0, validator=attrs.validators.ge(0))
 
@@ -154,6 +160,9 @@ class LiveCost(CostModel):
             prior = prior.snapshot()
         self.prior = prior
         self.settings = settings or LiveSettings()
+        # drafted rounds' (tokens committed, seconds of draft + build + verify, context): `drafting_verdict`
+        self._yields: deque[tuple[int, float, int]] = deque(maxlen=self.settings.value_rounds)
+        self._skipped = 0  # generations decoded without drafting since drafting was last measured
         self.contexts, self.knots = _grid(prior)
         # (observation index, value) windows: verify ratios per knot, draft + build seconds
         self._ratios: list[deque[tuple[int, float]]] = [deque(maxlen=self.settings.window) for _ in self.knots]
@@ -222,14 +231,46 @@ class LiveCost(CostModel):
             return every
         return max(every, math.ceil(excess / (self.settings.explore_share * step)))
 
-    def observe(self, n: int, ctx: int, verify: float, draft: float | None = None) -> bool:
+    def observe(self, n: int, ctx: int, verify: float, draft: float | None = None, tokens: int | None = None) -> bool:
         """One round's measured seconds: ``verify`` for ``n`` tree tokens on ``ctx`` cached tokens, and
-        the draft and build seconds of a drafted round.  True when it changed the regime (the model
-        re-fitted to a new speed of the machine)."""
+        the draft and build seconds of a drafted round (with ``tokens``, what it committed, for
+        `drafting_verdict`).  True when it changed the regime (the model re-fitted to a new speed of
+        the machine)."""
         obs = Observation(int(n), int(ctx), float(verify), None if draft is None else float(draft), self._exploring)
         if obs.n < 1 or not math.isfinite(obs.verify) or obs.verify <= 0:
             raise ValueError(f"a round of {n} tokens that took {verify} s cannot be observed")
+        if obs.draft is not None and tokens is not None:
+            self._yields.append((int(tokens), obs.draft + obs.verify, obs.ctx))
         return self._update(obs)
+
+    def drafting_verdict(self) -> bool | None:
+        """Whether the drafted rounds measured lately paid, from their yield: the seconds AR steps (the
+        profile's one-token verify, measured without taps) would take for the tokens they committed,
+        over the seconds they took.  A round counts everything drafting cost it: the draft, the build
+        and a verify with the taps the drafter reads.  With k rounds kept (the last ``value_rounds``),
+        False when the yield is below 1 - 1 / sqrt(k) (a shortfall a few noisy rounds do not make:
+        half of AR's speed after 4 rounds, three quarters after 16), True when it is at least 1, else
+        None, as with fewer than ``value_min_rounds``: undecided, the next generation drafts.  On an
+        engine where no realistic tree pays (a compute-bound verify: a 17-token verify at 8 AR steps)
+        the verdict is False within a generation or two of probing.  After ``reprobe_every``
+        generations without drafting (`skip_generation`) the yields are forgotten and drafting is
+        measured again."""
+        k = len(self._yields)
+        if k < self.settings.value_min_rounds:
+            return None
+        ar_seconds = sum(t * self.prior.verify_seconds(1, ctx) for t, _, ctx in self._yields)
+        ratio = ar_seconds / sum(s for _, s, _ in self._yields)
+        if ratio >= 1:
+            return True
+        return False if ratio < 1 - 1 / math.sqrt(k) else None
+
+    def skip_generation(self) -> None:
+        """A generation decoded without drafting on this verdict; every ``reprobe_every`` of them, the
+        yields are dropped so the next generation drafts and measures again."""
+        self._skipped += 1
+        if self._skipped >= self.settings.reprobe_every:
+            self._yields.clear()
+            self._skipped = 0
 
     def _update(self, obs: Observation) -> bool:
         index = len(self.observations)
