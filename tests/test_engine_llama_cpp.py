@@ -158,3 +158,37 @@ def test_a_gguf_that_is_not_a_causal_lm_is_named(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=f"{path} is a GGUF file but not a causal language model"):
         load_target(path, engine="llama.cpp")
+
+
+@pytest.mark.parametrize(("policy", "verifier"), [("ddtree-sampled", "recursive-rejection"), ("chain", "rejection")])
+def test_at_t_above_zero_the_engines_first_two_tokens_follow_its_own_law(engine, policy, verifier):
+    """Sampled trees over the engine's logits: the first two tokens of many seeded generations against
+    p(t1) p(t2 | t1) computed from the engine's own logits (temperature 1, top-k 4), by the kit's
+    chi-square test; a test that fails when the law is off (a greedy decoder's counts are refused)."""
+    from treespec import registry
+    from treespec.apps.kit.exactness import chi_square_pvalue
+    from treespec.interfaces import SamplingParams
+    from treespec.sampling import target_probs
+
+    ids = prompt(10, seed=5)
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    engine.prefill(ids[:-1])
+    first = target_probs(engine.forward_tree(DraftTree.root_only(int(ids[-1]))).logits, sampling)[0]  # [V]
+    law = torch.zeros(engine.vocab_size, engine.vocab_size, dtype=torch.float64)
+    for t1 in first.nonzero().flatten().tolist():
+        engine.prefill(ids[:-1])
+        rows = engine.forward_tree(DraftTree.chain(int(ids[-1]), torch.tensor([t1]))).logits
+        law[t1] = first[t1] * target_probs(rows[1:], sampling)[0]
+    drafter = Peeking(torch.multinomial(first.float(), 40, replacement=True).tolist(), ids.numel(), engine.vocab_size)
+    budget = {"budget": 6} if policy != "chain" else {}
+    decoder = SpeculativeDecoder(engine, drafter, registry.create("policy", policy, **budget),
+                                 registry.create("verifier", verifier))
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros_like(law)
+    for _ in range(1500):
+        t1, t2 = decoder.generate(ids, max_new_tokens=2, sampling=sampling, generator=generator).tokens.tolist()
+        counts[t1, t2] += 1
+    assert chi_square_pvalue(counts, law) > 1e-3
+    greedy = torch.zeros_like(law)
+    greedy[int(law.sum(1).argmax()), int(law[law.sum(1).argmax()].argmax())] = 1500
+    assert chi_square_pvalue(greedy, law) < 1e-3  # the test can fail
