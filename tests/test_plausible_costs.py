@@ -16,8 +16,15 @@ from treespec.apps.assembly.cost_source import persist_live
 from treespec.pricing.calibration import Calibration
 from treespec.pricing.live_cost import LiveCost
 from treespec.pricing.profile import (
-    DRAFT_RANGE, VERIFY_CEILING, VERIFY_FLOOR, CostProfile, implausible, implausible_curve, implausible_live,
-    machine_profile, save_profile,
+    DRAFT_RANGE,
+    VERIFY_CEILING,
+    VERIFY_FLOOR,
+    CostProfile,
+    implausible,
+    implausible_curve,
+    implausible_live,
+    machine_profile,
+    save_profile,
 )
 from treespec.target import TargetModel
 

@@ -32,7 +32,14 @@ import torch
 
 from treespec import registry
 from treespec.apps.assembly.cost_source import CostSource, method_policy, persist_live, restore_learned
-from treespec.apps.assembly.loading import EMBEDDED_NAME, ENGINE_TORCH, eos_ids, load_drafter, load_target, load_tokenizer
+from treespec.apps.assembly.loading import (
+    EMBEDDED_NAME,
+    ENGINE_TORCH,
+    eos_ids,
+    load_drafter,
+    load_target,
+    load_tokenizer,
+)
 from treespec.apps.assembly.methods import MethodSpec, parse_method
 from treespec.batch_decoding import BatchDecoder
 from treespec.decoding import SpeculativeDecoder

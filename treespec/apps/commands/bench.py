@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from treespec.apps import bench
-from treespec.apps.commands import DTYPES, add_threads_argument, exit_status, start_threads
+from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, exit_status, start_threads
 from treespec.decoding import FIRST_TOKENS
 
 
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the profile as measured), or a JSON file / preset:NAME (fixed)")
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     add_threads_argument(models)
+    add_engine_argument(models)
     models.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
                         help="a bf16/fp16 target's final norm and LM head: in float32 (default; fewer exact "
                              "logit ties) or in the model's dtype")
@@ -187,13 +188,14 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
     threads = start_threads(args, ranks=shard.world)
-    session = Session.load(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
+    session = Session.load(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard), engine=args.engine,
                            float32_head=args.logits_dtype == "float32", costs=costs, threads=threads,
                            progress=not args.no_progress, profile_repeats=3, enable_thinking=config.enable_thinking)
     # the weights and the dtype actually used, so that a resume never mixes records of others
     settings = bench.run_settings(config, methods, {
         "model": bench.weights_identity(model), "drafters": {k: bench.weights_identity(p) for k, p in drafters.items()},
         "dtype": str(session.target.dtype).removeprefix("torch."), "logits_dtype": args.logits_dtype,
+        "engine": args.engine,
         "torch": torch.__version__, "cost_model": costs.describe(), "device": args.device})
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)

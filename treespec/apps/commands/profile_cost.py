@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from treespec.apps.commands import CPU_DTYPES, DTYPES, add_threads_argument, start_threads
+from treespec.apps.commands import CPU_DTYPES, DTYPES, add_engine_argument, add_threads_argument, start_threads
 from treespec.pricing.calibration import Calibration, fit_calibration, node_outcomes, promise_by_quartile
 from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, time_draft, time_verify
 
@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "probability p taken as min(1, κ p^β)) from the nodes of 16-node trees on 12 benchmark "
                              "prompts the demo and the held-out sets do not use, and store it with the profile")
     add_threads_argument(parser)
+    add_engine_argument(parser)
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once)")
 
@@ -59,14 +60,15 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.assembly.embedded import embedded_model_dir
     from treespec.apps.assembly.loading import embedded_drafter_dir, load_drafter, load_target
     from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
+    from treespec.target import EngineUnavailable
 
     try:
         start_threads(args)
-        target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype])
+        target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype], engine=args.engine)
         paths = args.drafter if args.drafter is not None else (
             [embedded_drafter_dir(k) for k in ("dflash", "domino")] if args.model is None else [])
         drafters = [load_drafter(p) for p in paths]
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EngineUnavailable) as exc:
         print(f"treespec profile-cost: {exc}", file=sys.stderr)
         return 1
     measure = refresh_profile if args.fresh else machine_profile

@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.apps.commands import DTYPES, add_threads_argument, exit_status, start_threads
+from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, exit_status, start_threads
 from treespec.tree import check_budget
 
 _KINDS = ("dflash", "domino")
@@ -64,6 +64,7 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                         help="target dtype (auto: the faster of bf16 and fp32 on this CPU, measured once)")
     add_threads_argument(parser)
+    add_engine_argument(parser)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (and the parts of an interrupted run with other settings)")
 
@@ -126,7 +127,7 @@ def _record(args: argparse.Namespace) -> int:
     from treespec.apps.assembly.session import Session
 
     session = Session.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False,
-                           threads=threads, progress=True)
+                           threads=threads, progress=True, engine=args.engine)
     prompts, ids = _prompts(args, session.tokenizer)
     start = time.perf_counter()
     try:
