@@ -418,9 +418,15 @@ def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
 
 def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,
                  contexts: Sequence[int] = PROFILE_CONTEXTS, cache_dir: Path | None = None) -> None:
-    """Write ``profile`` (a calibration added, say) where `machine_profile` finds it; a ValueError naming
-    the rule when it is implausible (`implausible`): nothing implausible is cached."""
+    """Write ``profile`` (a calibration added, say) where `machine_profile` finds it; a profile measured
+    under a load or with implausible figures (``disturbed``) is not written (one line says so), and an
+    implausible one not so marked is a ValueError naming the rule (`implausible`): nothing implausible
+    is cached."""
     path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
+    if profile.disturbed:
+        print(f"treespec: not saving the cost profile {path}: it was measured while {profile.disturbed}",
+              file=sys.stderr)
+        return
     _write_profile(path, key, profile)
 
 
@@ -535,12 +541,8 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     load_meter = (meter or current_meter)()
     load_meter.start()
     if measure_verify:
-        verify = []
-        for c in contexts:
-            seconds = time_verify_sizes(target, sizes, c, repeats, generator)
-            verify += [(n, c, seconds[n]) for n in sizes]
-            bar.update(1)
-        profile = attrs.evolve(profile, verify=tuple(verify)) if profile is not None else CostProfile(tuple(verify))
+        verify = _measured_curve(target, sizes, contexts, repeats, generator, bar)
+        profile = attrs.evolve(profile, verify=verify) if profile is not None else CostProfile(verify)
     drafts = dict(profile.drafts)
     for drafter in missing:
         drafts[drafter.identity()] = time_draft(target, drafter, min(contexts), repeats, generator)
@@ -561,6 +563,22 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
         _write_profile(path, key, profile)
     return profile
 
+
+
+def _measured_curve(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int], repeats: int,
+                    generator: torch.Generator, bar) -> tuple[tuple[int, int, float], ...]:
+    """The verify samples of every context; a curve no machine has (a forward descheduled among few
+    repeats) is measured once more before it is taken as it is."""
+    for attempt in range(2):
+        verify = []
+        for c in contexts:
+            seconds = time_verify_sizes(target, sizes, c, repeats, generator)
+            verify += [(n, c, seconds[n]) for n in sizes]
+            if attempt == 0:
+                bar.update(1)
+        if implausible_curve(verify) is None:
+            break
+    return tuple(verify)
 
 
 def _bar(total: int, enabled: bool):
