@@ -431,3 +431,20 @@ def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path, fir
         ("ar", None, "match"), ("ddtree@4", "dflash", "match"), ("dominotree@4", "domino", "match"),
         ("ddtree@4:domino", "domino", "match")}
     assert all(r.decode_time > 0 and r.stage_times["verify"] > 0 for r in outs[3])  # shares of measured batch times
+
+
+@pytest.mark.parametrize("target", ["qwen3"], indirect=True)
+def test_a_batch_whose_policy_shows_no_tree_can_pay_decodes_without_drafting(target):
+    """The batched decoder asks the policy as the single one does: a verify that costs an AR step per
+    token leaves every row an AR row (no draft, no taps), each the target's greedy output."""
+    from treespec.pricing.cost import LinearCost
+
+    prompts = prompts_of((7, 12, 3), seed=1)
+    policy = registry.create("policy", "caddtree", budget=16, cost_model=LinearCost(draft=0.01, base=0.0,
+                                                                                   per_token=0.05))
+    drafter = OracleDrafter(ORACLE, conditional=False)
+    drafter.draft_batch = lambda *args: pytest.fail("a batch that cannot pay drafted")
+    out = BatchDecoder(target, drafter, policy).generate(prompts, max_new_tokens=12, stop_token_ids=())
+    ar = [SpeculativeDecoder(target).generate(p, max_new_tokens=12, stop_token_ids=()).tokens.tolist() for p in prompts]
+    assert [o.tokens.tolist() for o in out] == ar
+    assert all(o.stats.undrafted and set(o.stats.taus) == {1} for o in out)

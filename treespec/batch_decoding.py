@@ -101,11 +101,15 @@ class BatchDecoder:
         start = time.perf_counter()
         check_first_token(first_token)
         sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
-        rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators, backend)
+        drafting = self.drafter is not None and self.policy.can_pay()  # as the single decoder asks
+        taps = self.taps if drafting else ()
+        rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators, backend,
+                           drafting)
         batch = BatchTarget(self.target)
-        rounds = RoundRunner(self.target, self.drafter, self.verifier, BatchSide(batch, self.taps), batched=True)
+        rounds = RoundRunner(self.target, self.drafter if drafting else None, self.verifier, BatchSide(batch, taps),
+                             batched=True)
         clock = Stopwatch(self.target.device)
-        features = clock.run("prefill", batch.prefill, [r.seq.tokens[:r.seq.length] for r in rows], self.taps)
+        features = clock.run("prefill", batch.prefill, [r.seq.tokens[:r.seq.length] for r in rows], taps)
         for row, feats in zip(rows, features, strict=True):
             row.seq.features = feats
         if first_token == "prefill":
@@ -132,7 +136,8 @@ class BatchDecoder:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int], sampling: SamplingParams,
-               stops: frozenset[int], generators: Sequence[torch.Generator | None] | None, backend: str) -> list[Row]:
+               stops: frozenset[int], generators: Sequence[torch.Generator | None] | None, backend: str,
+               drafting: bool) -> list[Row]:
         check_backend(backend)
         if not prompts:
             raise ValueError("generate needs at least one prompt")
@@ -142,6 +147,10 @@ class BatchDecoder:
             raise ValueError(f"{len(prompts)} prompts need as many max_new_tokens and generators "
                              f"(got {len(budgets)} and {len(gens)})")
         rows = [self._row(i, p, n, sampling, stops, g) for i, (p, n, g) in enumerate(zip(prompts, budgets, gens))]
+        if not drafting:  # AR rows: no drafter, no policy (the policy's model shows no tree pays)
+            rows = [attrs.evolve(r, drafter=None, policy=None) for r in rows]
+            for row in rows:
+                row.stats.undrafted = self.drafter is not None
         started = {id(r.policy): r.policy for r in rows if r.policy is not None}
         for policy in started.values():  # each request's policy once (shared: once for the batch)
             policy.start_generation()
