@@ -34,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     requirement, env = engine.install_recipe()
     cores = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     command = [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check", requirement]
-    if args.force:
-        command.insert(4, "--force-reinstall")
+    if args.force:  # the binding itself again; what it depends on stays as installed
+        command[4:4] = ["--force-reinstall", "--no-deps"]
     print(f"treespec install-engine: building {requirement} from source for this CPU ({cores} cores; a few minutes)",
           file=sys.stderr)
     start = time.perf_counter()
