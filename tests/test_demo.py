@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from treespec.apps.bench.lossless import Divergence
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.commands.demo import lossless_verdict, pooled_table
@@ -82,3 +84,18 @@ def test_demo_loads_another_drafter_by_name(monkeypatch, tmp_path, capsys):
     except Loaded:
         pass
     assert seen == {"bigram": tmp_path}
+
+
+def test_an_engine_that_is_not_installed_is_left_out_in_one_line(monkeypatch, capsys):
+    from treespec import registry
+    from treespec.apps.commands.demo import _engines
+
+    engine = registry.resolve("engine", "llama.cpp")
+    monkeypatch.setattr(engine, "installed", staticmethod(lambda: False))
+    assert _engines("torch,llama.cpp") == ["torch"]
+    assert "the llama.cpp engine is not installed here (`treespec install-engine llama.cpp` builds it)" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="none of the engines asked for can run here"):
+        _engines("llama.cpp")
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        _engines("torch,vllm")
