@@ -7,6 +7,7 @@ code and the message.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,3 +363,9 @@ def test_an_engine_whose_binding_is_missing_gets_one_line(tmp_path, monkeypatch,
     assert main(["generate", str(path), "--engine", "llama.cpp", "--prompt", "w3", "--dtype", "float32"]) == 1
     err = capsys.readouterr().err
     assert "needs llama-cpp-python" in err and "Traceback" not in err
+    out, chat = tmp_path / "bench", Path(__file__).resolve().parents[1] / "treespec" / "assets" / "demo" / "chat.jsonl"
+    assert main(["bench", "--model", str(path), "--engine", "llama.cpp", "--methods", "ar", "--prompts", "1",
+                 "--datasets", str(chat), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "treespec bench: the llama.cpp engine needs llama-cpp-python" in err and "Traceback" not in err
+    assert not out.exists()  # nothing made by a run that could not start

@@ -15,6 +15,7 @@ from types import ModuleType
 
 from treespec import registry
 from treespec.apps.commands import SUBCOMMANDS, threads_from_env
+from treespec.target import EngineUnavailable
 
 
 
@@ -60,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     threads_from_env(args, parser)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except EngineUnavailable as exc:  # --engine NAME where its binding is missing: one line, whatever the command
+        print(f"treespec {name}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
