@@ -398,7 +398,8 @@ class LlamaCppTarget:
             raise ValueError(f"taps {tuple(taps)} differ from the prefill's {self._tap_set}: prefill again with them")
         self._check_room(self.length + tree.max_depth)
         if int(tree.tokens.max()) >= self.vocab_size:
-            raise ValueError(f"tree token {int(tree.tokens.max())} is outside the target's vocabulary of {self.vocab_size}")
+            raise ValueError(f"tree token {int(tree.tokens.max())} is outside the target's vocabulary of "
+                             f"{self.vocab_size}")
         if len(tree) > self.n_batch:
             raise ValueError(f"a tree of {len(tree)} nodes exceeds the engine's batch of {self.n_batch} tokens")
         leaf_sets = _leaf_sets(tree)
@@ -423,7 +424,8 @@ class LlamaCppTarget:
         if not accepted or accepted[0] != 0:
             raise ValueError("accepted node indices must start with the root (node 0)")
         if max(accepted) >= len(self._tree):
-            raise ValueError(f"accepted node {max(accepted)} was not in the last tree forward ({len(self._tree)} nodes)")
+            raise ValueError(f"accepted node {max(accepted)} was not in the last tree forward "
+                             f"({len(self._tree)} nodes)")
         keep = self._tree_sets[accepted[-1]][0]  # a leaf below the accepted path's end
         lib, memory = self.llama_cpp, self.llama_cpp.llama_get_memory(self._ctx)
         for s in range(self._tree_leaves):
