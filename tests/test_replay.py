@@ -440,3 +440,20 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
         assert len(calibrations) >= 3  # and calibrated by several fits
     finally:
         small.target.forward_tree = forward
+
+
+def test_a_policy_that_can_pay_for_no_tree_replays_as_the_live_loop_runs_it(small):
+    """A compute-bound cost (every token an AR step): live decoding does not draft at all, and replay,
+    asking the same question first, gives the same one-token rounds."""
+    bound = LinearCost(draft=0.001, base=0.0, per_token=0.05)
+    parsed = parse_method("caddtree@16")
+    (row,) = evaluate(small.trace, ["caddtree@16"], cost_model=bound)
+    decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], build_policy(parsed, bound))
+    drafts = ReplayDrafts.of(small.trace, parsed.drafter)
+    for i, prompt in enumerate(small.prompts):
+        decoder.gate.reset()
+        out = decoder.generate(prompt, max_new_tokens=small.trace.max_new_tokens)
+        replayed = replay_rounds(small.trace, drafts, build_policy(parsed, bound), i)
+        assert out.stats.undrafted and not any(r.drafted for r in out.stats.rounds)
+        assert [(r.tau, r.drafted) for r in replayed] == [(t, False) for t in out.stats.taus]  # no draft asked
+        assert tuple(row.taus[i]) == tuple(out.stats.taus)

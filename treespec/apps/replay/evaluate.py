@@ -68,20 +68,22 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
                   backend: str = "torch", stop_token_ids: Iterable[int] = (),
                   gate: DraftGate | None = None) -> list[ReplayRound]:
     """The rounds of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop runs
-    them, the policy's round hooks included (`TreePolicy.start_generation` first, then each round
+    them, the policy's round hooks included (`TreePolicy.can_pay` first: where it says no tree pays,
+    AR rounds and no hooks, as the live loop; else `TreePolicy.start_generation`, then each round
     `plan_round` before it and `observe_round` after it, with no stage times: replay measures none);
     ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
     conversation; pass one across prompts to mirror a decoder used for several generations)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
     rounds, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
-    if policy is not None:
+    drafting = policy is not None and policy.can_pay()  # asked before the generation, as the live decoder asks
+    if drafting:
         policy.start_generation()
     while done < total:
         anchor = start + done  # absolute position of the round's root
-        if policy is not None:
+        if drafting:
             policy.plan_round()
-        if policy is None or not gate.drafts_now():
+        if not drafting or not gate.drafts_now():
             tree, drafted = DraftTree.root_only(seq[anchor]), False
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
@@ -90,7 +92,7 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
             tree, drafted = limit_depth(built, min(total - done - 1, room - 1 - anchor)), True
             _check_recorded(tree)
         path = accepted_path(tree, seq[anchor + 1:])
-        if policy is not None:
+        if drafting:
             result = VerifyResult(torch.tensor(path), seq[anchor + len(path)] if anchor + len(path) < len(seq) else 0)
             policy.observe_round(RoundReport(tree, result, anchor, {}, drafted))
         tau = len(path)
