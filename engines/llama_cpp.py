@@ -262,12 +262,12 @@ class LlamaCppTarget:
         self.vocab_size = int(self.llama_cpp.llama_vocab_n_tokens(self.llama_cpp.llama_model_get_vocab(self.model)))
         self.embed_tokens, self.lm_head = self._torch_side(reader, dtype)
         del reader
-        self._contexts: dict[tuple[int, ...], tuple[Any, _Taps | None]] = {}
+        self._contexts: dict[tuple[int, ...], tuple[Any, _Taps | None, int]] = {}  # taps -> (ctx, hooks, threads)
         self._ctx, self._taps, self._tap_set = None, None, ()
         self._batch = self.llama_cpp.llama_batch_init(max(n_batch, 1), 0, max_leaves + 1)
         self.length = 0
-        self._tree_leaves = 0  # sequences the last tree forward used (0: none pending)
-        self._tree: DraftTree | None = None
+        self._tree: DraftTree | None = None  # the last tree forward, until committed or dropped
+        self._tree_sets: list[tuple[int, ...]] = []  # its nodes' sequences (`_leaf_sets`)
 
     # ------------------------------------------------------------------ loading
     def _load_model(self):
@@ -403,7 +403,7 @@ class LlamaCppTarget:
         if len(tree) > self.n_batch:
             raise ValueError(f"a tree of {len(tree)} nodes exceeds the engine's batch of {self.n_batch} tokens")
         leaf_sets = _leaf_sets(tree)
-        leaves = max(max(s) for s in leaf_sets) + 1
+        leaves = len(leaf_sets[0])  # the root belongs to every leaf's sequence
         if leaves > self.max_leaves:
             raise ValueError(f"a tree of {leaves} leaves exceeds the engine's {self.max_leaves} sequences "
                              "(max_leaves): build a narrower tree or load the engine with more")
@@ -413,7 +413,7 @@ class LlamaCppTarget:
         depths = tree.depths.tolist()
         self._fill(tree.tokens.tolist(), [self.length + d for d in depths], leaf_sets, [True] * len(tree))
         self._decode(len(tree))
-        self._tree, self._tree_leaves, self._tree_sets = tree, leaves, leaf_sets
+        self._tree, self._tree_sets = tree, leaf_sets
         return TargetOutput(self._logits(len(tree)), self._features(len(tree)) if self._tap_set else None)
 
     def commit(self, accepted: torch.Tensor) -> None:
@@ -428,7 +428,7 @@ class LlamaCppTarget:
                              f"({len(self._tree)} nodes)")
         keep = self._tree_sets[accepted[-1]][0]  # a leaf below the accepted path's end
         lib, memory = self.llama_cpp, self.llama_cpp.llama_get_memory(self._ctx)
-        for s in range(self._tree_leaves):
+        for s in range(len(self._tree_sets[0])):  # the tree's sequences: the root's
             if s != keep:
                 lib.llama_memory_seq_rm(memory, s, -1, -1)
         end = self.length + len(accepted)
@@ -468,9 +468,8 @@ class LlamaCppTarget:
         """Forget the last tree forward: the cache holds the committed tokens only (a profile's timing loop)."""
         if self._tree is not None:
             memory = self.llama_cpp.llama_get_memory(self._ctx)
-            for s in range(self._tree_leaves):
-                self.llama_cpp.llama_memory_seq_rm(memory, s, self.length, -1)
-            for s in range(1, self._tree_leaves):
+            self.llama_cpp.llama_memory_seq_rm(memory, 0, self.length, -1)
+            for s in range(1, len(self._tree_sets[0])):  # the others held the prefix and their branches
                 self.llama_cpp.llama_memory_seq_rm(memory, s, -1, -1)
             self._tree = None
 

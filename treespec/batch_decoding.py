@@ -146,18 +146,19 @@ class BatchDecoder:
         if len(budgets) != len(prompts) or len(gens) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts need as many max_new_tokens and generators "
                              f"(got {len(budgets)} and {len(gens)})")
-        rows = [self._row(i, p, n, sampling, stops, g) for i, (p, n, g) in enumerate(zip(prompts, budgets, gens))]
-        if not drafting:  # AR rows: no drafter, no policy (the policy's model shows no tree pays)
-            rows = [attrs.evolve(r, drafter=None, policy=None) for r in rows]
-            for row in rows:
-                row.stats.undrafted = self.drafter is not None
+        rows = [self._row(i, p, n, sampling, stops, g, drafting)
+                for i, (p, n, g) in enumerate(zip(prompts, budgets, gens))]
+        for row in rows:
+            row.stats.undrafted = self.drafter is not None and not drafting
         started = {id(r.policy): r.policy for r in rows if r.policy is not None}
         for policy in started.values():  # each request's policy once (shared: once for the batch)
             policy.start_generation()
         return rows
 
     def _row(self, index: int, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
-             stops: frozenset[int], generator: torch.Generator | None) -> Row:
+             stops: frozenset[int], generator: torch.Generator | None, drafting: bool) -> Row:
+        """One request's row; without ``drafting`` an AR row (no drafter fork, no policy: the policy's
+        model shows no tree pays)."""
         prompt = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).to(self.target.device)
         if prompt.numel() == 0:
             raise ValueError(f"prompt {index} is empty")
@@ -165,8 +166,8 @@ class BatchDecoder:
         generator = generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # the key a single-sequence run draws first
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
-        fork = None if self.drafter is None else self.drafter.fork()
-        policy = None if self.policy is None else self.policy.for_request()
+        fork = self.drafter.fork() if drafting else None
+        policy = self.policy.for_request() if drafting else None
         seq = SequenceState.start(prompt, max_new_tokens, stops)
         return Row(seq, fork, policy, DraftGate(self.draft_backoff), sampling, generator)
 

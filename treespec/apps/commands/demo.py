@@ -75,8 +75,7 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
         by_method[r.method].append(r)
     ties = Counter(d.method for d in divergences if d.gap <= d.tolerance)
     ar = {r.key: r for r in by_method["ar"]}
-    hit = {r.key for r in records if r.disturbed}  # turns left out of the speeds (unless every one was hit)
-    hit = set() if hit == {r.key for r in records} else hit
+    hit = left_out(records)
     ar_tpt = time_per_token(r for r in by_method["ar"] if r.key not in hit)
     width = max([16] + [len(m) + 2 for m in order if m in by_method])
     lines = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * (width + 43)]
@@ -192,10 +191,15 @@ def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, t
                         report.unacceptable)
 
 
+def left_out(records: Sequence[BenchRecord]) -> set:
+    """The turns left out of the speeds: those another process disturbed, unless every one was."""
+    hit = {r.key for r in records if r.disturbed}
+    return set() if hit == {r.key for r in records} else hit
+
+
 def method_speeds(records: Sequence[BenchRecord]) -> dict[str, float]:
     """Tokens per second of each method over the turns no other process disturbed (all, if every one was)."""
-    hit = {r.key for r in records if r.disturbed}
-    hit = set() if hit == {r.key for r in records} else hit
+    hit = left_out(records)
     methods = sorted({r.method for r in records})
     return {m: 1 / time_per_token(r for r in records if r.method == m and r.key not in hit) for m in methods}
 

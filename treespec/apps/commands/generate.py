@@ -71,7 +71,6 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import generate
     from treespec.apps.assembly.cost_source import CostSource
     from treespec.apps.assembly.loading import drafter_source, load_target, load_tokenizer, target_file
-    from treespec.target import EngineUnavailable
 
     try:
         sampling = typed_settings(args)
@@ -84,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokenizer = load_tokenizer(target_file(args.model, args.engine) if args.engine != "torch" else args.model)
         target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device, engine=args.engine)
-    except (OSError, ValueError, EngineUnavailable) as exc:
+    except (OSError, ValueError) as exc:
         print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
         return 1
     bad = [t for t in args.stop_token_id or () if not 0 <= t < target.vocab_size]

@@ -60,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     from treespec.apps.assembly.embedded import embedded_model_dir
     from treespec.apps.assembly.loading import embedded_drafter_dir, load_drafter, load_target
     from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
-    from treespec.target import EngineUnavailable
 
     try:
         start_threads(args)
@@ -68,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         paths = args.drafter if args.drafter is not None else (
             [embedded_drafter_dir(k) for k in ("dflash", "domino")] if args.model is None else [])
         drafters = [load_drafter(p) for p in paths]
-    except (OSError, ValueError, EngineUnavailable) as exc:
+    except (OSError, ValueError) as exc:
         print(f"treespec profile-cost: {exc}", file=sys.stderr)
         return 1
     measure = refresh_profile if args.fresh else machine_profile
