@@ -184,10 +184,10 @@ def interleaved_ms(builds: dict, make_draft, seeds: range) -> dict[str, tuple[fl
 
 def networkx_ms(policy, make_draft, rounds: int, limit: float) -> float | None:
     """Median ms of the networkx backend, or None when its first round exceeds ``limit`` seconds."""
-    first = interleaved_ms({"nx": lambda d: policy.build(d, backend="networkx")}, make_draft, range(9_000, 9_001))
+    first = interleaved_ms({"nx": lambda d: policy.with_backend("networkx").build(d)}, make_draft, range(9_000, 9_001))
     if first["nx"][0] > 1e3 * limit:
         return None
-    return interleaved_ms({"nx": lambda d: policy.build(d, backend="networkx")}, make_draft, range(rounds))["nx"][0]
+    return interleaved_ms({"nx": lambda d: policy.with_backend("networkx").build(d)}, make_draft, range(rounds))["nx"][0]
 
 
 def fmt(ms: float | None) -> str:

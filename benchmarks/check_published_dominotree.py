@@ -153,7 +153,7 @@ def compare(args, mods, target, drafter, contexts) -> None:
                              for name, draft, base in drafts if name == label]
                 ours = [draft for name, draft, _ in drafts if name == label]
                 for backend in ("torch", "networkx"):
-                    same = sum(set(_paths_treespec(policy.build(d, backend=backend))) == p
+                    same = sum(set(_paths_treespec(policy.with_backend(backend).build(d))) == p
                                for d, p in zip(ours, published))
                     print(f"B = {budget:3d} {label:11s} {backend:8s}: same tree {same}/{len(ours)}")
 

@@ -108,7 +108,7 @@ class FirstRound:
 
     def _tree(self, arm: Arm, sampling: SamplingParams, generator: torch.Generator):
         """(tree, proposals, the target's logits [N, V]) of one draw of ``arm``'s policy."""
-        tree, proposals = policy_tree(arm.policy, self.draft, "torch", sampling, generator)
+        tree, proposals = policy_tree(arm.policy, self.draft, sampling, generator)
         fitted = fitted_tree(tree, self.seq, self.target)
         proposals = cut_proposals(proposals, tree, fitted)
         logits = self.target.forward_tree(fitted, self.taps).logits

@@ -33,7 +33,7 @@ import networkx as nx
 import numpy as np
 import torch
 
-from treespec.interfaces import DraftOutput, TreePolicy, check_backend
+from treespec.interfaces import DraftOutput, TreePolicy, backend_field
 from treespec.policies.engine.best_first import budget_field, check_logprobs, count_field
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree
@@ -53,13 +53,13 @@ class Eagle2(TreePolicy):
     name: ClassVar[str] = "eagle2"
 
     budget: int = budget_field(16)  # non-root nodes kept after re-ranking
+    backend: str = backend_field()  # "torch" (vectorised) or "networkx" (the readable reference)
     topk: int = count_field(10)  # nodes expanded per depth, and children per expanded node
     depth: int | None = attrs.field(default=None, validator=_depth_limit)  # expansion depth; None: the draft's
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        check_backend(backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
         check_logprobs(draft)
-        if backend == "networkx":
+        if self.backend == "networkx":
             return DraftTree.from_networkx(self.build_graph(draft), device=draft.logprobs.device)
         return self._build_torch(draft)
 

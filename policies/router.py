@@ -23,7 +23,7 @@ from typing import ClassVar
 import attrs
 
 from treespec import registry
-from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy
+from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy, backend_field
 from treespec.policies.engine.best_first import budget_field, count_field
 from treespec.tree import DraftTree
 
@@ -55,6 +55,7 @@ class Router(TreePolicy):
     learns: ClassVar[bool] = True
 
     budget: int = budget_field(16)  # non-root nodes per round, for every arm
+    backend: str = backend_field()  # "torch" (vectorised) or "networkx" (the readable reference)
     arms: str = "dominotree|ddtree|pruned-dominotree"  # registered policies, '|'-separated
     probe: int = count_field(2)  # drafted rounds each arm is tried at a request's start
     choice: _Choice = attrs.field(factory=_Choice, metadata={"option": False})  # learned per request
@@ -64,7 +65,7 @@ class Router(TreePolicy):
         names = [n for n in self.arms.split("|") if n]
         if not names or self.name in names:
             raise ValueError(f"arms must name one or more registered policies other than the router, got {self.arms!r}")
-        built = tuple(registry.create("policy", n, budget=self.budget) for n in names)
+        built = tuple(registry.create("policy", n, budget=self.budget).with_backend(self.backend) for n in names)
         object.__setattr__(self, "policies", built)
         if len(self.choice.taus) != len(built):
             self.choice.taus = [[] for _ in built]
@@ -90,8 +91,8 @@ class Router(TreePolicy):
             self.choice.taus[self.choice.current].append(report.result.tau)
         return self.policies[self.choice.current].observe_round(report)
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        return self._arm(draft).build(draft, backend=backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
+        return self._arm(draft).build(draft)
 
     def _arm(self, draft: DraftOutput) -> TreePolicy:
         """The current arm, or the first one this draft can feed (a scorer arm needs a scorer)."""

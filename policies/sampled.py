@@ -49,7 +49,7 @@ from typing import ClassVar
 import attrs
 import torch
 
-from treespec.interfaces import DraftOutput, Proposals, SamplingParams, check_backend
+from treespec.interfaces import DraftOutput, Proposals, SamplingParams
 from treespec.policies.ddtree import DDTree
 from treespec.policies.dominotree import DominoTree
 from treespec.policies.engine.best_first import count_field
@@ -179,8 +179,7 @@ def _grow(policy, draft: DraftOutput, source: CandidateSource, keep: int, m: int
     return grow_sampled(draft, source, policy.budget, keep, m, sampling, seed)
 
 
-def _check_sampling(policy, sampling: SamplingParams, backend: str) -> None:
-    check_backend(backend)
+def _check_sampling(policy, sampling: SamplingParams) -> None:
     if sampling.greedy:
         raise ValueError(f"{policy.name} samples at temperature > 0 only; at T = 0 use build()")
     if policy.stop is not None:
@@ -192,9 +191,8 @@ class _Sampled:
 
     samples_from_draft: ClassVar[bool] = True
 
-    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
-               backend: str = "torch") -> tuple[DraftTree, Proposals]:
-        _check_sampling(self, sampling, backend)
+    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int) -> tuple[DraftTree, Proposals]:
+        _check_sampling(self, sampling)
         self.validate(draft)
         m = min(self.top_m, draft.vocab_size)
         return _grow(self, draft, self.sampled_source(draft, m), self.children_kept(m), m, sampling, seed)

@@ -41,7 +41,7 @@ from typing import ClassVar
 import attrs
 import numpy as np
 
-from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy
+from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy, backend_field
 from treespec.policies.engine.best_first import budget_field
 from treespec.policies.engine.cost import check_cost_model, require_cost_model
 from treespec.policies.static import Static
@@ -136,6 +136,7 @@ class Sequoia(TreePolicy):
     name: ClassVar[str] = "sequoia"
 
     budget: int = budget_field(16)  # non-root nodes of the tree
+    backend: str = backend_field()  # "torch" (vectorised) or "networkx" (the readable reference)
     acceptance: tuple[float, ...] = attrs.field(default="smollm2-dflash", converter=_acceptance)  # p_1, p_2, ...
     depth: int | None = attrs.field(default=None, validator=_depth_limit)  # depth limit; None: the draft's
 
@@ -148,11 +149,11 @@ class Sequoia(TreePolicy):
         values, _ = self.tables(draft)
         return max(n for n in range(1, len(values)) if values[n] > -np.inf)
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+    def build(self, draft: DraftOutput) -> DraftTree:
         n = self.size(draft)
         if n == 1:
             return DraftTree.root_only(draft.root_token, device=draft.logprobs.device)
-        return Static(self.tables(draft)[1][n]).build(draft, backend=backend)
+        return Static(self.tables(draft)[1][n], backend=self.backend).build(draft)
 
 
 @attrs.frozen

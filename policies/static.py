@@ -32,7 +32,7 @@ import networkx as nx
 import numpy as np
 import torch
 
-from treespec.interfaces import DraftOutput, TreePolicy, check_backend
+from treespec.interfaces import DraftOutput, TreePolicy, backend_field
 from treespec.policies.engine.best_first import check_logprobs
 from treespec.topk import exact_topk, order_key, reference_topk
 from treespec.tree import DraftTree, check_budget
@@ -90,6 +90,7 @@ class Static(TreePolicy):
 
     choices: tuple[Path, ...] = attrs.field(default="eagle1", converter=_choices)  # rank paths, or a preset name
     budget: int | None = attrs.field(default=None, validator=_budget)  # the first `budget` choices; None: all
+    backend: str = backend_field()  # "torch" (vectorised) or "networkx" (the readable reference)
 
     def used(self, draft: DraftOutput) -> tuple[Path, ...]:
         """The choices this draft can hold: within the budget, its depth and its vocabulary."""
@@ -97,13 +98,12 @@ class Static(TreePolicy):
         keep = set(kept)
         return tuple(p for p in kept if all(p[:i] in keep for i in range(1, len(p))))
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        check_backend(backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
         check_logprobs(draft)
         paths = self.used(draft)
         if not paths:
             return DraftTree.root_only(draft.root_token, device=draft.logprobs.device)
-        if backend == "networkx":
+        if self.backend == "networkx":
             return DraftTree.from_networkx(self.build_graph(draft), device=draft.logprobs.device)
         return self._build_torch(draft, paths)
 

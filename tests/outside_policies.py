@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from treespec import ConditionalScorer, DraftOutput, DraftTree, TreePolicy
-from treespec.interfaces import Expansion, check_backend
+from treespec.interfaces import Expansion
 from treespec.policies.engine.best_first import BestFirstPolicy, budget_field, check_logprobs, count_field
 from treespec.policies.engine.candidates import ScorerSource, TopTokens
 from treespec.topk import exact_topk
@@ -30,8 +30,7 @@ class BeamByDepth(TreePolicy):
     budget: int = budget_field(16)  # non-root nodes at most
     width: int = count_field(4)  # nodes kept per depth
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        check_backend(backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
         check_logprobs(draft)
         tokens, parents, depths, scores = [draft.root_token], [-1], [0], [0.0]
         level = [0]  # node indices of the last depth

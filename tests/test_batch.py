@@ -168,15 +168,15 @@ def test_build_batch_equals_one_build_per_draft(name, backend):
         drafts = [toy_draft(seed, vocab_size=300, depth=5) for seed in range(8)]  # 8: the CPU stacks them
     else:
         drafts = [marginal_draft(6, 700, seed, quantum=0.5 if seed % 2 else None) for seed in range(9)]
-    for tree, draft in zip(policy.build_batch(drafts, backend=backend), drafts, strict=True):
-        assert tree.equal(policy.build(draft, backend=backend))
+    for tree, draft in zip(policy.with_backend(backend).build_batch(drafts), drafts, strict=True):
+        assert tree.equal(policy.with_backend(backend).build(draft))
 
 
 def test_build_batch_groups_drafts_of_different_depths():
     policy = make_policy("ddtree", budget=20)
     drafts = [marginal_draft(depth, 300, seed, quantum=0.5) for seed, depth in enumerate((6, 3, 6, 1, 3) * 2)]
     for tree, draft in zip(policy.build_batch(drafts), drafts, strict=True):
-        assert tree.equal(policy.build(draft, backend="networkx"))
+        assert tree.equal(policy.with_backend("networkx").build(draft))
 
 
 # ---------------------------------------------------------------------------- the stacked frontier
@@ -196,7 +196,7 @@ def assert_each_own(policy, drafts, budgets) -> None:
     trees, _ = stacked_trees(policy, drafts, budgets)
     for tree, draft, budget in zip(trees, drafts, budgets, strict=True):
         own = attrs.evolve(policy, budget=budget)
-        assert tree.equal(own.build(draft, backend="networkx")), f"stacked tree != networkx for {own}"
+        assert tree.equal(own.with_backend("networkx").build(draft)), f"stacked tree != networkx for {own}"
         assert tree.equal(own.build(draft)), f"stacked tree != compact torch for {own}"
         assert tree.equal(own.build_torch(draft, static=True)), f"stacked tree != static torch for {own}"
 

@@ -371,13 +371,15 @@ def test_options_in_method_names_set_the_policys_own_fields_and_bad_ones_are_nam
     assert method.options == {"topk": 4, "depth": 3} and method.budget == 16
     policy = build_policy(method)
     assert (policy.budget, policy.topk, policy.depth) == (16, 4, 3)
+    assert build_policy(parse_method("ddtree@16+backend=networkx")).backend == "networkx"  # a policy's own field
     assert with_budget(parse_method("eagle2+topk=4:domino"), 32).name == "eagle2@32+topk=4:domino"
     assert [m.name for m in ab.expand_methods(["eagle2+topk=2"], [8, 16])][1:] == ["eagle2@8+topk=2", "eagle2@16+topk=2"]
-    for text, message in [("eagle2@16+tpk=4", "eagle2 has no option 'tpk'; its options: depth, topk"),
+    for text, message in [("eagle2@16+tpk=4", "eagle2 has no option 'tpk'; its options: backend, depth, topk"),
                           ("eagle2@16+topk=x", "option topk='x': not a valid int"),
                           ("eagle2@16+topk", "an option is KEY=VALUE"),
                           ("eagle2@16+topk=2+topk=3", "given twice"),
-                          ("ddtree@16+stop=1", "ddtree has no option 'stop'; its options: none")]:
+                          ("ddtree@16+stop=1", "ddtree has no option 'stop'; its options: backend"),
+                          ("ddtree@16+backend=jax", "unknown backend 'jax'")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_method(text)
 

@@ -22,7 +22,7 @@ from treespec.tree import DraftTree
 class TopChain(TreePolicy):
     """The top-1 token of every drafted depth."""
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+    def build(self, draft: DraftOutput) -> DraftTree:
         lp, tok = draft.logprobs.max(-1)
         return DraftTree.chain(draft.root_token, tok, lp)
 
@@ -33,7 +33,7 @@ class StaticTree(TreePolicy):
     CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0),
                (0, 0, 0, 0, 0))
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+    def build(self, draft: DraftOutput) -> DraftTree:
         top = draft.logprobs.topk(3, dim=-1)
         return DraftTree.from_topk_choices(self.CHOICES, root_token=draft.root_token, topk_tokens=top.indices,
                                            topk_logprobs=top.values)
@@ -125,7 +125,7 @@ class _WrongVocab(Drafter):
 
 
 class _WrongRoot(TreePolicy):
-    def build(self, draft, *, backend="torch"):
+    def build(self, draft):
         return DraftTree.chain(draft.root_token + 1, [1])
 
 
@@ -140,7 +140,9 @@ def test_clear_errors(qwen):
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         SpeculativeDecoder(qwen).generate(prompt, max_new_tokens=0)
     with pytest.raises(ValueError, match="unknown backend .jax.; expected one of"):
-        SpeculativeDecoder(qwen).generate(prompt, max_new_tokens=3, backend="jax")
+        treespec.policies.ddtree.DDTree(budget=4, backend="jax")
+    with pytest.raises(TypeError, match="backend"):  # the loop takes a policy, never a backend
+        SpeculativeDecoder(qwen).generate(prompt, max_new_tokens=3, backend="networkx")
     with pytest.raises(ValueError, match="prompt token ids must lie in \\[0, 128\\)"):
         SpeculativeDecoder(qwen).generate(torch.tensor([1, 500]), max_new_tokens=3)
     broken = tiny_target()

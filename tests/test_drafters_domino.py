@@ -224,7 +224,7 @@ def test_a_scorer_rebuilt_from_its_round_inputs_builds_the_same_trees(target, ta
     again = DraftOutput(logprobs=draft.logprobs.clone(), root_token=draft.root_token, scorer=rebuilt)
     for policy in (DominoTree(budget=24, top_m=16, node_topk=4), Chain(top_m=16)):
         for backend in ("torch", "networkx"):
-            assert policy.build(again, backend=backend).equal(policy.build(draft, backend=backend))
+            assert policy.with_backend(backend).build(again).equal(policy.with_backend(backend).build(draft))
         assert policy.build_torch(again, static=True).equal(policy.build_torch(draft, static=True))
 
 

@@ -154,8 +154,9 @@ def test_greedy_output_equals_autoregressive_full_sweep(greedy, arm, budget, fam
 @pytest.mark.parametrize("arm", ARMS, ids=arm_id)
 def test_networkx_backend_gives_the_same_rounds(greedy, arm):
     target, prompt = greedy.targets["llama"], greedy.prompts[3]
-    runs = [SpeculativeDecoder(target, make_drafter(arm[1], greedy.continuations["llama"]), make_policy(arm[0], 16))
-            .generate(prompt, max_new_tokens=40, backend=backend) for backend in ("torch", "networkx")]
+    runs = [SpeculativeDecoder(target, make_drafter(arm[1], greedy.continuations["llama"]),
+                               make_policy(arm[0], 16).with_backend(backend))
+            .generate(prompt, max_new_tokens=40) for backend in ("torch", "networkx")]
     assert runs[0].tokens.tolist() == runs[1].tokens.tolist() == greedy.reference("llama", 3)[:40]
     assert runs[0].stats.taus == runs[1].stats.taus
     assert [r.tree_size for r in runs[0].stats.rounds] == [r.tree_size for r in runs[1].stats.rounds]
@@ -268,8 +269,8 @@ def test_leviathan_acceptance_on_a_deterministic_chain_is_refused_and_is_biased(
     class ClaimsSampled(Chain):  # a false claim: the chain is the draft's argmax, not a sample
         samples_from_draft: ClassVar[bool] = True
 
-        def sample(self, draft, *, sampling, seed, backend="torch"):
-            tree = self.build(draft, backend=backend)
+        def sample(self, draft, *, sampling, seed):
+            tree = self.build(draft)
             rows = torch.log_softmax(draft.logprobs.double(), -1)[tree.depths.clamp_max(draft.depth - 1)]  # [N, V]
             return tree, Proposals(torch.arange(draft.vocab_size).expand(len(tree), -1), rows, seed)
 

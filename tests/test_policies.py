@@ -55,7 +55,7 @@ def toy_draft(seed: int, **config) -> DraftOutput:
 
 def built_alike(policy: BestFirstPolicy, draft: DraftOutput) -> DraftTree:
     """The networkx tree, after asserting both torch modes return it bit for bit."""
-    reference = policy.build(draft, backend="networkx")
+    reference = policy.with_backend("networkx").build(draft)
     compact = policy.build(draft)
     static = policy.build_torch(draft, static=True)
     assert compact.equal(reference), f"compact torch != networkx for {policy}"
@@ -156,7 +156,7 @@ def test_caddtree_backends_agree_and_prefix_ddtree(case, seed):
     draft, budget = case
     cost = random_cost(np.random.default_rng(seed))
     tree = built_alike(CaDDTree(budget=budget, cost_model=cost), draft)
-    full = DDTree(budget=budget).build(draft, backend="networkx")
+    full = DDTree(budget=budget).with_backend("networkx").build(draft)
     n = len(tree)
     assert tree.equal(DraftTree(full.tokens[:n], full.parents[:n], full.depths[:n], full.scores[:n]))
     assert tree.equal(DDTree(budget=budget, stop=CostAwareStop(cost)).build(draft))
@@ -343,13 +343,13 @@ def test_nan_and_positive_logprobs_are_rejected(cls):
     lp[2, 7] = 0.5
     for backend in ("torch", "networkx"):
         with pytest.raises(ValueError, match="<= 0"):
-            cls(budget=8).build(DraftOutput(logprobs=lp, root_token=1), backend=backend)
+            cls(budget=8).with_backend(backend).build(DraftOutput(logprobs=lp, root_token=1))
 
 
 @pytest.mark.parametrize("cls", POLICY_CLASSES)
 def test_unknown_backend_is_rejected(cls):
     with pytest.raises(ValueError, match="unknown backend 'numpy'"):
-        cls().build(toy_draft(0), backend="numpy")
+        cls().with_backend("numpy").build(toy_draft(0))
 
 
 @pytest.mark.parametrize("cls", [DominoTree, StaticCorrected])
@@ -397,8 +397,8 @@ def test_cuda_graph_build_equals_reference(policy):
     for seed in range(4):  # one capture, several replays with new drafts
         draft = marginal_draft(16, 4096, seed, quantum=1.0 if seed % 2 else None)
         on_gpu = DraftOutput(logprobs=draft.logprobs.cuda(), root_token=draft.root_token, position=draft.position)
-        assert graphed.build(on_gpu).to("cpu").equal(policy.build(draft, backend="networkx"))
-        assert policy.build(on_gpu).to("cpu").equal(policy.build(draft, backend="networkx"))
+        assert graphed.build(on_gpu).to("cpu").equal(policy.with_backend("networkx").build(draft))
+        assert policy.build(on_gpu).to("cpu").equal(policy.with_backend("networkx").build(draft))
 
 
 def random_domino_round(seed: int, device: str, modules: tuple, *, vocab: int = 300, hidden: int = 24,

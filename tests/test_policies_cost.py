@@ -88,10 +88,10 @@ def cost_models(draw):
        st.sampled_from([0.5, 2.0, 5.0]), st.sampled_from([None, 1.0]), st.integers(0, 4000), st.integers(0, 2**31))
 def test_caddtree_stops_at_the_brute_force_argmax(cost, depth, vocab, budget, scale, quantum, position, seed):
     draft = draft_at(position, depth, vocab, seed, scale, quantum)
-    order = DDTree(budget=budget).build(draft, backend="networkx")
+    order = DDTree(budget=budget).with_backend("networkx").build(draft)
     expected, paid = brute_force_best_size(order.scores[1:].tolist(), cost, position)
     policy = CaDDTree(budget=budget, cost_model=cost)
-    for tree in (policy.build(draft), policy.build(draft, backend="networkx")):
+    for tree in (policy.build(draft), policy.with_backend("networkx").build(draft)):
         assert tree.budget == expected
         assert tree.equal(DDTree(budget=max(expected, 1)).build(draft)) or expected == 0
         assert policy.pays_for_draft(draft, tree) == paid
@@ -110,7 +110,7 @@ def test_cost_aware_policies_choose_the_root_only_tree_when_no_tree_pays():
     cost = LinearCost(draft=0.01, base=0.0, per_token=0.07)
     draft = draft_at(300, 8, 200, 0, 4.0)
     for backend in ("torch", "networkx"):
-        assert len(CaDDTree(budget=64, cost_model=cost).build(draft, backend=backend)) == 1
+        assert len(CaDDTree(budget=64, cost_model=cost).with_backend(backend).build(draft)) == 1
     cheap = LinearCost(draft=0.001, base=0.07, per_token=1e-4)  # a GPU-like curve: trees pay
     assert len(CaDDTree(budget=64, cost_model=cheap).build(draft)) > 1
 
@@ -162,7 +162,7 @@ def test_published_convention_builds_the_released_tree(cost, depth, budget, posi
     draft = draft_at(position, depth, 50, seed, 3.0)  # continuous scores: no ties between paths
     expected = published_caddtree_sizes(draft.logprobs.double(), cost, position, budget)
     for backend in ("torch", "networkx"):
-        tree = CaDDTree(budget=budget, cost_model=cost, convention="published").build(draft, backend=backend)
+        tree = CaDDTree(budget=budget, cost_model=cost, convention="published").with_backend(backend).build(draft)
         assert list(tree.rank_paths[1:]) == expected
 
 
@@ -170,11 +170,11 @@ def test_cost_aware_stop_composes_with_dominotree():
     draft = ToyConditionalDrafter(seed=3, vocab_size=60, depth=8, logit_scale=4.0).draft(
         DraftContext(sequence=torch.full((301,), 2), features=None))
     cost = LinearCost(draft=0.005, base=0.02, per_token=0.002)
-    full = DominoTree(budget=64).build(draft, backend="networkx")
+    full = DominoTree(budget=64).with_backend("networkx").build(draft)
     tree = DominoTree(budget=64, stop=CostAwareStop(cost)).build(draft)
     expected, paid = brute_force_best_size(full.scores[1:].tolist(), cost, draft.position)
     assert tree.budget == expected and 0 < expected < 64 and paid
-    assert tree.equal(DominoTree(budget=64, stop=CostAwareStop(cost)).build(draft, backend="networkx"))
+    assert tree.equal(DominoTree(budget=64, stop=CostAwareStop(cost)).with_backend("networkx").build(draft))
 
 
 # ---------------------------------------------------------------------------- the models
@@ -321,7 +321,7 @@ def test_cost_aware_dominotree_is_dominotree_with_the_cost_stop(convention):
         composed = DominoTree(budget=64, stop=CostAwareStop(cost, convention))
         policy = CostAwareDominoTree(budget=64, cost_model=cost, convention=convention)
         for backend in ("torch", "networkx"):
-            assert policy.build(draft, backend=backend).equal(composed.build(draft, backend=backend))
+            assert policy.with_backend(backend).build(draft).equal(composed.with_backend(backend).build(draft))
     with pytest.raises(ValueError, match="needs the cost model"):
         CostAwareDominoTree().build(draft)
     with pytest.raises(ValueError, match="convention"):
@@ -339,7 +339,7 @@ def test_a_calibration_scales_the_promise_and_the_backends_still_agree():
         for kappa in (0.3, 0.7, Calibration(0.7, 1.5)):
             policy = CaDDTree(budget=64, cost_model=cost, calibration=kappa)
             tree = policy.build(draft)
-            assert tree.equal(policy.build(draft, backend="networkx"))
+            assert tree.equal(policy.with_backend("networkx").build(draft))
             assert tree.budget <= plain.budget
             sizes.append((plain.budget, tree.budget))
     assert any(small < big for big, small in sizes)  # the calibration changed some decisions
@@ -357,7 +357,7 @@ def test_a_power_below_one_lifts_the_small_promises_and_the_backends_still_agree
         plain = CaDDTree(budget=64, cost_model=cost).build(draft)
         policy = CaDDTree(budget=64, cost_model=cost, calibration=Calibration(1.0, 0.6))
         tree = policy.build(draft)
-        assert tree.equal(policy.build(draft, backend="networkx"))
+        assert tree.equal(policy.with_backend("networkx").build(draft))
         assert tree.budget >= plain.budget
         grew += tree.budget > plain.budget
         lifted = Calibration(1.0, 0.6).deltas(tree.scores[1:])

@@ -21,7 +21,7 @@ from treespec.apps.kit.testing import PolicyCheckError, check_policy
 from treespec.apps.replay import RecordConfig, evaluate
 from treespec.apps.replay.views import views_at
 from treespec.decoding import PolicyError
-from treespec.interfaces import DraftContext, DraftOutput, TreePolicy
+from treespec.interfaces import DraftContext, DraftOutput, TreePolicy, backend_field
 from treespec.policies.ddtree import DDTree
 from treespec.policies.engine.best_first import BestFirstPolicy, budget_field
 from treespec.policies.engine.candidates import TopTokens
@@ -94,9 +94,10 @@ def test_they_run_through_replay_bench_and_drawing(world, tmp_path, method):
 class WrongRoot(TreePolicy):
     name = "wrong-root"
     budget: int = 8
+    backend: str = backend_field()
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        tree = DDTree(budget=self.budget).build(draft, backend=backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
+        tree = DDTree(budget=self.budget, backend=self.backend).build(draft)
         tokens = tree.tokens.clone()
         tokens[0] = (tokens[0] + 1) % draft.vocab_size
         return DraftTree(tokens, tree.parents, tree.depths, tree.scores)
@@ -120,7 +121,7 @@ class BadParent(TreePolicy):
     name = "bad-parent"
     budget: int = 8
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+    def build(self, draft: DraftOutput) -> DraftTree:
         return DraftTree.build([draft.root_token, 5, 6], [-1, 2, 0])  # node 1's parent comes after it
 
 

@@ -60,8 +60,8 @@ class Capturing(TreePolicy):
         self.inner = inner
         self.trees: list[tuple[int, DraftTree]] = []
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        tree = self.inner.build(draft, backend=backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
+        tree = self.inner.build(draft)
         self.trees.append((draft.position, tree))
         return tree
 
@@ -161,7 +161,7 @@ def test_compressed_trace_keeps_far_fewer_than_the_vocabulary(compressed):
 @pytest.mark.parametrize("method", ["ddtree@16", "dominotree@16", "static-corrected@8"])
 def test_networkx_backend_replays_the_same_taus(small, method):
     live, _ = small.live(method)
-    assert list(evaluate(small.trace, [method], backend="networkx", cost_model=COST)[0].taus) == live
+    assert list(evaluate(small.trace, [f"{method}+backend=networkx"], cost_model=COST)[0].taus) == live
 
 
 @pytest.mark.parametrize("method", ["ddtree@48", "dominotree@16"])
@@ -286,7 +286,7 @@ class DeepRanks(TreePolicy):
 
     name = "deep-ranks"
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+    def build(self, draft: DraftOutput) -> DraftTree:
         top = draft.logprobs.topk(8, dim=-1)
         return DraftTree.from_topk_choices([(0,), (0, 7)], root_token=draft.root_token, topk_tokens=top.indices,
                                            topk_logprobs=top.values)

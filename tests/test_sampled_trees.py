@@ -164,7 +164,7 @@ def test_the_fixed_shape_is_the_deterministic_trees(world, policy):
 def test_a_seed_rebuilds_the_same_tree_on_both_backends(world, policy, shape):
     pol, t1 = _policy(policy, 8, shape=shape), SamplingParams(1.0)
     tree, proposals = pol.sample(world.draft, sampling=t1, seed=123)
-    again, _ = pol.sample(world.draft, sampling=t1, seed=123, backend="networkx")
+    again, _ = pol.with_backend("networkx").sample(world.draft, sampling=t1, seed=123)
     assert tree.equal(again) and proposals.seed == 123 and len(tree) == 9
     assert not all(pol.sample(world.draft, sampling=t1, seed=s)[0].equal(tree) for s in range(124, 130))
 

@@ -61,7 +61,7 @@ def test_the_tree_is_filled_by_rank_and_the_cost_model_picks_the_size():
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(0)) * 3
     draft = DraftOutput(logprobs=torch.log_softmax(logits, -1), root_token=3, position=100)
     full = Sequoia(budget=12, acceptance=p).build(draft)
-    assert full.budget == 12 and full.equal(Sequoia(budget=12, acceptance=p).build(draft, backend="networkx"))
+    assert full.budget == 12 and full.equal(Sequoia(budget=12, acceptance=p).with_backend("networkx").build(draft))
     flat = LinearCost(draft=0.0, base=0.05, per_token=0.0)  # trees cost what an AR step costs: the whole budget
     assert HardwareAwareSequoia(budget=12, acceptance=p, cost_model=flat).build(draft).equal(full)
     dear = LinearCost(draft=0.05, base=0.05, per_token=0.05)  # nothing beats AR

@@ -13,7 +13,7 @@ import torch
 
 from treespec import registry
 from treespec.apps.kit.testing import PolicyCheckError, check_policy
-from treespec.interfaces import DraftContext, DraftOutput, TreePolicy
+from treespec.interfaces import DraftContext, DraftOutput, TreePolicy, backend_field
 from treespec.policies.ddtree import DDTree
 from treespec.tree import DraftTree
 
@@ -75,10 +75,11 @@ class Shuffled(TreePolicy):
     """DDTree's tree with its last two nodes swapped: a valid tree, but not in canonical order."""
 
     budget: int = 16
+    backend: str = backend_field()
     name = "shuffled"
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        tree = DDTree(budget=self.budget).build(draft, backend=backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
+        tree = DDTree(budget=self.budget, backend=self.backend).build(draft)
         a, b = len(tree) - 2, len(tree) - 1  # the last two nodes, swapped when both hang above them
         if a < 1 or max(int(tree.parents[a]), int(tree.parents[b])) >= a or tree.scores[a] == tree.scores[b]:
             return tree
@@ -91,10 +92,11 @@ class BackendsDiffer(TreePolicy):
     """The networkx backend builds a smaller tree than the torch one."""
 
     budget: int = 16
+    backend: str = backend_field()
     name = "backends-differ"
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        return DDTree(budget=self.budget if backend == "torch" else max(1, self.budget - 1)).build(draft)
+    def build(self, draft: DraftOutput) -> DraftTree:
+        return DDTree(budget=self.budget if self.backend == "torch" else max(1, self.budget - 1)).build(draft)
 
 
 @attrs.frozen
@@ -102,8 +104,8 @@ class OverBudget(TreePolicy):
     budget: int = 16
     name = "over-budget"
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        return DDTree(budget=self.budget + 1).build(draft, backend=backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
+        return DDTree(budget=self.budget + 1).build(draft)
 
 
 @attrs.frozen
@@ -113,8 +115,8 @@ class RisingScores(TreePolicy):
     budget: int = 16
     name = "rising"
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        tree = DDTree(budget=self.budget).build(draft, backend=backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
+        tree = DDTree(budget=self.budget).build(draft)
         return DraftTree(tree.tokens, tree.parents, tree.depths, -tree.scores)
 
 

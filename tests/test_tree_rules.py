@@ -123,7 +123,7 @@ def test_the_floor_is_where_the_acceptance_rate_falls_under_its_mark():
     draft = drafts(True)[0]
     kept = policy.build(draft)
     assert bool((kept.scores[1:] >= math.log(floor.floor) - 1e-6).all())
-    assert kept.equal(policy.build(draft, backend="networkx"))
+    assert kept.equal(policy.with_backend("networkx").build(draft))
 
 
 def test_the_router_probes_each_arm_then_keeps_the_best():

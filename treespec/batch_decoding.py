@@ -52,7 +52,7 @@ from treespec.decoding import (
     checked_parts,
     generator_for,
 )
-from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier, check_backend
+from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult
 from treespec.target import TargetModel, TargetOutput
@@ -91,7 +91,7 @@ class BatchDecoder:
     def generate(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int | Sequence[int],
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  stop_token_ids: Iterable[int] | None = None,
-                 generators: Sequence[torch.Generator | None] | None = None, backend: str = "torch",
+                 generators: Sequence[torch.Generator | None] | None = None,
                  position_keyed: bool | None = None, first_token: str = "round",
                  sampling: SamplingParams | None = None) -> list[GenerationResult]:
         """Up to ``max_new_tokens`` (one value, or one per prompt) new tokens after each prompt;
@@ -103,8 +103,7 @@ class BatchDecoder:
         sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
         drafting = self.drafter is not None and self.policy.can_pay()  # as the single decoder asks
         taps = self.taps if drafting else ()
-        rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators, backend,
-                           drafting)
+        rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators, drafting)
         batch = BatchTarget(self.target)
         rounds = RoundRunner(self.target, self.drafter if drafting else None, self.verifier, BatchSide(batch, taps),
                              batched=True)
@@ -118,7 +117,7 @@ class BatchDecoder:
             row.stats.prefill_time = clock.times["prefill"] + clock.times.get("first", 0.0)
         active, began = self._leave(batch, list(rows)), clock.now()
         while active:
-            rounds.run(active, backend)
+            rounds.run(active)
             now = clock.now()
             for row in active:
                 row.stats.decode_time = now - began
@@ -136,9 +135,8 @@ class BatchDecoder:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int], sampling: SamplingParams,
-               stops: frozenset[int], generators: Sequence[torch.Generator | None] | None, backend: str,
+               stops: frozenset[int], generators: Sequence[torch.Generator | None] | None,
                drafting: bool) -> list[Row]:
-        check_backend(backend)
         if not prompts:
             raise ValueError("generate needs at least one prompt")
         budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)

@@ -76,7 +76,6 @@ from treespec.interfaces import (
     TreePolicy,
     Verifier,
     VerifyResult,
-    check_backend,
     check_single_batch,
 )
 from treespec.sampling import sampling_key, target_tokens
@@ -245,7 +244,7 @@ class RoundRunner:
         self.target, self.drafter, self.verifier, self.side = target, drafter, verifier, side
         self.batched, self.clock, self.on_round = batched, clock, on_round
 
-    def run(self, rows: list[Row], backend: str) -> None:
+    def run(self, rows: list[Row]) -> None:
         """One round of every row of ``rows`` (each unfinished); appends each row's `RoundStats`."""
         clock = Stopwatch(self.target.device, self.clock)  # "verify": the trees' forward + the verifiers' walks
         for row in rows:
@@ -256,7 +255,7 @@ class RoundRunner:
             row.draft = None
         if drafting:
             clock.run("draft", self._draft, drafting)
-        clock.run("build", self._build, rows, backend)
+        clock.run("build", self._build, rows)
         contexts = [r.seq.anchor_position for r in rows]  # cached tokens under each tree
         results, outputs = clock.run("verify", self._verify, rows)
         if self.on_round is not None:
@@ -285,11 +284,11 @@ class RoundRunner:
         for row, draft in zip(drafting, drafts, strict=True):
             row.draft = checked_draft(draft, self.target)
 
-    def _build(self, rows: list[Row], backend: str) -> None:
+    def _build(self, rows: list[Row]) -> None:
         """Each row's tree: its policy's (sampled at T > 0 where it samples from the draft; trees of rows
         sharing a policy built together), checked, recorded by the gate, cut to the usable depth; the
         root alone for a row that did not draft."""
-        built = _trees(rows, backend, self.batched)
+        built = _trees(rows, self.batched)
         for row in rows:
             tree, proposals = built.get(id(row), (None, None))
             if tree is None:
@@ -332,18 +331,18 @@ def _plan(row: Row, *, alone: bool) -> RoundPlan:
     return row.policy.plan_round()
 
 
-def _trees(rows: list[Row], backend: str, batched: bool) -> dict[int, tuple[DraftTree, Proposals | None]]:
+def _trees(rows: list[Row], batched: bool) -> dict[int, tuple[DraftTree, Proposals | None]]:
     """id(row) -> (tree, proposals) for every drafting row: sampled per row where its policy samples at
     T > 0, else built, the rows of one policy together (`built_trees`) in a batch."""
     out = {}
     groups: dict[int, list[Row]] = {}
     for row in (r for r in rows if r.draft is not None):
         if not batched or (row.policy.samples_from_draft and not row.sampling.greedy):
-            out[id(row)] = policy_tree(row.policy, row.draft, backend, row.sampling, row.generator)
+            out[id(row)] = policy_tree(row.policy, row.draft, row.sampling, row.generator)
         else:
             groups.setdefault(id(row.policy), []).append(row)
     for group in groups.values():
-        trees = built_trees(group[0].policy, [r.draft for r in group], backend)
+        trees = built_trees(group[0].policy, [r.draft for r in group])
         out.update({id(r): (t, None) for r, t in zip(group, trees, strict=True)})
     return out
 
@@ -381,8 +380,7 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ public entry
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, stop_token_ids: Iterable[int] | None = None,
-                 generator: torch.Generator | None = None, backend: str = "torch",
-                 position_keyed: bool | None = None, first_token: str = "round",
+                 generator: torch.Generator | None = None, position_keyed: bool | None = None, first_token: str = "round",
                  sampling: SamplingParams | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([P] or [1, P]).
 
@@ -394,7 +392,6 @@ class SpeculativeDecoder:
         the four keywords (`SamplingParams.of`)."""
         sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
         prompt = check_single_batch(input_ids).to(self.target.device)
-        check_backend(backend)
         check_request(self.target, prompt, max_new_tokens)
         generator = generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
@@ -413,7 +410,7 @@ class SpeculativeDecoder:
         clock = Stopwatch(self.target.device, self.clock)
         start = clock.now()
         while not row.seq.done:
-            rounds.run([row], backend)
+            rounds.run([row])
         row.stats.decode_time = clock.now() - start
         row.stats.new_tokens = row.seq.length - row.seq.prompt_len
         return GenerationResult(row.seq.tokens[row.seq.prompt_len:row.seq.length].clone(), row.stats)
@@ -465,21 +462,21 @@ def policy_label(policy: TreePolicy) -> str:
     return policy.name if policy.name != TreePolicy.name else type(policy).__name__
 
 
-def built_tree(policy: TreePolicy, draft: DraftOutput, backend: str = "torch") -> DraftTree:
+def built_tree(policy: TreePolicy, draft: DraftOutput) -> DraftTree:
     """``policy.build(draft)``, checked (`checked_tree`); whatever the build raises comes back as a
     `PolicyError` naming the policy.  Live decoding, replay, drawing and the test kit build through it."""
     try:
-        tree = policy.build(draft, backend=backend)
+        tree = policy.build(draft)
     except _BUILD_ERRORS as exc:
         raise PolicyError(f"the {policy_label(policy)} policy could not build its tree: "
                           f"{type(exc).__name__}: {exc}") from exc
     return checked_tree(tree, draft, policy)
 
 
-def built_trees(policy: TreePolicy, drafts: Sequence[DraftOutput], backend: str = "torch") -> list[DraftTree]:
+def built_trees(policy: TreePolicy, drafts: Sequence[DraftOutput]) -> list[DraftTree]:
     """``policy.build_batch(drafts)``, each tree checked as `built_tree` checks it."""
     try:
-        trees = policy.build_batch(drafts, backend=backend)
+        trees = policy.build_batch(drafts)
     except _BUILD_ERRORS as exc:
         raise PolicyError(f"the {policy_label(policy)} policy could not build its trees: "
                           f"{type(exc).__name__}: {exc}") from exc
@@ -505,14 +502,14 @@ def checked_tree(tree: DraftTree, draft: DraftOutput, policy: TreePolicy) -> Dra
     return tree
 
 
-def policy_tree(policy: TreePolicy, draft: DraftOutput, backend: str, sampling: SamplingParams,
+def policy_tree(policy: TreePolicy, draft: DraftOutput, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[DraftTree, Proposals | None]:
     """The round's tree: sampled with a seed fresh from ``generator`` where the policy samples from
     the draft and T > 0, built otherwise (no proposals); checked as `built_tree` checks."""
     if not (policy.samples_from_draft and not sampling.greedy):
-        return built_tree(policy, draft, backend), None
+        return built_tree(policy, draft), None
     try:
-        tree, proposals = policy.sample(draft, sampling=sampling, seed=sampling_key(generator), backend=backend)
+        tree, proposals = policy.sample(draft, sampling=sampling, seed=sampling_key(generator))
     except _BUILD_ERRORS as exc:
         raise PolicyError(f"the {policy_label(policy)} policy could not sample its tree: "
                           f"{type(exc).__name__}: {exc}") from exc

@@ -7,8 +7,10 @@ One decoding round is ``draft -> build -> verify -> commit``:
 1. ``Drafter.draft(DraftContext) -> DraftOutput``: one block forward of the drafter.  The output
    holds base log-probs for drafted depths 1..L (row ``d - 1`` is the distribution of the token at
    depth ``d``) and, for path-dependent drafters, a `ConditionalScorer`.
-2. ``TreePolicy.build(DraftOutput, backend=...) -> DraftTree``: pure; no model calls other than
-   the scorer carried by the draft, no timing, no globals.
+2. ``TreePolicy.build(DraftOutput) -> DraftTree``: pure; no model calls other than the scorer
+   carried by the draft, no timing, no globals.  A policy is built with its backend (``backend=``
+   "torch", the vectorised build, or "networkx", the readable reference; `TreePolicy.with_backend`);
+   the decoding loop never names one.
 3. ``Verifier.verify(tree, target_logits, ...) -> VerifyResult``: accepted node indices (starting
    with the root) and the new bonus token, which becomes the next round's root.
 4. The decoder commits the accepted path and calls ``Drafter.observe``.
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "Proposals", "RecordableScorer",
     "CalibrationMap", "PricedCurve", "RoundPlan", "RoundReport", "SamplingParams",
-    "TreePolicy", "Verifier", "VerifyResult", "check_backend", "check_single_batch", "BACKENDS",
+    "TreePolicy", "Verifier", "VerifyResult", "backend_field", "check_backend", "check_single_batch", "BACKENDS",
 ]
 
 BACKENDS = ("torch", "networkx")
@@ -64,6 +66,11 @@ def check_backend(backend: str) -> None:
     """Refuse a tree backend other than those of `BACKENDS`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+
+def backend_field():
+    """The attrs field of a policy with both backends: ``backend``, keyword-only, "torch" by default."""
+    return attrs.field(default="torch", kw_only=True, validator=lambda _, __, value: check_backend(value))
 
 
 def check_single_batch(input_ids: torch.Tensor) -> torch.Tensor:
@@ -307,22 +314,31 @@ class TreePolicy(ABC):
     budget: int | None = None  # most non-root nodes its trees hold (a field of most policies; None: no fixed cap)
     learns: ClassVar[bool] = False  # its trees depend on the rounds it observed (`observe_round`), so a harness's
     # records depend on the order of its prompts
+    backend: str = "torch"  # which implementation builds its trees (`BACKENDS`); a policy with both declares
+    # it as a field (`backend_field`), one whose single implementation serves both keeps this
 
     @abstractmethod
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        """Build the round's tree with the given backend ("torch" or "networkx")."""
+    def build(self, draft: DraftOutput) -> DraftTree:
+        """Build the round's tree with this policy's backend."""
 
-    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int,
-               backend: str = "torch") -> tuple[DraftTree, Proposals]:
+    def with_backend(self, backend: str) -> TreePolicy:
+        """This policy with its trees built by ``backend`` ("torch" or "networkx"): a copy with that field
+        (learned state shared), or the policy itself when one implementation serves both backends."""
+        check_backend(backend)
+        if backend == self.backend or not (attrs.has(type(self)) and "backend" in attrs.fields_dict(type(self))):
+            return self
+        return attrs.evolve(self, backend=backend)
+
+    def sample(self, draft: DraftOutput, *, sampling: SamplingParams, seed: int) -> tuple[DraftTree, Proposals]:
         """A policy declaring ``samples_from_draft``: the tree with every node's children drawn
         from the draft at ``sampling``'s temperature, and what they were drawn from; a pure
         function of (draft, sampling, seed), so a recorded seed rebuilds the same tree."""
         raise NotImplementedError(f"{type(self).__name__} declares samples_from_draft but has no sample()")
 
-    def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
+    def build_batch(self, drafts: Sequence[DraftOutput]) -> list[DraftTree]:
         """One tree per draft, each the tree `build` returns for it, bit for bit.  Default: one
         build each; a policy may share work across the drafts (policies/engine/best_first.py does)."""
-        return [self.build(draft, backend=backend) for draft in drafts]
+        return [self.build(draft) for draft in drafts]
 
     def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
         """Whether the round that built ``tree`` from ``draft`` paid for drafting: the decoder backs

@@ -36,7 +36,7 @@ import networkx as nx
 import numpy as np
 import torch
 
-from treespec.interfaces import DraftOutput, TreePolicy, check_backend
+from treespec.interfaces import DraftOutput, TreePolicy, backend_field
 from treespec.policies.engine.candidates import Candidates, CandidateSource, check_candidates, padded
 from treespec.policies.engine.frontier import Mode, expand_frontier, grow_batch, resolve
 from treespec.policies.engine.stop import StopRule
@@ -67,26 +67,25 @@ def check_logprobs(draft: DraftOutput) -> None:
 
 
 # ---------------------------------------------------------------------------- the policy base
+@attrs.frozen(slots=False)  # a dict class: its subclasses may mix in other slotted bases (CostAware)
 class BestFirstPolicy(TreePolicy):
-    """`TreePolicy.build` for best-first policies; subclasses provide `candidates` and fields
-    ``budget`` (an int, or None where `max_nodes` derives it) and ``stop``."""
+    """`TreePolicy.build` for best-first policies, on both backends; subclasses provide `candidates`
+    and the fields ``budget`` (an int, or None where `max_nodes` derives it) and ``stop`` (a
+    `StopRule` or None); ``backend`` is this base's own keyword-only field."""
 
-    budget: int | None
-    stop: StopRule | None
+    backend: str = backend_field()  # "torch" (vectorised) or "networkx" (the readable reference)
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
-        check_backend(backend)
+    def build(self, draft: DraftOutput) -> DraftTree:
         self.validate(draft)
-        if backend == "networkx":
+        if self.backend == "networkx":
             return possible(grow_reference(draft, self.source(draft, "reference"), self.max_nodes(draft), self.stop))
         return possible(self.build_torch(draft))
 
-    def build_batch(self, drafts: Sequence[DraftOutput], *, backend: str = "torch") -> list[DraftTree]:
+    def build_batch(self, drafts: Sequence[DraftOutput]) -> list[DraftTree]:
         """`build` of every draft, bit for bit; the torch backend grows the drafts' trees together
         where that is the cheaper build (`frontier.grow_batch`)."""
-        check_backend(backend)
-        if backend == "networkx" or len(drafts) < 2:
-            return [self.build(draft, backend=backend) for draft in drafts]
+        if self.backend == "networkx" or len(drafts) < 2:
+            return [self.build(draft) for draft in drafts]
         for draft in drafts:
             self.validate(draft)
         budgets = [self.max_nodes(draft) for draft in drafts]

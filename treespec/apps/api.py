@@ -140,7 +140,7 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
              do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, stop_token_ids: Iterable[int] | int | None = None,
              seed: int | None = None, tokenizer: Any = None, dtype: torch.dtype | str = "auto",
-             device: str | torch.device = "cpu", backend: str = "torch", position_keyed: bool | None = None,
+             device: str | torch.device = "cpu", position_keyed: bool | None = None,
              drafter_kwargs: dict[str, Any] | None = None, policy_kwargs: dict[str, Any] | None = None,
              cost_model: str | CostModel | CostSource = "live", threads: int | None = None,
              sampling: SamplingParams | None = None, chat: bool = False,
@@ -166,7 +166,7 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
     checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
     fixed = policy if isinstance(policy, TreePolicy) else None
     options = {"max_new_tokens": max_new_tokens, "sampling": sampling,
-               "stop_token_ids": _stop_ids(stop_token_ids, tokenizer, target), "backend": backend}
+               "stop_token_ids": _stop_ids(stop_token_ids, tokenizer, target)}
     ids = [_input_ids(p, tokenizer, chat) for p in prompts]
     with session:  # what the live cost models measured is saved at its end
         if batch:

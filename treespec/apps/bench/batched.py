@@ -39,7 +39,7 @@ class BatchRunner(Runner):
         ids = self.session.chat.encode(prompt.turns[:1], [])
         for m in self.methods:
             self.decoders[m.name].generate([ids] * self.config.batch_size, max_new_tokens=self.config.warmup_tokens,
-                                           stop_token_ids=self.stops, backend=self.config.backend)
+                                           stop_token_ids=self.stops)
 
     def conversations(self, prompts: Sequence[PromptRecord], temperature: float) -> list[list[tuple[list, list]]]:
         """Per conversation, (records, divergences) per turn; a conversation that overflows the context
@@ -95,7 +95,7 @@ class BatchRunner(Runner):
             results = self.decoders[method.name].generate(
                 [t.ids for t in turns], max_new_tokens=self.config.max_new_tokens, temperature=temperature,
                 stop_token_ids=self.stops, generators=[torch.Generator().manual_seed(t.seed) for t in turns],
-                backend=self.config.backend, first_token=self.config.first_token)
+                first_token=self.config.first_token)
         load = meter.stop().to_record()
         decode = max(r.stats.decode_time for r in results)  # the batch's wall time, first round to last
         longest = max(results, key=lambda r: len(r.stats.rounds)).stats.stage_totals()  # the batch's stage times

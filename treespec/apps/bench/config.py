@@ -49,7 +49,6 @@ class BenchConfig:
     seed: int = 0  # prompt shuffle and the paired sampling streams
     warmup_tokens: int = 8  # new tokens of the untimed warm-up generation per method
     gap_tolerance: float | None = None  # tolerance on AR's decision margin at a divergence; None: GAP_TOLERANCE
-    backend: str = "torch"  # policy backend: "torch" or "networkx"
     stop_at_eos: bool = True  # stop responses at the tokenizer's EOS (False: always max_new_tokens)
     enable_thinking: bool = False  # the Qwen3 chat template's thinking switch (off, as published)
     first_token: str = "round"  # "prefill": the first token from the prefill, τ counted as the papers count it

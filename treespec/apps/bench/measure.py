@@ -80,7 +80,7 @@ class Runner:
     def generate(self, name: str, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
         return self.decoders[name].generate(
             ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=self.stops,
-            generator=torch.Generator().manual_seed(seed), backend=self.config.backend,
+            generator=torch.Generator().manual_seed(seed),
             first_token=self.config.first_token)
 
     def warm_up(self, prompt: PromptRecord) -> None:

@@ -43,7 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, help="prompt shuffle and paired sampling streams")
     run.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up generation per method")
     run.add_argument("--gap-tolerance", type=float, help="T = 0 divergence tolerance on the AR top-two logit gap")
-    run.add_argument("--backend", choices=("torch", "networkx"), help="policy backend")
     run.add_argument("--batch-size", type=int,
                      help="prompt turns decoded together per method (default 1); speedups are throughput ratios at that size")
     run.add_argument("--first-token", choices=FIRST_TOKENS,

@@ -37,8 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint: as stored)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     add_engine_argument(parser)
-    parser.add_argument("--backend", default="torch", choices=("torch", "networkx"),
-                        help="policy backend: torch (fast) or networkx (the readable reference)")
     parser.add_argument("--cost-model", default="live",
                         help="what cost-aware policies price trees with: live (default: this machine's profile, "
                              "corrected by this generation's round times and saved), profile (as measured), or a "
@@ -95,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         out = generate(target, args.prompt, chat=args.chat, tokenizer=tokenizer,
                        drafter=drafter, policy=args.policy, budget=args.budget, verifier=args.verifier,
                        max_new_tokens=args.max_new_tokens, sampling=sampling,
-                       stop_token_ids=args.stop_token_id, seed=args.seed, backend=args.backend, cost_model=costs)
+                       stop_token_ids=args.stop_token_id, seed=args.seed, cost_model=costs)
     except (OSError, ValueError, TypeError, LookupError) as exc:
         print(f"treespec generate: {exc}", file=sys.stderr)
         return 1

@@ -90,7 +90,6 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the files of an existing --out folder and an existing --json file")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the intervals")
-    parser.add_argument("--backend", default="torch", choices=("torch", "networkx"))
     parser.add_argument("--stop-token-id", type=int, action="append", default=None,
                         help="end a response at this token, as the live loop would (repeatable; default: none)")
     parser.add_argument("--json", type=Path, default=None, help="write per-round taus as JSON lines to this file")
@@ -250,7 +249,7 @@ def _eval(args: argparse.Namespace) -> int:
         _check_out(args.out, args.overwrite)  # before the replay: a refusal costs nothing
     if args.json is not None and args.json.exists() and not args.overwrite:
         raise ValueError(f"--json {args.json} exists; pass --overwrite to replace it")
-    replay = functools.partial(evaluate, methods=methods, backend=args.backend,
+    replay = functools.partial(evaluate, methods=methods,
                                stop_token_ids=args.stop_token_id or (), cost_model=cost)
     results = replay(trace)
     if other is None:

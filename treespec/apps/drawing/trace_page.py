@@ -34,14 +34,13 @@ def _tree_data(view: TreeView, label: Callable[[int], str]) -> dict:
     return {"method": view.method, "tau": view.tau, "nodes": nodes}
 
 
-def page_data(trace: Trace, methods: Sequence[str], prompt: int, label: Callable[[int], str] | None = None,
-              *, backend: str = "torch") -> dict:
+def page_data(trace: Trace, methods: Sequence[str], prompt: int, label: Callable[[int], str] | None = None) -> dict:
     """The page's JSON object: the prompt, its response tokens, and per position each method's tree."""
     label = label or str
     seq = trace.sequences[prompt].tolist()
     start = trace.prompt_len(prompt)
     cache: dict = {}  # one draft rebuilder per drafter for every position
-    positions = [[_tree_data(v, label) for v in views_at(trace, methods, prompt, p, backend=backend, cache=cache)]
+    positions = [[_tree_data(v, label) for v in views_at(trace, methods, prompt, p, cache=cache)]
                  for p in range(trace.max_new_tokens)]
     return {"prompt_id": trace.meta["prompts"][prompt]["id"], "methods": list(methods),
             "prompt_tail": [label(t) for t in seq[max(0, start - 24):start]],
@@ -49,10 +48,10 @@ def page_data(trace: Trace, methods: Sequence[str], prompt: int, label: Callable
 
 
 def trace_page(trace: Trace, methods: Sequence[str], prompt: int, label: Callable[[int], str] | None = None,
-               *, start: int = 0, title: str | None = None, backend: str = "torch") -> str:
+               *, start: int = 0, title: str | None = None) -> str:
     """The HTML document (module docstring)."""
     check_position(trace, prompt, start)
-    data = page_data(trace, methods, prompt, label, backend=backend)
+    data = page_data(trace, methods, prompt, label)
     data["start"] = start
     payload = json.dumps(data, ensure_ascii=True, separators=(",", ":")).replace("</", "<\\/")
     heading = title or f"{', '.join(methods)} on prompt {prompt} ({data['prompt_id']})"

@@ -139,7 +139,7 @@ class ToyWorld:
         """One round's first two committed tokens (completed from the target) and its tau."""
         if sampling.position_keyed:  # a fresh noise key, as each generation draws one
             sampling = attrs.evolve(sampling, key=sampling_key(gen))
-        tree, proposals = policy_tree(policy, self.draft, "torch", sampling, gen)
+        tree, proposals = policy_tree(policy, self.draft, sampling, gen)
         tokens = tree.tokens.tolist()
         paths = [tuple(tokens[i] for i in tree.path(node)[1:]) for node in range(len(tree))]
         logits = torch.stack([self.logits(path) for path in paths])  # [N, V]

@@ -134,17 +134,18 @@ def _drafts(conditional: bool, seeds: Sequence[int]) -> list[DraftOutput]:
 
 
 def _built(policy: TreePolicy, draft: DraftOutput, backend: str, where: str) -> DraftTree:
-    """One build as live decoding makes it (`treespec.decoding.built_tree`); an error it raises (an
-    invalid tree refused by `DraftTree`, a tree its draft does not allow) is a failed check."""
+    """One build by ``policy`` built with ``backend`` (`TreePolicy.with_backend`), as live decoding makes
+    it (`treespec.decoding.built_tree`); an error it raises (an invalid tree refused by `DraftTree`, a
+    tree its draft does not allow) is a failed check."""
     try:
-        return built_tree(policy, draft, backend)
+        return built_tree(policy.with_backend(backend), draft)
     except PolicyError as exc:
         raise _fail("a valid tree", where, str(exc)) from exc
 
 
 def _check_builds(make, budgets, drafts, label: str) -> None:
     for budget in budgets:
-        policy = make(budget)
+        policy = make(budget).with_backend("torch")
         for i, draft in enumerate(drafts):
             where = f"{label} draft {i}, budget {budget}"
             trees = {backend: _built(policy, draft, backend, f"{where}, {backend}") for backend in BACKENDS}

@@ -65,8 +65,7 @@ class ReplayRound:
 
 
 def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
-                  backend: str = "torch", stop_token_ids: Iterable[int] = (),
-                  gate: DraftGate | None = None) -> list[ReplayRound]:
+                  stop_token_ids: Iterable[int] = (), gate: DraftGate | None = None) -> list[ReplayRound]:
     """The rounds of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop runs
     them, the policy's round hooks included (`TreePolicy.can_pay` first: where it says no tree pays,
     AR rounds and no hooks, as the live loop; else `TreePolicy.start_generation`, then each round
@@ -87,7 +86,7 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
             tree, drafted = DraftTree.root_only(seq[anchor]), False
         else:
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
-            built = built_tree(policy, draft, backend)
+            built = built_tree(policy, draft)
             gate.record(policy.pays_for_draft(draft, built))  # before the length cut, as the live loop
             tree, drafted = limit_depth(built, min(total - done - 1, room - 1 - anchor)), True
             _check_recorded(tree)
@@ -104,16 +103,13 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
 
 
 def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
-                  backend: str = "torch", stop_token_ids: Iterable[int] = (),
-                  gate: DraftGate | None = None) -> list[int]:
+                  stop_token_ids: Iterable[int] = (), gate: DraftGate | None = None) -> list[int]:
     """Per-round tau of ``policy`` on one recorded prompt (`replay_rounds`)."""
-    return [r.tau for r in replay_rounds(trace, drafts, policy, prompt, backend=backend,
-                                         stop_token_ids=stop_token_ids, gate=gate)]
+    return [r.tau for r in replay_rounds(trace, drafts, policy, prompt, stop_token_ids=stop_token_ids, gate=gate)]
 
 
 def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt: int,
-                  schedule: Sequence[dict | None], *, calibration: Calibration | None = None,
-                  backend: str = "torch") -> list[int]:
+                  schedule: Sequence[dict | None], *, calibration: Calibration | None = None) -> list[int]:
     """Per-round tau of a cost-aware ``method`` on one recorded prompt, each round priced with the cost
     model a live run priced it with: ``schedule`` has one entry per live round, the model's
     `CostModel.to_dict` form, or None for a round that drafted nothing (`BenchRecord.priced_rounds`);
@@ -134,7 +130,7 @@ def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt
             if key not in policies:
                 policies[key] = _round_policy(method, priced, calibration, f"round {r}")
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
-            tree = limit_depth(built_tree(policies[key], draft, backend), min(total - done - 1, room - 1 - anchor))
+            tree = limit_depth(built_tree(policies[key], draft), min(total - done - 1, room - 1 - anchor))
             _check_recorded(tree)
             tau = accepted_length(tree, seq[anchor + 1:])
         taus.append(tau)
@@ -207,8 +203,7 @@ def policy_for(trace: Trace, method: MethodSpec, cache: dict[str, ReplayDrafts] 
     return drafts, policy
 
 
-def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, backend: str = "torch",
-             stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
+def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
              cost_model: CostModel | None = None) -> list[ReplayResult]:
     """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.apps.assembly.methods) on the
     trace; ``cost_model`` prices the trees of cost-aware policies, by default with the cost models
@@ -222,7 +217,7 @@ def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, backend: str 
         drafts, policy = policy_for(trace, method, cache, cost_model)
         start = time.perf_counter()  # each prompt with a fresh gate, as the bench measures conversations
         with naming(method):
-            taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, backend=backend, stop_token_ids=stops))
+            taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, stop_token_ids=stops))
                          for i in chosen)
         results.append(ReplayResult(method.name, taus, time.perf_counter() - start))
     return results

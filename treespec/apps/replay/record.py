@@ -161,7 +161,7 @@ class _RootOnly(TreePolicy):
 
     name = "root-only"
 
-    def build(self, draft: DraftOutput, *, backend: str = "torch") -> DraftTree:
+    def build(self, draft: DraftOutput) -> DraftTree:
         return DraftTree.root_only(draft.root_token, device=draft.logprobs.device)
 
 

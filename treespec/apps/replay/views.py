@@ -64,9 +64,10 @@ def check_position(trace: Trace, prompt: int, position: int) -> None:
 
 
 def views_at(trace: Trace, methods: Sequence[str | MethodSpec], prompt: int, position: int, *,
-             backend: str = "torch", cache: dict[str, ReplayDrafts] | None = None) -> list[TreeView]:
-    """Each method's tree from the draft at ``position`` of ``prompt`` (module docstring); ``cache``
-    keeps the draft rebuilders between calls (one per drafter), as a page of every position does."""
+             cache: dict[str, ReplayDrafts] | None = None) -> list[TreeView]:
+    """Each method's tree from the draft at ``position`` of ``prompt`` (module docstring), built by the
+    networkx reference (the same tree as the torch build, bit for bit); ``cache`` keeps the draft
+    rebuilders between calls (one per drafter), as a page of every position does."""
     check_position(trace, prompt, position)
     parsed = [parse_method(m) if isinstance(m, str) else m for m in methods]
     if any(m.autoregressive for m in parsed):
@@ -80,7 +81,7 @@ def views_at(trace: Trace, methods: Sequence[str | MethodSpec], prompt: int, pos
         drafts, policy = policy_for(trace, method, cache)
         draft = drafts.draft(trace.anchor_index(prompt, position), seq[anchor], anchor)
         with naming(method):
-            tree = limit_depth(built_tree(policy, draft, backend), room)
+            tree = limit_depth(built_tree(policy.with_backend("networkx"), draft), room)
         built.append((method.name, tree, tuple(accepted_path(tree, seq[anchor + 1:]))))
     paths = [node_paths(tree) for _, tree, _ in built]
     views = []
