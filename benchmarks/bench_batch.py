@@ -69,8 +69,8 @@ def run_size(args: argparse.Namespace, size: int) -> dict:
     harness = load(args.dtype)
     prompts = prompts_of(harness, args.prompts)
     methods = [parse_method(m) for m in args.methods]
-    decoders = harness.batch_decoders(methods)
-    stops = harness.chat.stop_ids
+    decoders = harness.decoders(methods, batched=True)
+    stops = harness.stop_ids
     out = {"size": size, "methods": {}}
     for m in methods:  # warm-up: one short batch each
         decoders[m.name].generate(prompts[:size], max_new_tokens=8, stop_token_ids=stops)

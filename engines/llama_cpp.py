@@ -2,10 +2,10 @@
 
 Contract
 --------
-`LlamaCppTarget(path)` is a target as the decoding loop drives one (`treespec.target.TargetModel`'s
-``prefill`` / ``forward_tree`` / ``commit`` / ``reset``, its ``length``, ``vocab_size`` and
-``max_positions``), backed by llama.cpp through its maintained binding's C API (``llama_cpp``): the
-GGUF file runs as it is, quantized or not.
+`LlamaCppTarget(path)` is a `treespec.target.Target` (``prefill`` / ``forward_tree`` / ``commit`` /
+``drop_tree`` / ``reset``, its ``length``, ``vocab_size``, ``max_positions`` and shapes) and the
+engine's `treespec.target.Engine` (registry kind "engine", name "llama.cpp"), backed by llama.cpp
+through its maintained binding's C API (``llama_cpp``): the GGUF file runs as it is, quantized or not.
 
 * **A tree in one decode.**  llama.cpp's batch takes tokens that belong to several sequences, and its
   unified KV cache lets a cell belong to several at once.  So a tree of k leaves is k sequences: leaf
@@ -14,10 +14,10 @@ GGUF file runs as it is, quantized or not.
   position ``length + depth(i)``.  A token attends to the cells of its first sequence at positions up
   to its own: the prefix, its ancestors, itself -- the tree's ancestor mask, expressed through
   sequence sets and positions.  Every node's logits are kept (row i: after node i's path).
-* **Commit.**  The accepted path ends at a node whose subtree holds some leaf s: every other
-  sequence is removed from every cell (`llama_memory_seq_rm`: cells left with no sequence are
-  freed), s is cut after the accepted path and renamed sequence 0, so the cache again equals a run
-  of the committed tokens.
+* **Commit.**  The accepted path ends at a node whose subtree holds some leaf s: s alone is kept in
+  every cell (`llama_memory_seq_keep`: cells left with no sequence are freed), s is cut after the
+  accepted path (`llama_memory_seq_rm`) and renamed sequence 0, so the cache again equals a run of
+  the committed tokens.
 * **Taps.**  The drafters read hidden states of the target's layers.  tap t > 0 is the output of
   decoder layer t - 1 (llama.cpp's graph names it ``l_out-(t-1)``; tap 0 is ``embd``, the last one
   ``result_norm``, after the final norm, as transformers' last hidden state), copied
@@ -54,7 +54,7 @@ import attrs
 import numpy as np
 import torch
 
-from treespec.target import ContextOverflowError, EngineUnavailable, TargetOutput
+from treespec.target import ContextOverflowError, EngineUnavailable, ModelShapes, TargetOutput
 from treespec.tree import DraftTree
 
 __all__ = ["BUILD_FLAGS", "ENGINE", "REQUIREMENT", "GgufModel", "LlamaCppTarget", "binding", "read_gguf"]
@@ -106,37 +106,17 @@ class GgufModel:
     n_ctx_train: int  # the context it was trained for
     n_vocab: int  # tokens in its vocabulary
     file_type: str  # the weights' quantization, as gguf names it
+    eos_token_id: int | None = None  # tokenizer.ggml.eos_token_id (None: the file states none)
 
     def to_dict(self) -> dict:
         """What the cost profile keys this model by: the engine, the shapes and quantization, and the
         file (its name and size; forward costs depend on shapes, not on the weights' values)."""
-        return ({k: v for k, v in attrs.asdict(self).items() if k != "path"}
+        return ({k: v for k, v in attrs.asdict(self).items() if k not in ("path", "eos_token_id")}
                 | {"engine": ENGINE, "file": self.path.name, "bytes": self.path.stat().st_size})
 
-    # the names a transformers config uses, for the dtype probe's shapes (`treespec.pricing.hardware.linear_shapes`)
-    @property
-    def hidden_size(self) -> int:
-        return self.n_embd
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.n_ff
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.n_head
-
-    @property
-    def num_key_value_heads(self) -> int:
-        return self.n_head_kv
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.n_layer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.n_vocab
+    def shapes(self) -> ModelShapes:
+        """Its shapes as the dtype probe reads them (its weights are no torch dtype: ``dtype`` None)."""
+        return ModelShapes(self.n_embd, self.n_ff, self.n_head, self.n_head_kv, self.n_layer, self.n_vocab)
 
 
 def read_gguf(path: str | os.PathLike) -> GgufModel:
@@ -180,7 +160,7 @@ def _read(path: str | os.PathLike):
                       n_head, int(value(f"{arch}.attention.head_count_kv", n_head)),
                       int(value(f"{arch}.context_length", 2048)),
                       len(tokens) if tokens is not None else int(embd.shape[-1]),
-                      str(value("general.file_type", "")))
+                      str(value("general.file_type", "")), value("tokenizer.ggml.eos_token_id"))
     return model, reader
 
 
@@ -245,14 +225,14 @@ class _Taps:
 class LlamaCppTarget:
     """A GGUF model on llama.cpp as a tree-verifying target (see the module docstring)."""
 
-    engine = ENGINE
+    engine = ENGINE  # its registry name
+    file_suffix = ".gguf"  # it runs one GGUF file
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int | None = None, max_leaves: int = 64,
                  threads: int | None = None, dtype: torch.dtype = torch.float32, n_batch: int = 512) -> None:
         self.llama_cpp = binding()
         self.gguf, reader = _read(path)
         self.path = self.gguf.path
-        self.config = self.gguf
         self.hidden_size, self.num_hidden_layers = self.gguf.n_embd, self.gguf.n_layer
         self.max_positions = int(n_ctx or min(self.gguf.n_ctx_train, 4096))
         self.max_leaves, self.n_batch = max_leaves, n_batch
@@ -292,9 +272,37 @@ class LlamaCppTarget:
         linear.weight = embedding.weight if head is None else torch.nn.Parameter(head.to(dtype), requires_grad=False)
         return embedding, linear
 
+    # ------------------------------------------------------------------ the engine's entry (`treespec.target.Engine`)
     @classmethod
-    def from_file(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, **kwargs: Any) -> LlamaCppTarget:
-        """The target of a GGUF file (how the apps load an engine's target: `treespec.registry` kind "engine")."""
+    def model_path(cls, model: str | os.PathLike) -> Path:
+        """The GGUF file ``model`` names: the file itself, or the one ``.gguf`` file of a folder."""
+        path = Path(model)
+        if path.is_file():
+            return path
+        if not path.exists():
+            raise FileNotFoundError(f"no GGUF file or folder at {path}")
+        files = sorted(path.glob("*.gguf")) if path.is_dir() else []
+        if len(files) != 1:
+            found = "no .gguf file" if not files else f"{len(files)} .gguf files"
+            raise FileNotFoundError(f"the {ENGINE} engine runs a GGUF file: {path} holds {found}; name the file")
+        return files[0]
+
+    @classmethod
+    def read_shapes(cls, path: Path) -> ModelShapes:
+        """What the file holds, read from its metadata only (the apps' dtype choice reads its shapes)."""
+        return read_gguf(path).shapes()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "checkpoint",
+             device: str | torch.device = "cpu", float32_head: bool | None = None, **kwargs: Any) -> LlamaCppTarget:
+        """The target of a GGUF file, its torch side in ``dtype`` ("checkpoint" or "auto": float32, the
+        values the file dequantizes to); ``float32_head`` has nothing to do here (the engine's head is its own)."""
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"the {ENGINE} engine runs on the CPU here, not on {device}")
+        if isinstance(dtype, str):
+            from treespec.target import DTYPE_NAMES
+
+            dtype = DTYPE_NAMES.get(dtype, torch.float32)
         return cls(path, dtype=dtype, **kwargs)
 
     @staticmethod
@@ -311,10 +319,18 @@ class LlamaCppTarget:
             return False
         return True
 
-    @staticmethod
-    def describe(path: str | os.PathLike) -> GgufModel:
-        """What the file holds, read from its metadata only (the apps' dtype choice reads its shapes)."""
-        return read_gguf(path)
+    # ------------------------------------------------------------------ what it is (`treespec.target.Target`)
+    def shapes(self) -> ModelShapes:
+        return self.gguf.shapes()
+
+    def identity(self) -> dict:
+        return self.gguf.to_dict()
+
+    def describe(self) -> str:
+        return f"{self.path.name}, file type {self.gguf.file_type}"
+
+    def eos_token_ids(self) -> list[int]:
+        return [] if self.gguf.eos_token_id is None else [int(self.gguf.eos_token_id)]
 
     def _context(self, taps: tuple[int, ...]):
         """The llama.cpp context of this tap set (made on first use)."""
@@ -428,9 +444,7 @@ class LlamaCppTarget:
                              f"({len(self._tree)} nodes)")
         keep = self._tree_sets[accepted[-1]][0]  # a leaf below the accepted path's end
         lib, memory = self.llama_cpp, self.llama_cpp.llama_get_memory(self._ctx)
-        for s in range(len(self._tree_sets[0])):  # the tree's sequences: the root's
-            if s != keep:
-                lib.llama_memory_seq_rm(memory, s, -1, -1)
+        lib.llama_memory_seq_keep(memory, keep)  # every other sequence out of every cell (emptied cells freed)
         end = self.length + len(accepted)
         lib.llama_memory_seq_rm(memory, keep, end, -1)
         if accepted != list(range(len(accepted))):  # holes among the path's cells: close them
@@ -468,9 +482,8 @@ class LlamaCppTarget:
         """Forget the last tree forward: the cache holds the committed tokens only (a profile's timing loop)."""
         if self._tree is not None:
             memory = self.llama_cpp.llama_get_memory(self._ctx)
-            self.llama_cpp.llama_memory_seq_rm(memory, 0, self.length, -1)
-            for s in range(1, len(self._tree_sets[0])):  # the others held the prefix and their branches
-                self.llama_cpp.llama_memory_seq_rm(memory, s, -1, -1)
+            self.llama_cpp.llama_memory_seq_keep(memory, 0)  # the other leaves' sequences out of every cell
+            self.llama_cpp.llama_memory_seq_rm(memory, 0, self.length, -1)  # and leaf 0's branch
             self._tree = None
 
     def reset(self) -> None:
@@ -539,18 +552,7 @@ class LlamaCppTarget:
 
 
 def _leaf_sets(tree: DraftTree) -> list[tuple[int, ...]]:
-    """Per node, the leaves below it (itself when it is one) as sequence ids 0..k-1, in leaf order; a
-    node's first sequence is the one its attention follows."""
-    parents = tree.parents.tolist()
-    children = [0] * len(parents)
-    for p in parents[1:]:
-        children[p] += 1
-    leaves = [i for i in range(len(parents)) if children[i] == 0]
-    seq_of = {leaf: s for s, leaf in enumerate(leaves)}
-    sets: list[list[int]] = [[] for _ in parents]
-    for leaf, s in seq_of.items():
-        node = leaf
-        while node >= 0:
-            sets[node].append(s)
-            node = parents[node] if node > 0 else -1
-    return [tuple(s) for s in sets]
+    """Per node, the leaves below it (itself when it is one) as sequence ids 0..k-1, in leaf order
+    (`DraftTree.leaves`); a node's first sequence is the one its attention follows."""
+    below = tree.ancestor_mask[tree.leaves].T.tolist()  # [N, k]: leaf s is node i or lies below it
+    return [tuple(s for s, hit in enumerate(row) if hit) for row in below]

@@ -134,8 +134,11 @@ def test_bad_files_and_limits_get_one_line(engine, tmp_path, gguf_file):
     text.write_text("not a model")
     with pytest.raises(ValueError, match=f"{text} is not a GGUF file"):
         load_target(text, engine="llama.cpp")
-    with pytest.raises(FileNotFoundError, match="holds no .gguf file"):
+    with pytest.raises(FileNotFoundError, match="no GGUF file or folder at .*nowhere"):
         load_target(tmp_path / "nowhere", engine="llama.cpp")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty holds no .gguf file; name the file"):
+        load_target(tmp_path / "empty", engine="llama.cpp")
     engine.prefill(prompt()[:-1])
     wide = DraftTree.build([7] + [8] * 70, [-1] + [0] * 70)  # 70 leaves
     with pytest.raises(ValueError, match="70 leaves exceeds the engine's 64 sequences"):

@@ -233,3 +233,34 @@ def test_the_run_step_scan_sees_a_planted_step():
     assert run_steps(planted) == {"persist_live"}
     assert run_steps("profile = machine_profile\nx = costs.price(f)\n") == {"machine_profile", "price"}
     assert run_steps("session.machine_profile()\npolicy.restore_learned(state)\n") == set()
+
+
+ENGINE_NAMES = {"torch", "llama.cpp"}  # the registered engines' names
+
+
+def engine_name_tests(source: str) -> list[str]:
+    """Comparisons of a value with an engine's name (``engine == "torch"``, ``e != "llama.cpp"``,
+    ``engine in ("torch", ...)``): the special cases an app would make of one engine."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in [node.left, *node.comparators]:
+            values = [side] + (list(side.elts) if isinstance(side, ast.Tuple | ast.List | ast.Set) else [])
+            if any(isinstance(v, ast.Constant) and v.value in ENGINE_NAMES for v in values):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+                break
+    return found
+
+
+@pytest.mark.parametrize("module", APPS + KERNEL)
+def test_no_app_or_kernel_module_tests_an_engines_name(module):
+    """Every engine, torch included, is a registry entry implementing `treespec.target.Engine`: what an
+    app needs of one it asks the engine (its target's shapes, description, files), never its name."""
+    path = ROOT / "apps" / module if module in APPS else ROOT / module
+    assert engine_name_tests(path.read_text()) == []
+
+
+def test_the_engine_name_scan_sees_a_planted_test():
+    planted = 'if engine != "torch":\n    pass\nx = e in ("torch", "llama.cpp")\ny = dtype == "torch"\n'
+    assert [f.split(":")[0] for f in engine_name_tests(planted)] == ["line 1", "line 3", "line 4"]

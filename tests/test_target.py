@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from treespec.apps.kit.tiny import tiny_causal_lm
-from treespec.target import ContextOverflowError, TargetModel
+from treespec.target import ContextOverflowError, Target, TargetModel
 from treespec.tree import DraftTree
 
 FAMILIES = ("qwen3", "llama")
@@ -220,3 +220,32 @@ def test_a_bf16_target_with_a_float32_head_keeps_tree_forwards_equal_to_causal_o
     assert first.dtype == logits.dtype == torch.float32
     reference = again.model(torch.tensor([[5, 6, 7, 8, 11, 12]])).logits[0, -3:].float()
     torch.testing.assert_close(logits, reference, rtol=0, atol=0.05)  # bf16 trunk: same maths, other batching
+
+
+def test_a_third_engine_is_one_class_and_one_registry_line(tmp_path, monkeypatch):
+    """An engine registered beside torch and llama.cpp (here torch's target under another name) is found,
+    loaded and decoded by the apps' loader, the Session and the API with nothing else to change."""
+    import treespec
+    from treespec import registry
+    from treespec.apps.assembly.loading import engines, load_target
+
+    class Mirror(TargetModel):
+        engine = "mirror"
+
+    monkeypatch.setitem(registry._RUNTIME["engine"], "mirror", Mirror)
+    tiny_model(dtype=torch.float32).save_pretrained(tmp_path)
+    assert "mirror" in engines() and type(load_target(tmp_path, engine="mirror", dtype="float32")) is Mirror
+    prompt = torch.tensor([3, 5, 7, 9])
+    mirrored = treespec.generate(tmp_path, prompt, engine="mirror", dtype="float32", max_new_tokens=6)
+    plain = treespec.generate(tmp_path, prompt, dtype="float32", max_new_tokens=6)
+    assert mirrored.tokens.tolist() == plain.tokens.tolist() == hf_greedy(tiny_model(dtype=torch.float32), prompt, 6)
+
+
+def test_a_target_states_its_shapes_identity_and_stop_ids():
+    target = tiny_target(dtype=torch.float32)
+    shapes = target.shapes()
+    assert (shapes.hidden_size, shapes.num_hidden_layers, shapes.vocab_size) == (32, 2, 128)
+    assert shapes.dtype == torch.float32 or shapes.dtype is None
+    assert "dtype" not in target.identity() and target.identity()["hidden_size"] == 32
+    assert target.describe() == "float32, cpu"
+    assert isinstance(target, Target)

@@ -66,7 +66,8 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "block": "treespec.drafters.training:BlockRecipe",
     },
     "command": {},  # `treespec NAME` subcommands of other packages (modules: add_arguments, run)
-    "engine": {  # targets on another engine than torch (classes with from_file): `--engine NAME`
+    "engine": {  # what runs the target (`treespec.target.Engine` classes): `--engine NAME`, torch by default
+        "torch": "treespec.target:TargetModel",
         "llama.cpp": "treespec.engines.llama_cpp:LlamaCppTarget",
     },
 }

@@ -15,8 +15,10 @@ token, the tree's root, outside the cache.
   moves them into place right after the prefix and drops the rest of the tree's rows, so the cache
   again equals a plain prefill of the committed tokens; ``drop_tree()`` drops them all.
 
-Another engine's target (``treespec.engines``, reached through the registry kind ``"engine"``) offers
-the same calls and attributes; the decoding loop and the cost profile drive either alike.
+`Target` is what the decoding loop, the cost profile and the drafters call on a target, whatever
+runs it; `TargetModel` is the torch engine's, and each engine (this one included) is a registry entry
+of kind ``"engine"`` whose class implements `Engine` (how the apps load it).  The drafters and the
+dtype probe read a target's `ModelShapes`, never a transformers config.
 
 Hidden-state taps: tap t is ``hidden_states[t]`` of the model (0 = embedding output, t = output of
 decoder layer t, the last one after the final norm, as transformers returns it); the taps are
@@ -41,14 +43,16 @@ import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
 
 from treespec.tree import DraftTree
 
-__all__ = ["DTYPE_NAMES", "SUPPORTED_ATTENTION", "ContextOverflowError", "EngineUnavailable", "Float32Head", "Float32Norm", "TargetModel", "TargetOutput",
-           "check_device", "crop_cache", "select_taps", "spread_layers", "tap_features", "use_float32_head"]
+__all__ = ["DTYPE_NAMES", "SUPPORTED_ATTENTION", "ContextOverflowError", "Engine", "EngineUnavailable", "Float32Head",
+           "Float32Norm", "ModelShapes", "Target", "TargetModel", "TargetOutput", "check_device", "crop_cache",
+           "select_taps", "spread_layers", "tap_features", "use_float32_head"]
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                "float64": torch.float64}
@@ -86,10 +90,97 @@ class TargetOutput:
     features: torch.Tensor | None  # [n, len(taps) * H] tap features, None when no taps were asked for
 
 
-class TargetModel:
-    """A Hugging Face causal LM with a KV cache, tree forwards and accepted-path compaction."""
+@attrs.frozen
+class ModelShapes:
+    """A target model's shapes, under the names a transformers config gives them: what its forward
+    costs depend on (the dtype probe times its matmuls, `treespec.pricing.hardware.linear_shapes`)."""
 
-    engine = "torch"  # what runs it (another engine's target names its own)
+    hidden_size: int  # H
+    intermediate_size: int  # the MLP's width
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # key/value heads
+    num_hidden_layers: int  # decoder layers
+    vocab_size: int  # the logits' width
+    head_dim: int | None = None  # per head (None: hidden_size // num_attention_heads)
+    dtype: torch.dtype | None = None  # what its weights are stored in, where that is a torch dtype (None: not)
+
+    @classmethod
+    def of_config(cls, config: Any) -> ModelShapes:
+        """The shapes a transformers config states (an MLP of 4 H and as many KV heads as heads by default)."""
+        hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+        return cls(hidden, int(getattr(config, "intermediate_size", None) or 4 * hidden), heads,
+                   int(getattr(config, "num_key_value_heads", None) or heads), int(config.num_hidden_layers),
+                   int(config.vocab_size), getattr(config, "head_dim", None), stored_dtype(config))
+
+
+@runtime_checkable
+class Target(Protocol):
+    """What the decoding loop, the cost profile and the drafters call on a target (module docstring)."""
+
+    engine: str  # the registry name (kind "engine") of what runs it
+    length: int  # committed tokens in its cache
+    vocab_size: int  # the logits' width
+    hidden_size: int  # the width of every tap
+    num_hidden_layers: int  # taps run from 0 (the embedding) to this (after the final norm)
+    max_positions: int  # its context window
+    embed_tokens: torch.nn.Module  # the input embedding, in torch (the drafters share it)
+    lm_head: torch.nn.Module  # the LM head, in torch (the drafters share it)
+
+    @property
+    def dtype(self) -> torch.dtype: ...  # the torch side's dtype (embedding, head, taps)
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def prefill(self, input_ids: torch.Tensor, taps: tuple[int, ...] = ()) -> TargetOutput: ...
+
+    def forward_tree(self, tree: DraftTree, taps: tuple[int, ...] = ()) -> TargetOutput: ...
+
+    def commit(self, accepted: torch.Tensor) -> None: ...
+
+    def drop_tree(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def cache_length(self) -> int: ...
+
+    def shapes(self) -> ModelShapes: ...
+
+    def identity(self) -> dict: ...  # what its cost profile is keyed by: the model's architecture, the file it runs
+
+    def describe(self) -> str: ...  # what runs, in a few words ("bfloat16, cpu"; a GGUF file and its quantization)
+
+    def eos_token_ids(self) -> list[int]: ...  # the end-of-sequence ids its model states (a tokenizer's come first)
+
+
+class Engine(Protocol):
+    """The class an engine registers (kind "engine"): how the apps find, describe and load its target."""
+
+    file_suffix: str | None  # the suffix of the one file it runs (".gguf"); None: it loads a model folder
+
+    @classmethod
+    def model_path(cls, model: str | os.PathLike) -> Path: ...  # the folder or file it runs for ``model``
+
+    @classmethod
+    def read_shapes(cls, path: Path) -> ModelShapes | None: ...  # from metadata only (None: unknown)
+
+    @classmethod
+    def load(cls, path: Path, *, dtype: torch.dtype | str, device: str | torch.device,
+             float32_head: bool | None = None) -> Target: ...
+
+    @staticmethod
+    def installed() -> bool: ...  # whether it can run here
+
+    @staticmethod
+    def install_recipe() -> tuple[str, dict[str, str]] | None: ...  # (pip requirement, build env); None: nothing
+
+
+class TargetModel:
+    """A Hugging Face causal LM with a KV cache, tree forwards and accepted-path compaction: the `Target`
+    of the torch engine (registry kind "engine", name "torch"), and its `Engine`."""
+
+    engine = "torch"  # its registry name
+    file_suffix = None  # it loads a model folder
 
     def __init__(self, model: torch.nn.Module, *, max_positions: int | None = None,
                  float32_head: bool | None = None) -> None:
@@ -136,6 +227,55 @@ class TargetModel:
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
             trust_remote_code=False, use_safetensors=True)
         return cls(model.to(device), max_positions=max_positions, float32_head=float32_head)
+
+    # ------------------------------------------------------------------ the engine's entry
+    @classmethod
+    def model_path(cls, model: str | os.PathLike) -> Path:
+        """The local model folder ``model`` names (a FileNotFoundError when there is none)."""
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"no local model directory at {model}")
+        return Path(model)
+
+    @classmethod
+    def read_shapes(cls, path: Path) -> ModelShapes | None:
+        """The shapes its config.json states (None: the folder has none; `from_local` then names it)."""
+        from transformers import AutoConfig
+
+        if not (Path(path) / "config.json").is_file():
+            return None
+        return ModelShapes.of_config(AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | torch.nn.Module, *, dtype: torch.dtype | str = "checkpoint",
+             device: str | torch.device = "cpu", float32_head: bool | None = None) -> TargetModel:
+        """The target of a model folder (`from_local`) or of a transformers module as it is."""
+        if isinstance(path, torch.nn.Module):
+            return cls(path, float32_head=float32_head)
+        return cls.from_local(path, dtype=dtype, device=device, float32_head=float32_head)
+
+    @staticmethod
+    def installed() -> bool:
+        return True  # torch and transformers are treespec's own dependencies
+
+    @staticmethod
+    def install_recipe() -> None:
+        return None  # nothing to build
+
+    # ------------------------------------------------------------------ what it is
+    def shapes(self) -> ModelShapes:
+        return attrs.evolve(ModelShapes.of_config(self.config), vocab_size=self.vocab_size)
+
+    def identity(self) -> dict:
+        """The model's architecture: its config without paths and dtypes."""
+        return {k: v for k, v in self.config.to_dict().items()
+                if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}, {self.device}"
+
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.config, "eos_token_id", None)
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     # ------------------------------------------------------------------ properties
     @property

@@ -9,7 +9,8 @@ Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample`
 ``threads`` for torch's CPU threads (checked as ``--threads`` is; default: as torch has them).  The run
 is assembled by a `treespec.apps.assembly.session.Session`, as every command's is.
 
-* ``model``: a local model directory, a transformers causal LM, or a `TargetModel`.
+* ``model``: a local model directory (or a GGUF file, with ``engine="llama.cpp"``), a transformers causal
+  LM, or a target (`treespec.target.Target`).
 * ``prompt``: a string (tokenized with the model directory's tokenizer, or ``tokenizer=``; with
   ``chat=True`` wrapped in its chat template as one user turn, as ``treespec generate --chat``), or
   token ids ([P] / [1, P] tensor or a list of ints).  A list of prompts (strings, tensors or lists
@@ -54,14 +55,14 @@ import torch
 
 from treespec import registry
 from treespec.apps.assembly.cost_source import CostSource
-from treespec.apps.assembly.loading import eos_ids, load_drafter, load_target, load_tokenizer
+from treespec.apps.assembly.loading import load_drafter, load_target, load_tokenizer
 from treespec.apps.assembly.methods import MethodSpec
 from treespec.apps.assembly.session import Chat, Session
 from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.cost import CostModel
 from treespec.stats import GenerationStats
-from treespec.target import TargetModel
+from treespec.target import Target
 
 __all__ = ["GenerateOutput", "generate"]
 
@@ -105,10 +106,10 @@ def _input_ids(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any, chat:
     return ids.to(torch.int64)
 
 
-def _stop_ids(stop_token_ids: Iterable[int] | int | None, tokenizer: Any, target: TargetModel) -> list[int]:
+def _stop_ids(stop_token_ids: Iterable[int] | int | None, session: Session) -> list[int]:
     if stop_token_ids is not None:
         return [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
-    return eos_ids(tokenizer, target.config)
+    return session.stop_ids
 
 
 def _costs(cost_model: str | CostModel | CostSource) -> CostSource:
@@ -134,7 +135,7 @@ def _method(policy: TreePolicy | str, budget: int | None, options: dict[str, Any
     return MethodSpec(policy, _GIVEN, budget, options)
 
 
-def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torch.Tensor | Iterable[int], *,
+def generate(model: PathLike | Target | torch.nn.Module, prompt: str | torch.Tensor | Iterable[int], *,
              drafter: Drafter | PathLike | None = None, policy: TreePolicy | str = "ddtree",
              budget: int | None = None, verifier: Verifier | str = "match", max_new_tokens: int = 128,
              do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
@@ -166,12 +167,12 @@ def generate(model: PathLike | TargetModel | torch.nn.Module, prompt: str | torc
     checker = verifier if isinstance(verifier, Verifier) else registry.create("verifier", verifier)
     fixed = policy if isinstance(policy, TreePolicy) else None
     options = {"max_new_tokens": max_new_tokens, "sampling": sampling,
-               "stop_token_ids": _stop_ids(stop_token_ids, tokenizer, target)}
+               "stop_token_ids": _stop_ids(stop_token_ids, session)}
     ids = [_input_ids(p, tokenizer, chat) for p in prompts]
     with session:  # what the live cost models measured is saved at its end
         if batch:
             generators = [torch.Generator().manual_seed(seed) if seed is not None else None for _ in ids]
-            decoder = session.batch_decoder(method, policy=fixed, verifier=checker)
+            decoder = session.decoder(method, batched=True, policy=fixed, verifier=checker)
             results = decoder.generate(ids, generators=generators, **options)
         else:
             generator = torch.Generator().manual_seed(seed) if seed is not None else None

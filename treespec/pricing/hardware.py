@@ -113,7 +113,8 @@ def write_cached(path: Path, key: Mapping[str, Any], record: Mapping[str, Any]) 
 
 # ---------------------------------------------------------------------------- dtype choice
 def linear_shapes(config: Any) -> dict[tuple[int, int], int]:
-    """(out, in) -> count of the target's matmuls per forward, from a transformers config."""
+    """(out, in) -> count of the target's matmuls per forward, from its `treespec.target.ModelShapes` (or a
+    transformers config, which names them alike)."""
     h = int(config.hidden_size)
     inter = int(getattr(config, "intermediate_size", None) or 4 * h)
     heads = int(config.num_attention_heads)

@@ -81,10 +81,9 @@ _FORMAT = 1  # version of the cached JSON
 
 
 def target_identity(target: TargetModel) -> str:
-    """A digest of the target's architecture (its config without paths and dtype)."""
-    config = {k: v for k, v in target.config.to_dict().items()
-              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
-    return digest(config)
+    """A digest of what the target's costs depend on (`treespec.target.Target.identity`: its architecture,
+    the file an engine runs)."""
+    return digest(target.identity())
 
 
 def _seconds(fn: Callable[[], object], device: torch.device) -> float:

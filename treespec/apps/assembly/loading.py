@@ -2,9 +2,9 @@
 
 Contract
 --------
-One loader of each: `load_target` (a local model folder, a transformers module or a `TargetModel`;
-with ``engine=``, another engine's target of the model's file, `target_file`: ``llama.cpp`` runs a
-GGUF file through llama-cpp-python, `treespec.engines.llama_cpp`),
+One loader of each: `load_target` (a target as it is, or the ``engine``'s target of a model: any
+registered engine, `treespec.target.Engine`: ``torch`` loads a local model folder or a transformers
+module, ``llama.cpp`` runs a GGUF file through llama-cpp-python, `model_path` says which file),
 `load_tokenizer` (a local model folder's; a clear error when it has none) and `load_drafter` (an
 instance, a registered name, a checkpoint folder read by its config, or a registered name loaded
 from a folder by its declared ``from_pretrained``).  `drafter_dirs` resolves the ``--drafter
@@ -33,104 +33,79 @@ import torch
 from treespec import registry
 from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, drafter_names
 from treespec.interfaces import Drafter
-from treespec.target import DTYPE_NAMES, TargetModel
+from treespec.target import Target
 
-__all__ = ["EMBEDDED_NAME", "ENGINE_TORCH", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "engines",
-           "eos_ids", "load_drafter", "target_file",
-           "load_frozen_model", "load_target", "load_tokenizer", "model_identity"]
+__all__ = ["DEFAULT_ENGINE", "EMBEDDED_NAME", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "engine_class",
+           "engines", "eos_ids", "load_drafter", "load_frozen_model", "load_target", "load_tokenizer", "model_identity",
+           "model_path"]
 
 PathLike = str | os.PathLike
 EMBEDDED_NAME = "smollm2-135m-instruct"  # how records name the embedded default
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-ENGINE_TORCH = "torch"  # the default engine: transformers modules driven by treespec.target
+DEFAULT_ENGINE = "torch"  # what runs a target when no engine is named
 
 
 def engines() -> list[str]:
-    """The engines a target can run on: torch and those registered (registry kind "engine")."""
-    return [ENGINE_TORCH, *registry.available("engine")]
+    """The engines a target can run on (registry kind "engine"), the default first."""
+    return [DEFAULT_ENGINE, *(e for e in registry.available("engine") if e != DEFAULT_ENGINE)]
 
 
-def load_target(model: PathLike | TargetModel | torch.nn.Module, *, dtype: torch.dtype | str = "auto",
+def engine_class(engine: str):
+    """The registered `treespec.target.Engine` class of ``engine`` (a ValueError naming the known ones)."""
+    if engine not in registry.available("engine"):
+        raise ValueError(f"unknown engine {engine!r}; available: {', '.join(engines())}")
+    return registry.resolve("engine", engine)
+
+
+def load_target(model: PathLike | Target | torch.nn.Module, *, dtype: torch.dtype | str = "auto",
                 device: str | torch.device = "cpu", float32_head: bool | None = None,
-                engine: str = ENGINE_TORCH) -> TargetModel:
-    """A `TargetModel` from a directory, a transformers model, or itself; with another ``engine``, that
-    engine's target of the model's file (`target_file`), its torch side (the embedding and head the
-    drafters share, the taps) in ``dtype`` (``"auto"``: the faster of bf16 and fp32 here).
+                engine: str = DEFAULT_ENGINE) -> Target:
+    """``model`` itself when it is a target already, else the ``engine``'s target of it: of the folder or
+    file the engine runs for it (`model_path`), its torch side (the embedding and head the drafters
+    share, the taps) in ``dtype`` (``"auto"``: the faster of bf16 and fp32 here for the model's shapes,
+    measured once, `treespec.pricing.hardware`; bf16 on CUDA; the stored one where neither applies).
 
     ``float32_head``: the final norm and LM head of a bf16/fp16 target in float32 (None: on).
     """
     if _is_target(model):
         return model
-    if engine != ENGINE_TORCH:
-        return _engine_target(model, engine, dtype, device)
-    if isinstance(model, torch.nn.Module):
-        return TargetModel(model, float32_head=float32_head)
-    if not Path(model).is_dir():
-        raise FileNotFoundError(f"no local model directory at {model}")
-    return TargetModel.from_local(model, dtype=_resolved_dtype(model, dtype, device), device=device,
-                                  float32_head=float32_head)
+    cls = engine_class(engine)
+    path = model if isinstance(model, torch.nn.Module) else model_path(model, engine)
+    if dtype == "auto" and not isinstance(model, torch.nn.Module):
+        dtype = _auto_dtype(cls.read_shapes(path), device)
+    return cls.load(path, dtype=dtype, device=device, float32_head=float32_head)
 
 
 def _is_target(model: Any) -> bool:
-    """Whether ``model`` is a target already: a `TargetModel` or a registered engine's."""
-    if isinstance(model, TargetModel):
-        return True
-    if isinstance(model, str | os.PathLike | torch.nn.Module):
-        return False
-    return isinstance(model, tuple(registry.resolve("engine", name) for name in registry.available("engine")))
+    """Whether ``model`` is a target already (an engine's, `treespec.target.Target`)."""
+    return not isinstance(model, str | os.PathLike | torch.nn.Module) and isinstance(model, Target)
 
 
-def _engine_target(model: Any, engine: str, dtype: torch.dtype | str, device: str | torch.device):
-    """The ``engine``'s target of ``model``'s file (see `load_target`)."""
+def _auto_dtype(shapes, device: str | torch.device) -> torch.dtype | str:
+    """``"auto"`` for a model of ``shapes`` (None: unknown): this machine's faster dtype, bf16 on CUDA, or
+    ``"checkpoint"`` (the stored one) where no choice applies."""
     from treespec.pricing.hardware import resolve_dtype
 
-    if engine not in engines():
-        raise ValueError(f"unknown engine {engine!r}; available: {', '.join(engines())}")
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"the {engine} engine runs on the CPU here, not on {device}")
-    cls = registry.resolve("engine", engine)
-    path = target_file(model, engine)
-    if dtype == "auto":
-        dtype = resolve_dtype("auto", device="cpu", config=cls.describe(path))
-        dtype = torch.float32 if dtype == "auto" else dtype
-    return cls.from_file(path, dtype=DTYPE_NAMES.get(dtype, dtype))
+    if shapes is None:
+        return "checkpoint"
+    resolved = resolve_dtype("auto", device=device, config=shapes)
+    return "checkpoint" if resolved == "auto" else resolved
 
 
-def target_file(model: Any, engine: str) -> Path:
-    """The file an engine runs for ``model``: a ``.gguf`` file as given, or the one ``.gguf`` file in a
-    folder (the embedded default's folder keeps its own: `treespec.apps.assembly.embedded.embedded_gguf`)."""
+def model_path(model: Any, engine: str = DEFAULT_ENGINE) -> Path:
+    """The folder or file the ``engine`` runs for ``model`` (`treespec.target.Engine.model_path`); for the
+    embedded default's folder, an engine that runs one file runs the file kept beside it
+    (`treespec.apps.assembly.embedded.embedded_gguf`)."""
     from treespec.apps.assembly.embedded import embedded_gguf
 
+    cls = engine_class(engine)
     if not isinstance(model, str | os.PathLike):
-        raise ValueError(f"the {engine} engine runs a model file; pass its path, not a {type(model).__name__}")
-    path = Path(model)
-    if path.is_file():
-        return path
-    if _is_embedded(path):
+        raise ValueError(f"the {engine} engine runs a model from files; pass its path, not a {type(model).__name__}")
+    if cls.file_suffix == ".gguf" and _is_embedded(model):
         return embedded_gguf()
-    files = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(files) != 1:
-        found = "no .gguf file" if not files else f"{len(files)} .gguf files"
-        raise FileNotFoundError(f"the {engine} engine runs a GGUF file: {path} holds {found}; name the file")
-    return files[0]
-
-
-def _resolved_dtype(path: PathLike, dtype: torch.dtype | str, device: str | torch.device) -> torch.dtype | str:
-    """``dtype`` for `TargetModel.from_local`: ``"auto"`` becomes this machine's faster dtype for the
-    model (measured once and cached, `treespec.pricing.hardware`), bf16 on CUDA, or the stored one."""
-    if dtype != "auto":
-        return dtype
-    from transformers import AutoConfig
-
-    from treespec.pricing.hardware import resolve_dtype
-
-    if not (Path(path) / "config.json").is_file():
-        return dtype  # from_local names the missing config
-    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    resolved = resolve_dtype("auto", device=device, config=config)
-    return "checkpoint" if resolved == "auto" else resolved
+    return cls.model_path(model)
 
 
 def load_tokenizer(path: PathLike) -> Any:
@@ -260,13 +235,13 @@ def embedded_drafter_dir(kind: str) -> Path:
     return Path(__file__).resolve().parents[2] / "assets" / f"smollm2-135m-instruct-{kind}"
 
 
-def eos_ids(tokenizer, config=None) -> list[int]:
-    """The end-of-sequence ids a generation stops at: the tokenizer's, else the model config's (one
-    id or several), else none."""
+def eos_ids(tokenizer, target: Target | None = None) -> list[int]:
+    """The end-of-sequence ids a generation stops at: the tokenizer's, else the target model's
+    (`treespec.target.Target.eos_token_ids`), else none."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if eos is not None:
+        return [eos] if isinstance(eos, int) else list(eos)
+    return [] if target is None else target.eos_token_ids()
 
 
 def model_identity(name: str, model_dir: str | Path) -> dict[str, str]:

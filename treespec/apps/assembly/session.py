@@ -5,7 +5,8 @@ Contract
 A `Session` holds what every method of a run shares: the target, its tokenizer, the drafters (by
 registered name), the cost source (``--cost-model``), this machine's cost profile (measured or read
 from the cache on first need) and the run's threads.  Every app gets its policies and decoders from
-it: ``session.policy(method)``, ``session.decoder(method)``, ``session.batch_decoder(method)``.  A
+it: ``session.decoder(method)`` (``batched=True``: a decoder of several sequences at once) or
+``session.decoders(methods)``, and the ids a generation stops at from ``session.stop_ids``.  A
 method's policy is built there and nowhere else: a cost-aware policy is priced as the cost source
 says (`treespec.apps.assembly.cost_source`), a learning policy starts from what it learned over its
 drafter on this machine (``treespec profile-cost --calibrate``), and ``session.close()`` (or leaving
@@ -33,8 +34,8 @@ import torch
 from treespec import registry
 from treespec.apps.assembly.cost_source import CostSource, method_policy, persist_live, restore_learned
 from treespec.apps.assembly.loading import (
+    DEFAULT_ENGINE,
     EMBEDDED_NAME,
-    ENGINE_TORCH,
     eos_ids,
     load_drafter,
     load_target,
@@ -47,7 +48,7 @@ from treespec.interfaces import Drafter, TreePolicy, Verifier
 from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.cost import CostModel
 from treespec.pricing.profile import CostProfile, machine_profile
-from treespec.target import TargetModel
+from treespec.target import Target
 
 __all__ = ["Chat", "Session"]
 
@@ -70,10 +71,6 @@ class Chat:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
-    @property
-    def stop_ids(self) -> list[int]:
-        return eos_ids(self.tokenizer)
-
 
 def _current_threads() -> ThreadControl:
     """The threads torch runs with now, kept as they are (a session made without the CLI's choice)."""
@@ -84,7 +81,7 @@ def _current_threads() -> ThreadControl:
 class Session:
     """What every method of a run shares, and where its policies and decoders come from."""
 
-    target: TargetModel  # one KV cache, reset per generation
+    target: Target  # one KV cache, reset per generation
     tokenizer: Any = None  # the target's tokenizer; None for a bare model directory (prompts as token ids)
     drafters: dict[str, Drafter] = attrs.field(factory=dict)  # registered drafter name -> drafter
     name: str = ""  # how records name the target (the embedded default's name, else its directory)
@@ -102,7 +99,7 @@ class Session:
     @classmethod
     def load(cls, model_dir: str | Path | None, drafter_dirs: Mapping[str, str | Path] | None = None, *,
              dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu", float32_head: bool | None = None,
-             tokenizer_required: bool = True, engine: str = ENGINE_TORCH, **fields: Any) -> Session:
+             tokenizer_required: bool = True, engine: str = DEFAULT_ENGINE, **fields: Any) -> Session:
         """The parts of the module docstring from local files, drafters first; ``engine``: what runs the
         target (`treespec.apps.assembly.loading.load_target`); ``fields`` set the rest."""
         from treespec.apps.assembly.embedded import embedded_model_dir
@@ -117,7 +114,7 @@ class Session:
                 raise
             tokenizer = None  # a bare model directory: prompts must come as token ids
         name = EMBEDDED_NAME if model_dir is None else str(model_dir)
-        return cls(target, tokenizer, drafters, name if engine == ENGINE_TORCH else f"{name} on {engine}", **fields)
+        return cls(target, tokenizer, drafters, name if engine == DEFAULT_ENGINE else f"{name} on {engine}", **fields)
 
     # ------------------------------------------------------------------ what the run shares
     @property
@@ -127,8 +124,9 @@ class Session:
 
     @property
     def stop_ids(self) -> list[int]:
-        """The ids a generation stops at: the tokenizer's EOS, else the target config's."""
-        return eos_ids(self.tokenizer, self.target.config)
+        """The ids a generation stops at: the tokenizer's EOS, else the target model's (the one rule the
+        API, the CLI and the bench stop by)."""
+        return eos_ids(self.tokenizer, self.target)
 
     def machine_profile(self) -> CostProfile:
         """This machine's cost profile of the target and every loaded drafter (measured once)."""
@@ -171,32 +169,19 @@ class Session:
         restore_learned(built, drafter, profile)
         return drafter, built
 
-    def policy(self, method: Method, *, drafter: Drafter | None = None) -> TreePolicy | None:
-        """The policy of ``method`` as `parts` builds it (None for AR)."""
-        return self.parts(method, drafter=drafter)[1]
-
-    def decoder(self, method: Method, *, drafter: Drafter | None = None, policy: TreePolicy | None = None,
-                verifier: Verifier | None = None, **options: Any) -> SpeculativeDecoder:
-        """A decoder of ``method`` over the session's target; ``options`` go to `SpeculativeDecoder`."""
+    def decoder(self, method: Method, *, batched: bool = False, drafter: Drafter | None = None,
+                policy: TreePolicy | None = None, verifier: Verifier | None = None,
+                **options: Any) -> SpeculativeDecoder | BatchDecoder:
+        """A decoder of ``method`` over the session's target (``batched``: a `BatchDecoder`, several
+        sequences at once; else a `SpeculativeDecoder`); ``options`` go to its constructor."""
         method = _spec(method)
         parts = self.parts(method, drafter=drafter, policy=policy)
-        return SpeculativeDecoder(self.target, *parts, verifier or registry.create("verifier", method.verifier),
-                                  **options)
+        cls = BatchDecoder if batched else SpeculativeDecoder
+        return cls(self.target, *parts, verifier or registry.create("verifier", method.verifier), **options)
 
-    def batch_decoder(self, method: Method, *, drafter: Drafter | None = None, policy: TreePolicy | None = None,
-                      verifier: Verifier | None = None, **options: Any) -> BatchDecoder:
-        """A batched decoder of ``method``, with the drafter and policy `decoder` would get."""
-        method = _spec(method)
-        parts = self.parts(method, drafter=drafter, policy=policy)
-        return BatchDecoder(self.target, *parts, verifier or registry.create("verifier", method.verifier), **options)
-
-    def decoders(self, methods: Sequence[MethodSpec]) -> dict[str, SpeculativeDecoder]:
-        """One decoder per method, by name."""
-        return {m.name: self.decoder(m) for m in methods}
-
-    def batch_decoders(self, methods: Sequence[MethodSpec]) -> dict[str, BatchDecoder]:
-        """One batched decoder per method, by name."""
-        return {m.name: self.batch_decoder(m) for m in methods}
+    def decoders(self, methods: Sequence[MethodSpec], *, batched: bool = False) -> dict[str, Any]:
+        """One decoder per method, by name (`decoder`)."""
+        return {m.name: self.decoder(m, batched=batched) for m in methods}
 
     # ------------------------------------------------------------------ the end of the run
     def close(self) -> CostProfile | None:

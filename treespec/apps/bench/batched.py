@@ -31,7 +31,7 @@ class BatchRunner(Runner):
     """The measurements of one shard, S conversations at a time (see the module docstring)."""
 
     def make_decoders(self) -> dict:
-        return self.session.batch_decoders(self.methods)  # one BatchDecoder per method
+        return self.session.decoders(self.methods, batched=True)  # one BatchDecoder per method
 
     def warm_up(self, prompt: PromptRecord) -> None:
         if self.config.warmup_tokens == 0:

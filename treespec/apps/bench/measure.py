@@ -68,7 +68,7 @@ class Runner:
     def __init__(self, config: BenchConfig, session: Session, methods: list[MethodSpec]) -> None:
         self.config, self.session, self.methods = config, session, methods
         self.decoders = self.make_decoders()
-        self.stops = session.chat.stop_ids if config.stop_at_eos else []
+        self.stops = session.stop_ids if config.stop_at_eos else []
         self.tolerance = resolve_tolerance(config, session.target.dtype)
         self.skipped: list[str] = []
         self.run_id = run_identity()  # this invocation, named in its records

@@ -125,14 +125,13 @@ def run(args: argparse.Namespace) -> int:
 def _engines(text: str) -> list[str]:
     """The engines asked for that can run here; one that cannot is left out with one line (why and how
     to install it), and at least one must remain."""
-    from treespec import registry
-    from treespec.apps.assembly.loading import ENGINE_TORCH, engines
+    from treespec.apps.assembly.loading import engine_class, engines
 
     asked = [e for e in text.split(",") if e]
     unknown = [e for e in asked if e not in engines()]
     if unknown or not asked:
         raise ValueError(f"--engines: unknown engine {', '.join(unknown) or text!r}; available: {', '.join(engines())}")
-    here = [e for e in asked if e == ENGINE_TORCH or registry.resolve("engine", e).installed()]
+    here = [e for e in asked if engine_class(e).installed()]
     for engine in (e for e in asked if e not in here):
         print(f"treespec demo: the {engine} engine is not installed here (`treespec install-engine {engine}` builds "
               "it); leaving it out", file=sys.stderr)
@@ -171,8 +170,7 @@ def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, t
     learned = session.close()
     bench.merge_shards(out)
     report = bench.write_report(out, resamples=200)
-    dtype = str(session.target.dtype).removeprefix("torch.")
-    what = f"{dtype}, {session.target.device}" if engine == "torch" else f"{session.target.config.path.name}"
+    what = session.target.describe()
     print(f"\nSmolLM2-135M-Instruct ({what}), T = 0, {args.prompts} prompts x {len(_DATASETS)} domains, "
           f"{args.max_new_tokens} new tokens\n")
     records = list(read_records(out / bench.RECORDS))
@@ -213,8 +211,8 @@ def regimes_table(results: Sequence[EngineResult]) -> str:
         lines.append(f"{r.engine:<11}{r.ar_tps:>9.1f}{r.verify17:>11.2f} steps  {r.break_even:<34}"
                      f"{r.best} {r.best_tps:.1f} tok/s ({r.best_tps / r.ar_tps:.2f}x its AR)")
     top = max(results, key=lambda r: r.best_tps)
-    base = next((r for r in results if r.engine == "torch"), None)
-    versus = f", {top.best_tps / base.ar_tps:.1f}x torch's AR" if base is not None and top is not base else ""
+    base = results[0]  # the first engine asked (torch by default): the run's reference
+    versus = f", {top.best_tps / base.ar_tps:.1f}x {base.engine}'s AR" if top is not base else ""
     lines.append(f"fastest row: {top.best} on {top.engine}, {top.best_tps:.1f} tok/s{versus}")
     return "\n".join(lines)
 
@@ -256,13 +254,12 @@ def machine_header(session, dtype_arg: str) -> str:
     ident = machine_identity(session.target.device)
     dtype = str(session.target.dtype).removeprefix("torch.")
     if dtype_arg == "auto" and session.target.device.type == "cpu":
-        why = cpu_dtype_choice(session.target.config).describe()
+        why = cpu_dtype_choice(session.target.shapes()).describe()
     else:
         why = f"{dtype} ({'bf16 on CUDA' if session.target.device.type == 'cuda' else 'as asked'})"
     profile = session.machine_profile()
-    if session.target.engine != "torch":
-        why = (f"{session.target.config.path.name} as stored (file type {session.target.config.file_type}); "
-               f"the drafters' side in {why}")
+    if type(session.target).file_suffix is not None:  # the engine runs a file's own weights
+        why = f"{session.target.describe()} as stored; the drafters' side in {why}"
     return (f"machine: {ident['cpu']}, {ident['cores']} cores, torch {ident['torch']}\n"
             f"{session.threads.choice.describe()}\n"
             f"dtype {why}\n" + verify_line(profile, session.drafters, live=session.costs.live))

@@ -68,7 +68,7 @@ def _summary(stats) -> str:
 def run(args: argparse.Namespace) -> int:
     from treespec.apps.api import generate
     from treespec.apps.assembly.cost_source import CostSource
-    from treespec.apps.assembly.loading import drafter_source, load_target, load_tokenizer, target_file
+    from treespec.apps.assembly.loading import drafter_source, load_target, load_tokenizer, model_path
 
     try:
         sampling = typed_settings(args)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"treespec generate: {'--drafter: ' if 'drafter' in str(exc) else ''}{exc}", file=sys.stderr)
         return 2
     try:
-        tokenizer = load_tokenizer(target_file(args.model, args.engine) if args.engine != "torch" else args.model)
+        tokenizer = load_tokenizer(model_path(args.model, args.engine))
         target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device, engine=args.engine)
     except (OSError, ValueError) as exc:
         print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
