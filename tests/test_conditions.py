@@ -284,18 +284,18 @@ def tiny_profile_target() -> TargetModel:
     ([[1, 8, -5.0]], "verify seconds must be finite and positive"),
     ([[1, 8, float("nan")]], "verify seconds must be finite and positive"),
 ])
-def test_a_corrupt_cached_profile_is_set_aside_and_measured_again(tmp_path, capsys, verify, rule):
+def test_a_corrupt_cached_profile_is_set_aside_and_measured_again(tmp_path, caplog, verify, rule):
     target = tiny_profile_target()
     machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
     (path,) = tmp_path.glob("profile-*.json")
     path.write_text(json.dumps({**json.loads(path.read_text()), "verify": verify}))
     again = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert f"setting aside the cached measurement {path}: {rule}" in err
     assert all(s > 0 for _, _, s in again.verify) and (tmp_path / (path.name + ".rejected")).is_file()
 
 
-def test_an_implausible_saved_curve_is_dropped_at_load_naming_the_rule(tmp_path, capsys):
+def test_an_implausible_saved_curve_is_dropped_at_load_naming_the_rule(tmp_path, caplog):
     """A live curve learned under load (trees at a quarter of the one-token step) is refused; the
     profile's own measured values, dips included, stand."""
     target = tiny_profile_target()
@@ -306,13 +306,13 @@ def test_an_implausible_saved_curve_is_dropped_at_load_naming_the_rule(tmp_path,
     record["live_verify"] = [[1, 8, 2 * seconds[1], 40], [2, 8, seconds[2] / 2, 40], [5, 8, seconds[5] / 2, 40]]
     path.write_text(json.dumps(record))
     again = machine_profile(target, sizes=(1, 2, 5), contexts=(8,), repeats=1, cache_dir=tmp_path)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert f"dropping the live correction of the cached cost profile {path}" in err and "AR steps" in err
     assert again.live_verify == () and again.verify == profile.verify
     assert json.loads(path.read_text())["live_verify"] == []  # rewritten without it: said once
 
 
-def test_a_profile_measured_under_load_is_used_but_not_cached(tmp_path, capsys):
+def test_a_profile_measured_under_load_is_used_but_not_cached(tmp_path, caplog):
     class Busy:
         def start(self):
             pass
@@ -323,4 +323,4 @@ def test_a_profile_measured_under_load_is_used_but_not_cached(tmp_path, capsys):
     target = tiny_profile_target()
     busy = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path, meter=Busy)
     assert busy.disturbed and not list(tmp_path.glob("profile-*.json"))
-    assert "used for this run, not cached" in capsys.readouterr().err
+    assert "used for this run, not cached" in caplog.text

@@ -73,19 +73,19 @@ def test_another_machine_model_or_torch_is_measured_again(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"key": "x"}', "[]", '{"dtype": "float32"}'])
-def test_corrupt_or_foreign_cache_files_are_measured_again_with_a_warning(tmp_path, capsys, content):
+def test_corrupt_or_foreign_cache_files_are_measured_again_with_a_warning(tmp_path, caplog, content):
     config = tiny_model(dtype=torch.float32).config
     bench, calls = fake_speed(0.5, 28.0)
     hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
     (path,) = tmp_path.glob("dtype-*.json")
     path.write_text(content)
-    capsys.readouterr()
+    caplog.clear()
     assert hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench).dtype == torch.float32
-    assert len(calls) == 2 and "measuring again" in capsys.readouterr().err
+    assert len(calls) == 2 and "measuring again" in caplog.text
     assert json.loads(path.read_text())["dtype"] == "float32"  # rewritten
 
 
-def test_a_cached_choice_with_missing_fields_is_measured_again(tmp_path, capsys):
+def test_a_cached_choice_with_missing_fields_is_measured_again(tmp_path, caplog):
     config = tiny_model(dtype=torch.float32).config
     bench, calls = fake_speed(0.5, 28.0)
     hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
@@ -94,7 +94,7 @@ def test_a_cached_choice_with_missing_fields_is_measured_again(tmp_path, capsys)
     del record["dtype"]
     path.write_text(json.dumps(record))
     hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
-    assert len(calls) == 2 and "dtype None is not one the probe chooses" in capsys.readouterr().err
+    assert len(calls) == 2 and "dtype None is not one the probe chooses" in caplog.text
 
 
 def test_a_real_micro_benchmark_measures_both_dtypes_quickly():
@@ -107,7 +107,7 @@ def _tiny_target() -> TargetModel:
     return TargetModel(tiny_model(dtype=torch.float32))
 
 
-def test_profile_is_cached_keyed_and_round_trips(tmp_path, capsys):
+def test_profile_is_cached_keyed_and_round_trips(tmp_path, caplog):
     target = _tiny_target()
     first = machine_profile(target, sizes=(1, 2, 5), contexts=(8, 16), repeats=1, cache_dir=tmp_path)
     assert len(first.verify) == 6 and target.length == 0
@@ -121,7 +121,7 @@ def test_profile_is_cached_keyed_and_round_trips(tmp_path, capsys):
     (path,) = [p for p in tmp_path.glob("profile-*.json") if json.loads(p.read_text())["key"]["dtype"] == "float32"]
     path.write_text('{"key": 1')
     again = machine_profile(target, sizes=(1, 2, 5), contexts=(8, 16), repeats=1, cache_dir=tmp_path)
-    assert "measuring again" in capsys.readouterr().err and len(again.verify) == 6
+    assert "measuring again" in caplog.text and len(again.verify) == 6
 
 
 def test_the_profile_prices_every_size_as_measured_and_the_convex_fit_on_request():
@@ -191,16 +191,16 @@ class Meter:
      "seconds must be finite and positive"),
     ({"seconds": {"bfloat16": {"1": 0.5, "17": 1.0}, "float32": {"1": 1.0, "17": 2.0}}}, "choose the other dtype"),
 ])
-def test_a_cached_choice_that_fails_its_checks_is_set_aside_naming_the_file_and_the_rule(tmp_path, capsys, record,
+def test_a_cached_choice_that_fails_its_checks_is_set_aside_naming_the_file_and_the_rule(tmp_path, caplog, record,
                                                                                           rule):
     config = tiny_model(dtype=torch.float32).config
     bench, calls = fake_speed(0.5, 28.0)
     hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
     (path,) = tmp_path.glob("dtype-*.json")
     path.write_text(json.dumps({**json.loads(path.read_text()), **record}))
-    capsys.readouterr()
+    caplog.clear()
     assert hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench).dtype == torch.float32
-    err = capsys.readouterr().err
+    err = caplog.text
     assert f"setting aside the cached measurement {path}" in err and rule in err and len(calls) == 2
     assert (tmp_path / (path.name + ".rejected")).is_file()  # kept for a look, never used
     assert json.loads(path.read_text())["dtype"] == "float32"  # measured again
@@ -217,12 +217,44 @@ def test_a_choice_measured_while_another_process_took_the_cores_is_not_cached(tm
     assert len(calls) == 2 and len(list(other.glob("dtype-*.json"))) == 1  # a load on a spare core: cached
 
 
-def test_a_cached_choice_the_re_check_contradicts_is_measured_again(tmp_path, capsys):
+def test_a_cached_choice_the_re_check_contradicts_is_measured_again(tmp_path, caplog):
     config = tiny_model(dtype=torch.float32).config
     slow, calls = fake_speed(0.5, 28.0)
     hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=slow)
     fast, fast_calls = fake_speed(0.5, 1.0)  # bf16 now 2x faster at 17 rows: float32 no longer holds
     assert hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=fast).dtype == torch.bfloat16
-    assert "no longer holds" in capsys.readouterr().err and len(fast_calls) == 1
+    assert "no longer holds" in caplog.text and len(fast_calls) == 1
     hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=fast)
     assert len(fast_calls) == 1  # the re-check agrees with the new cache
+
+
+def test_the_library_logs_its_lines_and_an_api_user_can_silence_them(tmp_path, caplog, capsys, monkeypatch):
+    """What the library says while it measures (a damaged cache set aside) goes through
+    ``logging.getLogger("treespec...")``: a level set on "treespec" silences it; the CLI's handler shows
+    the same line as ``treespec: ...`` on stderr."""
+    import logging
+
+    from treespec.apps.cli import show_library_lines
+
+    config = tiny_model(dtype=torch.float32).config
+    bench, _ = fake_speed(0.5, 28.0)
+    hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+    (path,) = tmp_path.glob("dtype-*.json")
+
+    def damage_and_read() -> None:
+        path.write_text("{not json")
+        caplog.clear()
+        capsys.readouterr()
+        hardware.cpu_dtype_choice(config, cache_dir=tmp_path, benchmark=bench)
+
+    library = logging.getLogger("treespec")
+    monkeypatch.setattr(library, "level", library.level)  # restored after the test
+    library.setLevel(logging.ERROR)
+    damage_and_read()
+    assert caplog.records == [] and "measuring again" not in capsys.readouterr().err
+    library.setLevel(logging.NOTSET)
+    show_library_lines()
+    damage_and_read()
+    (record,) = [r for r in caplog.records if "measuring again" in r.getMessage()]
+    assert record.name == "treespec.pricing.hardware" and record.levelno == logging.WARNING
+    assert f"treespec: ignoring the cached measurement {path}" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def plausible_on_disk(path) -> bool:
 
 
 @pytest.mark.parametrize("factor", [1e6, 1e-6])
-def test_a_curve_scaled_beyond_the_machine_for_trees_is_measured_again(tmp_path, capsys, factor):
+def test_a_curve_scaled_beyond_the_machine_for_trees_is_measured_again(tmp_path, caplog, factor):
     """Every size >= 2 multiplied (or divided) by 10^6: one line, the curve measured again (a 17-token
     verify back under 5 AR steps), the calibration kept, the file healed on disk."""
     model, profile, path = profiled(tmp_path)
@@ -71,37 +71,37 @@ def test_a_curve_scaled_beyond_the_machine_for_trees_is_measured_again(tmp_path,
                  cache_dir=tmp_path)
     damage(path, verify=lambda rows: [[n, c, s * factor if n >= 2 else s] for n, c, s in rows])
     healed = again(model, tmp_path)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert f"measuring the cached cost profile {path} again: its verify of 2 tokens at context 8" in err
     assert err.count("\n") == 1 and healed.verify_in_steps(17) < 5
     assert healed.calibration("d@w") == Calibration(0.8, 0.9) and plausible_on_disk(path)
 
 
-def test_a_curve_scaled_whole_is_caught_by_the_spot_check_at_start(tmp_path, capsys):
+def test_a_curve_scaled_whole_is_caught_by_the_spot_check_at_start(tmp_path, caplog):
     """Every size multiplied alike keeps the shape a machine can have; the quick measurement at start
     sees the seconds are not this machine's, and the profile is measured again."""
     model, profile, path = profiled(tmp_path)
     damage(path, verify=lambda rows: [[n, c, s * 1e6] for n, c, s in rows])
     healed = again(model, tmp_path)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert f"measuring the cached cost profile {path} again: a 1-token verify at context 8 takes" in err
     assert max(s for _, _, s in healed.verify) < 1e3 * max(s for _, _, s in profile.verify)
     assert json.loads(path.read_text())["verify"] == [list(v) for v in healed.verify]
 
 
-def test_an_absurd_draft_is_measured_again_and_the_rest_kept(tmp_path, capsys):
+def test_an_absurd_draft_is_measured_again_and_the_rest_kept(tmp_path, caplog):
     bigram = drafter()
     model, profile, path = profiled(tmp_path, [bigram])
     damage(path, drafts=lambda drafts: {k: 1e30 for k in drafts})
     healed = again(model, tmp_path, [bigram])
-    err = capsys.readouterr().err
+    err = caplog.text
     assert f"measuring a drafter's round in the cached cost profile {path} again: a round of drafter" in err
     assert healed.verify == profile.verify  # the curve stays as measured
     assert healed.break_even_tau(bigram, 4) < 1e3 and plausible_on_disk(path)
 
 
 @pytest.mark.parametrize("rounds", [-99985, 2.5])
-def test_a_live_correction_with_bad_round_counts_is_dropped(tmp_path, capsys, rounds):
+def test_a_live_correction_with_bad_round_counts_is_dropped(tmp_path, caplog, rounds):
     bigram = drafter()
     model, profile, path = profiled(tmp_path, [bigram])
     (ident,) = profile.drafts
@@ -110,7 +110,7 @@ def test_a_live_correction_with_bad_round_counts_is_dropped(tmp_path, capsys, ro
     record["live_drafts"] = {ident: [record["drafts"][ident], 3]}
     path.write_text(json.dumps(record))
     healed = again(model, tmp_path, [bigram])
-    assert "not a whole number >= 0" in capsys.readouterr().err
+    assert "not a whole number >= 0" in caplog.text
     assert healed.live_verify == () and healed.live_drafts == {}
     assert json.loads(path.read_text())["live_verify"] == []
 
@@ -137,11 +137,11 @@ def test_a_live_curve_gone_absurd_is_not_saved(tmp_path):
     assert updated is None and "implausible" in why and path.read_text() == before
 
 
-def test_the_file_check_blames_a_list_on_its_shape(tmp_path, capsys):
+def test_the_file_check_blames_a_list_on_its_shape(tmp_path, caplog):
     model, _, path = profiled(tmp_path)
     path.write_text(json.dumps([1, 2, 3]))
     again(model, tmp_path)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert f"ignoring the cached measurement {path} (its top level is not a JSON object)" in err
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import re
 import sys
 from types import ModuleType
@@ -16,7 +17,6 @@ from types import ModuleType
 from treespec import registry
 from treespec.apps.commands import SUBCOMMANDS, threads_from_env
 from treespec.target import EngineUnavailable
-
 
 
 def _registered() -> list[str]:
@@ -50,8 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a test's capture, a redirected run)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def show_library_lines() -> None:
+    """The library's log lines (``logging.getLogger("treespec")``: what it measured, what it healed) on
+    stderr as ``treespec: MESSAGE``, from INFO up: what the commands show.  Once per process."""
+    library = logging.getLogger("treespec")
+    if not any(isinstance(h, _Stderr) for h in library.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("treespec: %(message)s"))
+        library.addHandler(handler)
+    if library.level in (logging.NOTSET, logging.WARNING):
+        library.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    show_library_lines()
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in _registered()):
         build_parser().parse_args(argv or ["--help"])  # prints help or the "invalid choice" error
         return 2

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -35,6 +35,8 @@ import torch
 
 from treespec.pricing.conditions import current_meter
 from treespec.target import DTYPE_NAMES, stored_dtype
+
+logger = logging.getLogger(__name__)  # one line per event; the CLI shows them as "treespec: ..."
 
 __all__ = [
     "CACHE_ENV", "DtypeChoice", "cache_root", "choose_dtype", "digest", "linear_shapes", "machine_identity",
@@ -99,7 +101,7 @@ def read_cached(path: Path, key: Mapping[str, Any]) -> dict | None:
             raise ValueError("made for another machine, model or dtype")
         return data
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        print(f"treespec: ignoring the cached measurement {path} ({exc}); measuring again", file=sys.stderr)
+        logger.warning(f"ignoring the cached measurement {path} ({exc}); measuring again")
         return None
 
 
@@ -243,7 +245,7 @@ def cpu_dtype_choice(config: Any, *, cache_dir: Path | None = None,
                                      "seconds": {d: {str(n): s for n, s in v.items()} for d, v in speed.items()}})
     if path.name not in _PRINTED:
         _PRINTED.add(path.name)
-        print(f"treespec: dtype {choice.describe()}", file=sys.stderr)
+        logger.info(f"dtype {choice.describe()}")
     return choice
 
 
@@ -286,15 +288,15 @@ def _cached_choice(path: Path, key: Mapping, shapes, benchmark) -> DtypeChoice |
         return None
     choice = DtypeChoice(DTYPE_NAMES[record["dtype"]], str(record.get("reason", "")))
     if not recheck_dtype(choice, shapes, benchmark):
-        print(f"treespec: the cached dtype choice {path} no longer holds ({choice.describe()}; a re-check found "
-              f"it more than {RECHECK_MARGIN:g}x slower); measuring again", file=sys.stderr)
+        logger.warning(f"the cached dtype choice {path} no longer holds ({choice.describe()}; a re-check found "
+              f"it more than {RECHECK_MARGIN:g}x slower); measuring again")
         return None
     return choice
 
 
 def set_aside(path: Path, rule: str) -> None:
     """Move a cached file that fails its checks to ``NAME.rejected`` (kept for a look), saying why."""
-    print(f"treespec: setting aside the cached measurement {path}: {rule}; measuring again", file=sys.stderr)
+    logger.warning(f"setting aside the cached measurement {path}: {rule}; measuring again")
     try:
         path.replace(path.with_name(path.name + ".rejected"))
     except OSError:

@@ -38,9 +38,9 @@ the demo prints.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -55,6 +55,8 @@ from treespec.pricing.cost import ConvexCost, fit_verify_curve
 from treespec.pricing.hardware import digest, machine_file, machine_identity, read_cached, set_aside, write_cached
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
+
+logger = logging.getLogger(__name__)  # one line per event; the CLI shows them as "treespec: ..."
 
 __all__ = ["DRAFT_RANGE", "LIVE_BOUND", "LIVE_DRAFT_BOUND", "LIVE_SHAPE_BOUND", "PROFILE_CONTEXTS", "PROFILE_SIZES",
            "SPOT_BOUND", "VERIFY_CEILING", "VERIFY_FLOOR", "CostProfile", "calibration_key", "check_profile",
@@ -423,8 +425,7 @@ def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[i
     is cached."""
     path, key, _ = _profile_file(target, sizes, contexts, cache_dir)
     if profile.disturbed:
-        print(f"treespec: not saving the cost profile {path}: it was measured while {profile.disturbed}",
-              file=sys.stderr)
+        logger.warning(f"not saving the cost profile {path}: it was measured while {profile.disturbed}")
         return
     _write_profile(path, key, profile)
 
@@ -480,17 +481,16 @@ def _cached_profile(path: Path, key: dict) -> CostProfile | None:
         return None
     broken = implausible_curve(profile.verify)
     if broken is not None:
-        print(f"treespec: measuring the cached cost profile {path} again: {broken}", file=sys.stderr)
+        logger.warning(f"measuring the cached cost profile {path} again: {broken}")
         return _timings_dropped(profile)
     for ident, rule in implausible_drafts(profile).items():
-        print(f"treespec: measuring a drafter's round in the cached cost profile {path} again: {rule}",
-              file=sys.stderr)
+        logger.warning(f"measuring a drafter's round in the cached cost profile {path} again: {rule}")
         profile = attrs.evolve(profile, drafts={k: v for k, v in profile.drafts.items() if k != ident},
                                live_drafts={k: v for k, v in profile.live_drafts.items() if k != ident})
     broken = implausible_live(profile)
     if broken is not None:
-        print(f"treespec: dropping the live correction of the cached cost profile {path}: {broken}; pricing "
-              "with the profile as measured", file=sys.stderr)
+        logger.warning(f"dropping the live correction of the cached cost profile {path}: {broken}; pricing "
+              "with the profile as measured")
         profile = attrs.evolve(profile, live_verify=(), live_drafts={})
         _write_profile(path, key, profile)
     return profile
@@ -510,7 +510,7 @@ def _spot_checked(target: TargetModel, profile: CostProfile, path: Path, generat
     _CHECKED.add(_stamp(path))
     if disagreement is None:
         return profile
-    print(f"treespec: measuring the cached cost profile {path} again: {disagreement}", file=sys.stderr)
+    logger.warning(f"measuring the cached cost profile {path} again: {disagreement}")
     return _timings_dropped(profile)
 
 
@@ -552,11 +552,10 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     profile = attrs.evolve(profile, drafts=drafts, disturbed=load.describe() if load.disturbed else "")
     broken = implausible(profile)
     if load.disturbed:
-        print(f"treespec: the cost profile was measured while {load.describe()}: used for this run, not "
-              "cached", file=sys.stderr)
+        logger.warning(f"the cost profile was measured while {load.describe()}: used for this run, not "
+              "cached")
     elif broken is not None:
-        print(f"treespec: the cost profile measured now is implausible ({broken}): used for this run, not cached",
-              file=sys.stderr)
+        logger.warning(f"the cost profile measured now is implausible ({broken}): used for this run, not cached")
         profile = attrs.evolve(profile, disturbed=f"the machine gave implausible figures ({broken})")
     elif cache:
         _write_profile(path, key, profile)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ import attrs
 import torch
 
 from treespec.pricing.hardware import CACHE_ENV, cache_root
+
+logger = logging.getLogger(__name__)  # one line per event; the CLI shows them as "treespec: ..."
 
 __all__ = [
     "CACHE_ENV",
@@ -246,7 +249,7 @@ def embedded_model_dir(source: EmbeddedSource = SMOLLM2_135M_INSTRUCT, *, root: 
     if is_converted(target, source):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    print(f"treespec: preparing {source.requirement} (one-time) into {target}", file=sys.stderr)
+    logger.info(f"preparing {source.requirement} (one-time) into {target}")
     built = _build(source, root, fetch or _local_or_download)
     _install(built, target, source)
     return target

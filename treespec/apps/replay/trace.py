@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -29,6 +29,8 @@ import torch
 
 from treespec import registry
 from treespec.interfaces import RecordableScorer
+
+logger = logging.getLogger(__name__)  # one line per event; the CLI shows them as "treespec: ..."
 
 __all__ = ["DIGESTS_KEY", "FORMAT", "META_KEY", "VERSION", "DrafterRecord", "ScorerRecord", "Trace", "TraceError",
            "check_paired", "merge_traces", "scorer_class", "tensor_digest"]
@@ -127,7 +129,7 @@ def _check_digests(header: Mapping[str, str], tensors: Mapping[str, torch.Tensor
     """True when every tensor matches its digest; False (said in one line) for a trace written without
     digests; a `TraceError` naming the first tensor that does not match."""
     if DIGESTS_KEY not in header:
-        print(f"treespec: {path} was recorded without digests: its data cannot be checked", file=sys.stderr)
+        logger.warning(f"{path} was recorded without digests: its data cannot be checked")
         return False
     try:
         digests = json.loads(header[DIGESTS_KEY])
