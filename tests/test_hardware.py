@@ -166,8 +166,9 @@ def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_pat
     again = machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
     assert again.calibration(Named()) == fitted and again.calibration("other").identity
     assert again.calibration(Named("w2")).identity  # the same drafter trained further starts uncalibrated
-    record = again.to_record() | {"calibrations": {"a-drafter@w1": 0.9}}  # a profile written before the power
-    assert type(again).from_record(record).calibration(Named()) == Calibration(0.9, 1.0)
+    record = again.to_record() | {"calibrations": {"a-drafter@w1": 0.9}}  # not a calibration of this format
+    with pytest.raises(ValueError, match=r"a calibration is \[scale, power\], got 0.9"):
+        type(again).from_record(record)
 
 
 class Meter:

@@ -87,13 +87,11 @@ class Calibration:
 
     @classmethod
     def from_record(cls, record) -> Calibration:
-        """From `to_record`'s [scale, power], or a bare number (a scale alone, as older profiles stored)."""
-        if isinstance(record, int | float) and not isinstance(record, bool):
-            return cls(record)
+        """From `to_record`'s [scale, power] (anything else: a ValueError naming it)."""
         try:
             scale, power = record
         except (TypeError, ValueError):
-            raise ValueError(f"a calibration is [scale, power] or a number, got {record!r}") from None
+            raise ValueError(f"a calibration is [scale, power], got {record!r}") from None
         return cls(scale, power)
 
     def describe(self) -> str:

@@ -289,7 +289,7 @@ def _cached_choice(path: Path, key: Mapping, shapes, benchmark) -> DtypeChoice |
     choice = DtypeChoice(DTYPE_NAMES[record["dtype"]], str(record.get("reason", "")))
     if not recheck_dtype(choice, shapes, benchmark):
         logger.warning(f"the cached dtype choice {path} no longer holds ({choice.describe()}; a re-check found "
-              f"it more than {RECHECK_MARGIN:g}x slower); measuring again")
+                       f"it more than {RECHECK_MARGIN:g}x slower); measuring again")
         return None
     return choice
 

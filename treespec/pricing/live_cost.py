@@ -2,82 +2,33 @@
 
 Contract
 --------
-`LiveCost(prior)` is a `treespec.pricing.cost.CostModel` (C_d, C_v(n; ctx)) that prices like ``prior`` (the
-machine's one-shot profile) until the decoding loop tells it what rounds really cost: after every
-round of a single-sequence decoder whose policy prices with it, ``observe(n, ctx, verify, draft)``
-receives the verify seconds of that round's n tree tokens on ctx cached tokens and, for a drafted
-round, the seconds of its draft and build stages.  Policies read it as any cost model; the loop
-(`treespec.decoding.SpeculativeDecoder`) feeds it and nothing else writes to it.
+`LiveCost(prior)` is a `treespec.pricing.cost.CostModel` (C_d, C_v(n; ctx)) that prices like ``prior``
+(the machine's profile) until the decoding loop tells it what rounds cost: after every round of a
+single-sequence decoder whose policy prices with it, ``observe(n, ctx, verify, draft)`` receives the
+verify seconds of the round's n tree tokens on ctx cached tokens and, for a drafted round, its draft
+and build seconds.  The loop feeds it and nothing else writes to it; everything it computes is
+deterministic in the observations, so a recorded run can be priced again.
 
-The estimator (all of it deterministic in the observations, so a recorded run can be priced again):
+The rules (docs/decoding.md, "Live cost model", has the reasons and the measurements behind them):
 
-* **Buckets.** The curve's knots (the prior's profiled sizes) are the size buckets; an observed n
-  goes to the knot nearest in log n.  n = 1 (an AR step) is a bucket of its own kind: a CPU runs a
-  one-token forward through another kernel than a tree's, so its correction never spreads to trees.
-* **Per bucket**, the ratios rho = seconds / prior(n, ctx) of the last ``window`` observations; the
-  bucket's correction r_b is their trimmed mean (`trimmed_mean`: the largest and the smallest
-  eighth left out, at least one each once there are three), so one or two descheduled rounds do
-  not move it, while a persistent heavy tail -- a busy machine, where most rounds run at one speed
-  and many at several times it -- still counts as throughput pays it (a median would price such a
-  machine by its typical round and miss the tail; measured: under a CPU hog the median put a
-  17-token verify at 2.2 AR steps, the means at 1.5).  A bucket never observed takes the mean
-  correction of the observed buckets of its kind (trees: n >= 2), each weighed by the observations
-  in its window, so a bucket seen a few times does not set the price of every size beyond it
-  (measured: 14 rounds of 12-token trees at 1.42 times the profile, beside 232 of 8 at 1.18, priced
-  every unobserved size from 13 up at 1.42 and a 17-token verify at 2.0 AR steps, where the fixed
-  trees' 17-token rounds measured 1.64); trees with none of their kind observed take the one-token
-  step's (a machine slower at AR steps is taken to be slower at trees until a tree says otherwise),
-  while an unobserved one-token step keeps the profile's value (it runs another kernel, whose cost
-  trees say nothing about); else 1.
-* **Pooled.**  A tree bucket's own correction counts as the m rounds its window holds, against
-  ``pool_weight`` rounds' worth of its kind's pooled correction (the observed tree buckets' trimmed
-  means weighed by their rounds): r_k = (m own_k + w pooled) / (m + w).  A size seen a few times on a
-  noisy machine then does not give the curve a cheap or a dear spot of its own, where the policy's
-  choice of size would follow the noise; the prior's shape stands until a size has the rounds to say
-  otherwise.  (The one-token step is a kind of one bucket: pooling leaves it alone.)
-* **The curve**, per profiled context c: at each knot k the mean of the prior's value prior(k, c),
-  weighted by a pseudo-count w_0 (1 - m / window), and the corrected value prior(k, c) * r_k,
-  weighted by the m observations in the bucket's window: the prior counts while a bucket has few
-  observations and not at all once its window is full.  The knots so valued and weighted are fitted
-  by `treespec.pricing.cost.fit_verify_curve` as the profile fits its own samples: each knot keeps its own
-  value (measured verify times are not monotone in n; a CPU's 3-token forward can be dearer than its
-  4-token one), linear between knots.  C_d: the trimmed mean of
-  the last ``window`` draft + build times against the prior's C_d, weighted the same way.  Build time
-  counts because a tree round pays it and an AR round does not.
-* **Re-fit** every ``refit_every`` observations, and at once on a change of regime.  Each round's
-  error e = log(measured / predicted) is kept per kind (one-token steps, trees), re-expressed
-  against each re-fitted curve (a re-fit is not a change of the machine).  A change of regime is
-  ``drift_rounds`` rounds of a kind in a row that all lie beyond the ordinary range of the earlier
-  ones (their 10th to 90th percentile, over at least half a window of them) by more than ``drift``,
-  on the same side: slower than the slow rounds before, or faster than the fast ones.  On a quiet
-  machine the range is narrow and a step change is seen within ``drift_rounds`` rounds of its kind;
-  one descheduled round is not one.  On a busy machine, where most rounds run at one speed and many
-  at several times it, the range spans both, and a few slow rounds in a row are not a new regime
-  (measured under a CPU hog: the rule before, the median |e| of the last 3 rounds above ``drift``,
-  fired every six rounds and each time rebuilt the curve from three rounds, so a 17-token verify
-  swung between 0.4 and 5.6 AR steps).  An exploring round faster than the trees' ordinary range by
-  more than 2 ``drift`` is one too (noise slows a forward down and does not speed it up, and
-  exploring rounds are rare: one that fast is the machine's speed after a busy spell).
-  A change of regime empties that kind's windows (trees: with the draft window) of what came before
-  it, and its errors, and drops its prior's pseudo-count, so its estimates follow the new speed at
-  once instead of after half a window.  The other kind's corrections are scaled by the same factor
-  (new median ratio over old), as an estimate -- a machine that got slower for trees got slower for
-  AR steps too -- and the next round measures that kind: an AR step without drafting
-  (`wants_ar_step`) after the trees' change, an exploring round after the AR step's.  That first
-  measurement replaces the scaled values when it lies outside the kind's ordinary range around them
-  (widened by ``drift``); inside it, one round cannot tell them wrong and they stand.  Otherwise a
-  busy machine would price trees against the AR step of the quiet one (or the reverse).
-* **Exploration.**  A policy that prices trees as too dear builds root-only trees, and the loop
-  then never observes a tree again.  So when ``explore_every`` rounds have passed without a verified
-  tree of at least the last explored size, `begin_round` answers True once: that round drafts (past
-  the decoder's back-off) and is priced as if a verify cost what an AR step costs, so the policy
-  builds its full budget, which is observed.  At most one round in ``explore_every + 1`` explores
-  (more rounds apart where a tree is dear: the period grows until an exploration costs at most
-  ``explore_share`` of the AR steps between two, `explore_period`; on llama.cpp's compute-bound
-  verify, where a 17-token tree costs 8 AR steps, about every 300 rounds), and it still commits its
-  accepted tokens: it costs at most (C_d + C_v(B + 1) - C_v(1)) / (explore_every
-  + 1) per round over the right choice (2.3 % of an AR step for a round of 1.76 AR steps and
-  explore_every 32), and nothing while trees are being built anyway.
+* **Buckets**: the prior's profiled sizes; an observed n goes to the nearest in log n.  The one-token
+  step (n = 1, another kernel) is a kind of its own, trees (n >= 2) the other.
+* **Per bucket** a correction: the `trimmed_mean` of seconds / prior over its last ``window``
+  observations, pooled with its kind's (``pool_weight`` rounds' worth); a bucket never observed takes
+  its kind's, trees with none observed take the one-token step's, else 1.
+* **The curve**, per profiled context: each knot's prior value and corrected value, weighted by a
+  pseudo-count of the prior and the bucket's observations, fitted by `fit_verify_curve` as the
+  profile is; C_d the trimmed mean of draft + build seconds, weighted alike.
+* **Re-fit** every ``refit_every`` observations, and at once on a change of regime: ``drift_rounds``
+  rounds of a kind in a row beyond the `ordinary` range of the earlier ones (second smallest to second
+  largest log(measured / predicted)) by more than ``drift`` on the same side, or an exploring round
+  faster than the trees' ordinary range by more than 2 ``drift``.  A change empties that kind's
+  windows, scales the other kind's corrections by the same factor and asks for a round of the other
+  kind (`wants_ar_step`, or an exploration) to check them.
+* **Exploration**: after ``explore_every`` rounds without a tree of the last explored size,
+  `begin_round` answers True once: that round drafts past the back-off and prices a verify at an AR
+  step's cost, so the full budget is built and observed; its period grows so that exploring costs at
+  most ``explore_share`` of the AR steps between two (`explore_period`).
 
 `snapshot()` is the current curve as a frozen `ConvexCost`; `support()` says how many observations
 each knot rests on.  `LiveCost.restore(prior, observations)` rebuilds the model a run ended with.

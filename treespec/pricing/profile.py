@@ -490,7 +490,7 @@ def _cached_profile(path: Path, key: dict) -> CostProfile | None:
     broken = implausible_live(profile)
     if broken is not None:
         logger.warning(f"dropping the live correction of the cached cost profile {path}: {broken}; pricing "
-              "with the profile as measured")
+                       "with the profile as measured")
         profile = attrs.evolve(profile, live_verify=(), live_drafts={})
         _write_profile(path, key, profile)
     return profile
@@ -553,7 +553,7 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     broken = implausible(profile)
     if load.disturbed:
         logger.warning(f"the cost profile was measured while {load.describe()}: used for this run, not "
-              "cached")
+                       "cached")
     elif broken is not None:
         logger.warning(f"the cost profile measured now is implausible ({broken}): used for this run, not cached")
         profile = attrs.evolve(profile, disturbed=f"the machine gave implausible figures ({broken})")

@@ -1,8 +1,10 @@
-"""``treespec demo``: every published method on the embedded default, in one table, checked against AR.
+"""``treespec demo``: every published method on the embedded default, one table per engine, checked against AR.
 
 Runs AR, the DFlash chain, the Domino chain, DDTree, CaDDTree, DominoTree and the cost-aware
 DominoTree (budget 16) at T = 0 on a few chat, math and code prompts with SmolLM2-135M-Instruct
-(fetched and converted once) and the drafters shipped with treespec.  It first says what it
+(fetched and converted once) and the drafters shipped with treespec, on each engine asked for
+(``--engines``: torch, then llama.cpp running the model's GGUF file), and ends with a table of where
+trees pay on each.  It first says what it
 measured about this machine: the target's dtype (`treespec.pricing.hardware`: the faster of bf16 and fp32
 here) and the cost profile (`treespec.pricing.profile`): a verify of 1 / 2 / 5 / 17 tokens in AR steps and
 the τ a 16-node tree needs to break even with AR, which is why speedups differ between machines.
