@@ -115,6 +115,21 @@ def test_a_live_correction_with_bad_round_counts_is_dropped(tmp_path, caplog, ro
     assert json.loads(path.read_text())["live_verify"] == []
 
 
+def test_a_healed_file_is_still_spot_checked(tmp_path, caplog):
+    """Every verify at 10^9 s (flat in AR steps, so plausible in shape) beside a broken live part: the
+    healing that drops the live part rewrites the file, and the start-up spot check still measures
+    the absurd timings again instead of pricing with them and writing them back."""
+    bigram = drafter()
+    model, profile, path = profiled(tmp_path, [bigram])
+    record = json.loads(path.read_text())
+    record["verify"] = [[n, c, 1e9] for n, c, _ in record["verify"]]
+    record["live_verify"] = [[n, c, s, -3] for n, c, s in record["verify"]]
+    path.write_text(json.dumps(record))
+    healed = again(model, tmp_path, [bigram])
+    assert "dropping the live correction" in caplog.text and "measuring the cached cost profile" in caplog.text
+    assert max(s for _, _, s in healed.verify) < 10 and max(s for _, _, s in json.loads(path.read_text())["verify"]) < 10
+
+
 def test_nothing_implausible_is_written_back(tmp_path):
     model, profile, path = profiled(tmp_path)
     before = path.read_text()

@@ -453,12 +453,13 @@ def _stamp(path: Path) -> tuple[str, int]:
         return str(path), -1
 
 
-def _write_profile(path: Path, key: dict, profile: CostProfile) -> None:
+def _write_profile(path: Path, key: dict, profile: CostProfile, *, checked: bool = True) -> None:
     broken = implausible(profile)
     if broken is not None:
         raise ValueError(f"refusing to cache the cost profile {path}: {broken}")
     write_cached(path, key, profile.to_record())
-    _CHECKED.add(_stamp(path))
+    if checked:  # its timings were measured or spot-checked by this process (a healed file's were not)
+        _CHECKED.add(_stamp(path))
 
 
 def _timings_dropped(profile: CostProfile) -> CostProfile:
@@ -492,7 +493,7 @@ def _cached_profile(path: Path, key: dict) -> CostProfile | None:
         logger.warning(f"dropping the live correction of the cached cost profile {path}: {broken}; pricing "
                        "with the profile as measured")
         profile = attrs.evolve(profile, live_verify=(), live_drafts={})
-        _write_profile(path, key, profile)
+        _write_profile(path, key, profile, checked=False)  # the timings left are still to be spot-checked
     return profile
 
 
