@@ -30,7 +30,8 @@ through its maintained binding's C API (``llama_cpp``): the GGUF file runs as it
 * **The torch side.**  Drafters bind to a target's input embedding and LM head: both are read from
   the GGUF file and dequantized (``gguf``) into torch modules of ``dtype``, the values the engine's
   own weights hold.  Taps come back in ``dtype`` too.
-* **Limits.**  ``n_ctx`` positions (default: the model's training context, at most 4096), at most
+* **Limits.**  ``n_ctx`` positions (default: the model's training context, at most 4096; the cache
+  holds ``n_batch`` cells more, so a tree of up to ``n_batch`` nodes fits at the last position), at most
   ``max_leaves`` leaves per tree (llama.cpp's sequence limit; a wider tree is refused naming it), a
   context overflow refused before the engine is called (`ContextOverflowError`).  A file that is
   not GGUF, or a GGUF that is not a causal language model llama.cpp can run, is refused in one line
@@ -336,7 +337,7 @@ class LlamaCppTarget:
         """The llama.cpp context of this tap set (made on first use)."""
         if taps not in self._contexts:
             params = self.llama_cpp.llama_context_default_params()
-            params.n_ctx = self.max_positions
+            params.n_ctx = self.max_positions + self.n_batch  # cells: a tree takes one per node, not per position
             params.n_batch = params.n_ubatch = self.n_batch
             params.n_seq_max = self.max_leaves + 1  # and a scratch sequence (`_compact`)
             params.kv_unified = True

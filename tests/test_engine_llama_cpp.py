@@ -195,3 +195,22 @@ def test_at_t_above_zero_the_engines_first_two_tokens_follow_its_own_law(engine,
     greedy = torch.zeros_like(law)
     greedy[int(law.sum(1).argmax()), int(law[law.sum(1).argmax()].argmax())] = 1500
     assert chi_square_pvalue(greedy, law) < 1e-3  # the test can fail
+
+
+def test_trees_decode_to_the_last_position_of_the_context(gguf_file):
+    """A tree takes a cache cell per node, not per position: at the end of the context a 16-node tree
+    of depth 4 still fits (positions are checked, cells are the engine's business), and speculative
+    decoding to the context's last position equals the engine's AR."""
+    from treespec import registry
+    from treespec.engines.llama_cpp import LlamaCppTarget
+
+    small = LlamaCppTarget(gguf_file, n_ctx=64, dtype=torch.float32)
+    ids = prompt(50, seed=5)
+    answer = ar_output(small, ids, 13)  # positions 49 .. 62, the last of 64
+    drafter = Peeking(answer, ids.numel(), small.vocab_size)
+    out = SpeculativeDecoder(small, drafter, registry.create("policy", "ddtree", budget=16)).generate(
+        ids, max_new_tokens=13)
+    assert out.tokens.tolist() == answer
+    small.prefill(prompt(58, seed=6)[:-1])
+    wide = DraftTree.build([7] + [8] * 16, [-1] + [0] * 8 + list(range(1, 9)))  # 16 nodes, depth 2: 57 + 17 cells
+    assert small.forward_tree(wide).logits.shape == (17, small.vocab_size)
