@@ -194,25 +194,40 @@ class _Taps:
 
         self.names = names  # graph tensor name -> tap index
         self.rows: dict[int, list[np.ndarray]] = {}
+        self.error: BaseException | None = None  # raised in the callback (Ctrl-C): re-raised after the decode
         get = libggml.ggml_backend_tensor_get
         get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         get.restype = None
         self._get = get
 
         def callback(tensor, ask, user_data):
-            head = _Tensor.from_address(tensor)
-            name = head.name.decode()
-            if ask:
-                return name in self.names
-            if head.type != _F32:
-                raise RuntimeError(f"tap {name} is not float32")
-            width, count = int(head.ne[0]), int(head.ne[1])
-            out = np.empty((count, width), dtype=np.float32)
-            self._get(tensor, out.ctypes.data, 0, out.nbytes)
-            self.rows.setdefault(self.names[name], []).append(out)
-            return True
+            try:
+                return self._copy(tensor, ask)
+            except BaseException as exc:  # noqa: BLE001 -- a ctypes callback cannot raise: keep it, stop the graph
+                self.error = self.error or exc
+                return False
 
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(callback)
+
+    def _copy(self, tensor, ask: bool) -> bool:
+        head = _Tensor.from_address(tensor)
+        name = head.name.decode()
+        if ask:
+            return name in self.names
+        if head.type != _F32:
+            raise RuntimeError(f"tap {name} is not float32")
+        width, count = int(head.ne[0]), int(head.ne[1])
+        out = np.empty((count, width), dtype=np.float32)
+        self._get(tensor, out.ctypes.data, 0, out.nbytes)
+        self.rows.setdefault(self.names[name], []).append(out)
+        return True
+
+    def raise_pending(self) -> None:
+        """Re-raise what the callback caught during the last decode (a KeyboardInterrupt), its rows dropped."""
+        error, self.error = self.error, None
+        if error is not None:
+            self.rows = {}
+            raise error
 
     def take(self, taps: Sequence[int], rows: int) -> np.ndarray:
         """[rows, len(taps) * H] float32: the taps copied since the last take, concatenated in ``taps`` order."""
@@ -533,6 +548,8 @@ class LlamaCppTarget:
 
     def _decode(self, n: int) -> None:
         code = self.llama_cpp.llama_decode(self._ctx, self._batch)
+        if self._taps is not None:
+            self._taps.raise_pending()  # an interrupt the tap callback caught stops the run here
         if code != 0:
             raise RuntimeError(f"llama_decode of {n} tokens failed (code {code}) at {self.length} cached positions "
                                f"of {self.max_positions}")

@@ -214,3 +214,28 @@ def test_trees_decode_to_the_last_position_of_the_context(gguf_file):
     small.prefill(prompt(58, seed=6)[:-1])
     wide = DraftTree.build([7] + [8] * 16, [-1] + [0] * 8 + list(range(1, 9)))  # 16 nodes, depth 2: 57 + 17 cells
     assert small.forward_tree(wide).logits.shape == (17, small.vocab_size)
+
+
+def test_an_interrupt_during_a_tapped_decode_stops_the_run_as_an_interrupt(gguf_file, monkeypatch, capsys):
+    """Ctrl-C while the engine's tap callback runs is a KeyboardInterrupt after the decode, not a
+    swallowed one and a complaint about missing tap rows; the CLI ends it in one line, exit 130."""
+    from treespec.apps.cli import main
+    from treespec.engines import llama_cpp
+
+    target = llama_cpp.LlamaCppTarget(gguf_file, dtype=torch.float32)
+    calls = []
+
+    def interrupted(self, tensor, ask):
+        if not ask:
+            calls.append(1)
+            raise KeyboardInterrupt
+        return True
+
+    monkeypatch.setattr(llama_cpp._Taps, "_copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        target.prefill(prompt(8), taps=TAPS)
+    assert calls  # the callback ran and caught it
+    monkeypatch.setattr("treespec.apps.commands.generate.run", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["generate", str(gguf_file), "--prompt", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert err == "treespec generate: interrupted\n"

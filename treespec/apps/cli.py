@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineUnavailable as exc:  # --engine NAME where its binding is missing: one line, whatever the command
         print(f"treespec {name}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line; what a command wrote as it went (records, shards) stays
+        print(f"treespec {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
