@@ -55,7 +55,7 @@ import attrs
 import numpy as np
 import torch
 
-from treespec.target import ContextOverflowError, EngineUnavailable, ModelShapes, TargetOutput
+from treespec.target import ContextOverflowError, EngineUnavailable, ModelShapes, TargetOutput, check_finite
 from treespec.tree import DraftTree
 
 __all__ = ["BUILD_FLAGS", "ENGINE", "REQUIREMENT", "GgufModel", "LlamaCppTarget", "binding", "read_gguf"]
@@ -420,6 +420,7 @@ class LlamaCppTarget:
             if last:
                 logits = self._logits(len(chunk) if all_logits else 1)[-1:]
         self.length = len(ids)
+        check_finite(logits, str(self.path))
         return TargetOutput(logits, self._features(len(ids)) if taps else None)
 
     def forward_tree(self, tree: DraftTree, taps: tuple[int, ...] = ()) -> TargetOutput:

@@ -239,3 +239,33 @@ def test_an_interrupt_during_a_tapped_decode_stops_the_run_as_an_interrupt(gguf_
     assert main(["generate", str(gguf_file), "--prompt", "hi"]) == 130
     err = capsys.readouterr().err
     assert err == "treespec generate: interrupted\n"
+
+
+def test_a_damaged_or_nan_gguf_ends_in_one_line(tmp_path, capsys):
+    """A truncated GGUF with no tokenizer beside it is named by the GGUF check (before the tokenizer
+    reader, which would raise a bare struct error); a GGUF whose weights hold NaN is refused after the
+    prompt's logits, naming the file; both in one line, exit 2 and 1."""
+    import gguf
+
+    from treespec.apps.cli import main
+
+    path = write_tiny_gguf(tmp_path / "nan.gguf")
+    reader = gguf.GGUFReader(path, "r+")
+    next(t for t in reader.tensors if t.name == "token_embd.weight").data.reshape(-1)[3] = float("nan")
+    del reader
+    truncated = tmp_path / "cut" / "truncated.gguf"
+    truncated.parent.mkdir()
+    truncated.write_bytes(write_tiny_gguf(tmp_path / "whole.gguf").read_bytes()[:5000])
+    capsys.readouterr()
+    assert main(["generate", str(truncated), "--engine", "llama.cpp", "--prompt", "hi", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "a damaged GGUF file" in err and "Traceback" not in err and err.count("treespec generate") == 1
+    ids = ",".join(["5"] * 4)
+    with pytest.raises(ValueError, match="nan.gguf: the model's logits after the prompt are not finite"):
+        import treespec
+
+        treespec.generate(path, [int(i) for i in ids.split(",")], engine="llama.cpp", dtype="float32",
+                          max_new_tokens=2)
+    assert main(["generate", str(path), "--engine", "llama.cpp", "--prompt", "hi", "--dtype", "float32"]) == 1
+    err = capsys.readouterr().err
+    assert "logits after the prompt are not finite" in err and "Traceback" not in err

@@ -51,7 +51,8 @@ import torch
 from treespec.tree import DraftTree
 
 __all__ = ["DTYPE_NAMES", "SUPPORTED_ATTENTION", "ContextOverflowError", "Engine", "EngineUnavailable", "Float32Head",
-           "Float32Norm", "ModelShapes", "Target", "TargetModel", "TargetOutput", "check_device", "crop_cache",
+           "Float32Norm", "ModelShapes", "NonFiniteLogits", "Target", "TargetModel", "TargetOutput", "check_device",
+           "check_finite", "crop_cache",
            "select_taps", "spread_layers", "tap_features", "use_float32_head"]
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -301,7 +302,9 @@ class TargetModel:
             return TargetOutput(torch.empty(0, self.vocab_size, dtype=self.lm_head.weight.dtype, device=self.device), features)
         out = self._call(ids[None], None, None, taps, logits_to_keep=1)
         self.length = ids.numel()
-        return TargetOutput(out.logits[0].clone(), self._features(out, taps))
+        logits = out.logits[0].clone()
+        check_finite(logits, type(self.model).__name__)
+        return TargetOutput(logits, self._features(out, taps))
 
     @torch.inference_mode()
     def forward_tree(self, tree: DraftTree, taps: tuple[int, ...] = ()) -> TargetOutput:
@@ -425,6 +428,18 @@ def crop_cache(cache, length: int) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+class NonFiniteLogits(ValueError):
+    """The target's logits after a prompt hold NaN or infinities: its weights do."""
+
+
+def check_finite(logits: torch.Tensor, model: str) -> None:
+    """`NonFiniteLogits` naming ``model`` when a prefill's logits [1, V] are not all finite (a model whose
+    weights hold NaN or overflow: nothing it decodes would mean anything)."""
+    if logits.numel() and not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits(f"{model}: the model's logits after the prompt are not finite (NaN or infinite): "
+                              "its weights hold NaN or infinities")
 
 
 def check_device(device: str | torch.device) -> None:

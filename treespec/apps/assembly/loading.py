@@ -115,7 +115,8 @@ def load_tokenizer(path: PathLike) -> Any:
         return _file_tokenizer(Path(path))
     if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
         # transformers 5 would build an empty tokenizer here; refuse instead of encoding garbage
-        raise ValueError(f"no tokenizer files in {path}: pass tokenizer= or token ids")
+        raise ValueError(f"no tokenizer files in {path} ({', '.join(_TOKENIZER_FILES)}): add them, or give the "
+                         "API tokenizer= or token ids")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
@@ -129,8 +130,10 @@ def _file_tokenizer(path: Path) -> Any:
         return load_tokenizer(path.parent)
     try:
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"no tokenizer beside {path} and none readable in it ({exc}): pass token ids") from None
+    except Exception as exc:  # noqa: BLE001 -- transformers' GGUF reader raises bare struct/index errors on a damaged file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"no tokenizer beside {path} and none readable in it ({first}): put the model's tokenizer "
+                         f"files ({', '.join(_TOKENIZER_FILES[:2])}) in {path.parent}, or give the API token ids") from None
 
 
 def load_drafter(drafter: Drafter | PathLike | None, path: PathLike | None = None, *, model: Any = None,

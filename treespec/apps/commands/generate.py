@@ -79,11 +79,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"treespec generate: {'--drafter: ' if 'drafter' in str(exc) else ''}{exc}", file=sys.stderr)
         return 2
     try:
-        tokenizer = load_tokenizer(model_path(args.model, args.engine))
         target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device, engine=args.engine)
+        tokenizer = load_tokenizer(model_path(args.model, args.engine))  # after the file's own checks
     except (OSError, ValueError) as exc:
         print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
-        return 1
+        return 2  # a model that does not load is a bad argument, as in bench and replay
     bad = [t for t in args.stop_token_id or () if not 0 <= t < target.vocab_size]
     if bad:
         print(f"treespec generate: --stop-token-id {bad[0]} is outside the vocabulary [0, {target.vocab_size})",

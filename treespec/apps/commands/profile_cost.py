@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         drafters = [load_drafter(p) for p in paths]
     except (OSError, ValueError) as exc:
         print(f"treespec profile-cost: {exc}", file=sys.stderr)
-        return 1
+        return 2  # a model or drafter that does not load is a bad argument, as in bench and replay
     measure = refresh_profile if args.fresh else machine_profile
     profile = measure(target, drafters, sizes=args.sizes, contexts=args.contexts, repeats=args.repeats, progress=True)
     if args.calibrate and drafters:
