@@ -438,8 +438,8 @@ class LlamaCppTarget:
         leaf_sets = _leaf_sets(tree)
         leaves = len(leaf_sets[0])  # the root belongs to every leaf's sequence
         if leaves > self.max_leaves:
-            raise ValueError(f"a tree of {leaves} leaves exceeds the engine's {self.max_leaves} sequences "
-                             "(max_leaves): build a narrower tree or load the engine with more")
+            raise ValueError(f"a tree of {leaves} leaves exceeds the engine's {self.max_leaves} sequences: use "
+                             f"a budget of at most {self.max_leaves} nodes on llama.cpp")
         memory = self.llama_cpp.llama_get_memory(self._ctx)
         for s in range(1, leaves):
             self.llama_cpp.llama_memory_seq_cp(memory, 0, s, -1, -1)

@@ -293,6 +293,10 @@ def test_a_registered_drafter_name_is_the_shipped_checkpoint_for_the_embedded_de
     (tmp_path / "smollm2-135m-instruct").mkdir()
     for name in ("dflash", "domino"):
         assert drafter_source(name, tmp_path / "smollm2-135m-instruct") == embedded_drafter_dir(name)
+        own_gguf = tmp_path / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # what llama.cpp runs
+        assert drafter_source(name, own_gguf) == embedded_drafter_dir(name)
+        with pytest.raises(ValueError, match="ships .* weights for the embedded default only"):
+            drafter_source(name, tmp_path / "another.gguf")
     assert drafter_source("toy-conditional", "any") == "toy-conditional"  # built from its arguments
     with pytest.raises(ValueError, match="unknown drafter 'nosuch'"):
         drafter_source("nosuch", "any")

@@ -187,12 +187,15 @@ def _loads_from_folder(name: str) -> bool:
 
 
 def _is_embedded(model: Any) -> bool:
-    """Whether ``model`` names the embedded default's converted folder (never fetching it)."""
+    """Whether ``model`` names the embedded default: its converted folder or the GGUF file kept in it
+    (never fetching either)."""
     from treespec.apps.assembly.embedded import SMOLLM2_135M_INSTRUCT, cache_root
 
     if not isinstance(model, str | os.PathLike):
         return False
-    return Path(model).expanduser().resolve() == (cache_root() / SMOLLM2_135M_INSTRUCT.dirname).resolve()
+    folder = (cache_root() / SMOLLM2_135M_INSTRUCT.dirname).resolve()
+    path = Path(model).expanduser().resolve()
+    return path == folder or path == folder / Path(SMOLLM2_135M_INSTRUCT.gguf_member).name
 
 
 def _from_folder(name: str, path: Path) -> Drafter:
