@@ -243,6 +243,7 @@ class LlamaCppTarget:
 
     engine = ENGINE  # its registry name
     file_suffix = ".gguf"  # it runs one GGUF file
+    batches = False  # one sequence at a time (a batch of trees on one context is not built yet)
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int | None = None, max_leaves: int = 64,
                  threads: int | None = None, dtype: torch.dtype = torch.float32, n_batch: int = 512) -> None:

@@ -454,3 +454,25 @@ def test_a_method_name_is_made_from_its_fields_and_reads_back_to_them(policy, bu
     assert ("@" in spec.name) == (budget is not None)
     assert (":" in spec.name) == (spec.drafter != default_drafter(policy))
     assert spec.name.endswith("/recursive-rejection") == (verifier != "match")
+
+
+def test_a_second_bench_into_a_folder_being_written_is_refused_at_its_start(tmp_path, capsys):
+    import fcntl
+    import os
+
+    from treespec.apps.bench.outdir import LOCK
+    from treespec.apps.cli import main
+
+    out = tmp_path / "bench"
+    out.mkdir()
+    held = os.open(out / LOCK, os.O_RDWR | os.O_CREAT)
+    os.write(held, b"4242")
+    fcntl.flock(held, fcntl.LOCK_EX)  # the first run, still writing
+    try:
+        assert main(["bench", "--methods", "ar", "--prompts", "1", "--out", str(out), "--no-progress",
+                     "--model", str(tmp_path / "not-loaded")]) == 2
+    finally:
+        os.close(held)
+    err = capsys.readouterr().err
+    assert f"{out} is being written by another run (process 4242)" in err
+    assert sorted(p.name for p in out.iterdir()) == [LOCK]  # nothing written: the folder stays usable

@@ -99,3 +99,47 @@ def test_an_engine_that_is_not_installed_is_left_out_in_one_line(monkeypatch, ca
         _engines("llama.cpp")
     with pytest.raises(ValueError, match="unknown engine 'vllm'"):
         _engines("torch,vllm")
+
+
+def test_the_demo_keeps_the_bench_folder_contract(monkeypatch, tmp_path, capsys):
+    """``demo --out``: the same settings resume, other settings (another answer length) and an engine named
+    twice are refused in one line, and a folder another run is writing is refused at the start."""
+    import fcntl
+    import os
+
+    from test_bench_runner import make_harness
+
+    import treespec.apps.assembly.embedded
+    from treespec.apps.assembly.session import Session
+    from treespec.apps.bench.outdir import LOCK, unlock_out
+    from treespec.apps.cli import main
+
+    model_dir = tmp_path / "model"
+    harness = make_harness()
+    harness.target.model.save_pretrained(model_dir)
+    monkeypatch.setattr(treespec.apps.assembly.embedded, "embedded_model_dir", lambda *a, **k: model_dir)
+    monkeypatch.setattr(Session, "load", classmethod(lambda cls, *a, **k: make_harness()))
+    out = tmp_path / "demo"
+    base = ["demo", "--engines", "torch", "--methods", "ar", "--prompts", "1", "--dtype", "float32", "--out", str(out)]
+    assert main([*base, "--max-new-tokens", "2"]) == 0
+    records = (out / "torch" / "records.jsonl").read_text()
+    unlock_out(out), unlock_out(out / "torch")  # as if that run's process had ended
+    assert main([*base, "--max-new-tokens", "2"]) == 0
+    assert "resuming the torch run" in capsys.readouterr().err
+    assert (out / "torch" / "records.jsonl").read_text() == records  # nothing measured again, nothing added
+    unlock_out(out), unlock_out(out / "torch")
+    assert main([*base, "--max-new-tokens", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "holds the results of another bench configuration (differs in max_new_tokens)" in err
+    assert err.count("treespec demo:") == 1 and "Traceback" not in err
+    assert main([*base[:2], "torch,torch", *base[3:]]) == 2
+    assert "--engines names torch twice" in capsys.readouterr().err
+    unlock_out(out), unlock_out(out / "torch")
+    held = os.open(out / LOCK, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another run writes the folder
+    try:
+        assert main([*base, "--max-new-tokens", "2"]) == 2
+        assert "is being written by another run" in capsys.readouterr().err
+    finally:
+        os.close(held)
+    assert (out / "torch" / "records.jsonl").read_text() == records

@@ -9,6 +9,7 @@ under CI its absence fails them."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -269,3 +270,34 @@ def test_a_damaged_or_nan_gguf_ends_in_one_line(tmp_path, capsys):
     assert main(["generate", str(path), "--engine", "llama.cpp", "--prompt", "hi", "--dtype", "float32"]) == 1
     err = capsys.readouterr().err
     assert "logits after the prompt are not finite" in err and "Traceback" not in err
+
+
+def test_bench_runs_a_gguf_file_and_its_quantization_is_part_of_the_runs_identity(tmp_path, capsys):
+    """``bench --engine llama.cpp --model FILE.gguf`` runs (the settings name the file and its sha256); the
+    same folder with another file behind the same name (another quantization) is other settings, refused
+    in one line instead of resumed and pooled; --batch-size 2 on the engine is refused before anything
+    loads; so is a batch of prompts through the API."""
+    from pathlib import Path
+
+    import treespec
+    from treespec.apps.cli import main
+
+    chat = Path(__file__).resolve().parents[1] / "treespec" / "assets" / "demo" / "chat.jsonl"
+    model = write_tiny_gguf(tmp_path / "model.gguf")
+    out = tmp_path / "bench"
+    args = ["bench", "--model", str(model), "--engine", "llama.cpp", "--methods", "ar", "--prompts", "1", "--datasets",
+            str(chat), "--out", str(out), "--no-progress", "--max-new-tokens", "2", "--dtype", "float32"]
+    assert main(args) == 0
+    settings = json.loads((out / "bench.json").read_text())
+    assert settings["model"]["path"] == str(model) and len(settings["model"]["sha256"]) == 64
+    write_tiny_gguf(model, hidden=32, heads=2, kv_heads=1)  # another file saved under the same name
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "holds the results of another bench configuration (differs in model)" in err and "Traceback" not in err
+    assert main([*args, "--batch-size", "2", "--out", str(tmp_path / "batch")]) == 2
+    assert "the llama.cpp engine decodes one sequence at a time here" in capsys.readouterr().err
+    assert not (tmp_path / "batch").exists()
+    with pytest.raises(ValueError, match="the llama.cpp engine decodes one sequence at a time here"):
+        treespec.generate(model, [[5, 6, 7], [8, 9]], engine="llama.cpp", dtype="float32", max_new_tokens=2)
+

@@ -79,6 +79,9 @@ class BatchDecoder:
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None, *, draft_backoff: int = DRAFT_BACKOFF) -> None:
+        if not target.batches:
+            raise ValueError(f"the {target.engine} engine decodes one sequence at a time here: decode the prompts one "
+                             "by one, or batch them on the torch engine")
         self.target, self.drafter, self.policy = target, drafter, policy
         self.verifier = checked_parts(drafter, policy, verifier, draft_backoff)
         self.draft_backoff = draft_backoff

@@ -119,6 +119,7 @@ class Target(Protocol):
     """What the decoding loop, the cost profile and the drafters call on a target (module docstring)."""
 
     engine: str  # the registry name (kind "engine") of what runs it
+    batches: bool  # whether `treespec.batch_decoding.BatchDecoder` can decode several sequences on it
     length: int  # committed tokens in its cache
     vocab_size: int  # the logits' width
     hidden_size: int  # the width of every tap
@@ -158,6 +159,7 @@ class Engine(Protocol):
     """The class an engine registers (kind "engine"): how the apps find, describe and load its target."""
 
     file_suffix: str | None  # the suffix of the one file it runs (".gguf"); None: it loads a model folder
+    batches: bool  # whether several sequences decode together on it (`treespec.batch_decoding.BatchDecoder`)
 
     @classmethod
     def model_path(cls, model: str | os.PathLike) -> Path: ...  # the folder or file it runs for ``model``
@@ -182,6 +184,7 @@ class TargetModel:
 
     engine = "torch"  # its registry name
     file_suffix = None  # it loads a model folder
+    batches = True  # several sequences in one forward (treespec/batch_target.py)
 
     def __init__(self, model: torch.nn.Module, *, max_positions: int | None = None,
                  float32_head: bool | None = None) -> None:

@@ -251,9 +251,10 @@ def eos_ids(tokenizer, target: Target | None = None) -> list[int]:
 
 
 def model_identity(name: str, model_dir: str | Path) -> dict[str, str]:
-    """``{"name", "sha256"}`` of a model directory (see the module docstring)."""
+    """``{"name", "sha256"}`` of a model directory (see the module docstring), or of a model file (the
+    file's own sha256: a GGUF file an engine runs)."""
     digest = hashlib.sha256()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = [Path(model_dir)] if Path(model_dir).is_file() else sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
     for path in files:

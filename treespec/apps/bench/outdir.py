@@ -6,8 +6,11 @@ A run writes ``bench.json`` (its settings), per shard ``records-rank{r}.jsonl`` 
 ``divergences-rank{r}.jsonl``, and after merging ``records.jsonl`` and ``divergences.jsonl``.
 `prepare_out` checks a folder before anything is measured: the same settings resume, other
 settings are refused unless ``overwrite`` is given; results are never silently replaced.  The
-settings name the target and the drafters by `weights_identity` (path and sha256 of the weights), so
-new weights saved over the same path are other settings, not a resume.
+settings name the target and the drafters by `weights_identity` (path and sha256 of the weights, or
+of the one file an engine runs: a GGUF file's quantization is part of it), so new weights saved over
+the same path are other settings, not a resume.  `lock_out` makes one run at a time write a folder:
+a second one is refused at its start (the lock goes with the process, so a killed run leaves the
+folder usable).  `bench` and `demo` keep this one contract.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import attrs
 from treespec.apps.assembly.methods import MethodSpec
 from treespec.apps.bench.config import BenchConfig
 
-__all__ = ["DIVERGENCES", "RECORDS", "SETTINGS", "prepare_out", "run_settings", "shard_files", "shard_paths",
-           "weights_identity", "write_settings"]
+__all__ = ["DIVERGENCES", "LOCK", "RECORDS", "SETTINGS", "lock_out", "measured_settings", "open_out", "prepare_out",
+           "run_settings",
+           "shard_files", "shard_paths", "unlock_out", "weights_identity", "write_settings"]
 
-RECORDS, DIVERGENCES, SETTINGS = "records.jsonl", "divergences.jsonl", "bench.json"
+RECORDS, DIVERGENCES, SETTINGS, LOCK = "records.jsonl", "divergences.jsonl", "bench.json", ".lock"
 
 
 def shard_paths(out_dir: Path, rank: int) -> tuple[Path, Path]:
@@ -47,11 +51,74 @@ def run_settings(config: BenchConfig, methods: Sequence[MethodSpec], extra: dict
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
-def weights_identity(model_dir: str | Path) -> dict[str, str]:
-    """``{"path", "sha256"}`` of a model or drafter directory: where it is and what its weights are."""
+def weights_identity(model: str | Path) -> dict[str, str]:
+    """``{"path", "sha256"}`` of a model or drafter directory (its safetensors weights) or of a model
+    file (a GGUF file an engine runs): where it is and what its weights are."""
     from treespec.apps.assembly.loading import model_identity
 
-    return {"path": str(model_dir), "sha256": model_identity(str(model_dir), model_dir)["sha256"]}
+    return {"path": str(model), "sha256": model_identity(str(model), model)["sha256"]}
+
+
+def measured_settings(config: BenchConfig, methods: Sequence[MethodSpec], session, *, model: str | Path,
+                      drafters: dict[str, Path], engine: str, logits_dtype: str, cost_model: str,
+                      device: str) -> dict:
+    """What a measuring run's records depend on: its config and methods, the weights its engine runs for
+    ``model`` (the folder's safetensors, or the one file an engine runs: a GGUF file and so its
+    quantization), the drafters' weights, the target's dtype, the engine, torch, the cost model and the
+    device.  The same settings resume a folder; other ones are refused (`prepare_out`)."""
+    import torch
+
+    from treespec.apps.assembly.loading import model_path
+
+    return run_settings(config, methods, {
+        "model": weights_identity(model_path(model, engine)),
+        "drafters": {k: weights_identity(p) for k, p in drafters.items()},
+        "dtype": str(session.target.dtype).removeprefix("torch."), "logits_dtype": logits_dtype, "engine": engine,
+        "torch": torch.__version__, "cost_model": cost_model, "device": device})
+
+
+_LOCKS: dict[Path, int] = {}  # folder -> the open descriptor of its lock, held while this process runs
+
+
+def lock_out(out_dir: Path) -> None:
+    """Make this process the one writer of ``out_dir`` (created if missing): a ValueError naming the
+    other run when one holds it.  The lock (``.lock``, an flock) is released when the process ends."""
+    import fcntl
+    import os
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key = out_dir.resolve()
+    if key in _LOCKS:
+        return
+    fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ValueError(f"{out_dir} is being written by another run (process {holder}); wait for it to end, or "
+                         "choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _LOCKS[key] = fd
+
+
+def unlock_out(out_dir: Path) -> None:
+    """Give up the lock `lock_out` took (a run that ends before its process does)."""
+    import os
+
+    fd = _LOCKS.pop(out_dir.resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def open_out(out_dir: Path, settings: dict, *, overwrite: bool = False) -> str:
+    """`lock_out`, `prepare_out` and `write_settings` in one: the folder ready for this run's records
+    ("new", "resume" or "overwrite", as `prepare_out` says)."""
+    lock_out(out_dir)
+    state = prepare_out(out_dir, settings, overwrite=overwrite)
+    write_settings(out_dir, settings)
+    return state
 
 
 def write_settings(out_dir: Path, settings: dict) -> Path:

@@ -183,26 +183,28 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     from treespec.apps.assembly.cost_source import CostSource
     from treespec.apps.assembly.session import Session
 
+    from treespec.apps.assembly.loading import engine_class
+
     costs = CostSource.parse(args.cost_model)
+    if config.batch_size > 1 and not engine_class(args.engine).batches:
+        raise ValueError(f"--batch-size {config.batch_size}: the {args.engine} engine decodes one sequence at a time "
+                         "here; use --batch-size 1, or the torch engine for batches")
+    if shard.rank == 0:
+        bench.lock_out(args.out)  # one writer at a time, before anything loads
     model = args.model or embedded_model_dir()
     drafters = _drafter_dirs(args, methods)
     threads = start_threads(args, ranks=shard.world)
     session = Session.load(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard), engine=args.engine,
                            float32_head=args.logits_dtype == "float32", costs=costs, threads=threads,
                            progress=not args.no_progress, profile_repeats=3, enable_thinking=config.enable_thinking)
-    # the weights and the dtype actually used, so that a resume never mixes records of others
-    settings = bench.run_settings(config, methods, {
-        "model": bench.weights_identity(model), "drafters": {k: bench.weights_identity(p) for k, p in drafters.items()},
-        "dtype": str(session.target.dtype).removeprefix("torch."), "logits_dtype": args.logits_dtype,
-        "engine": args.engine,
-        "torch": torch.__version__, "cost_model": costs.describe(), "device": args.device})
+    # the weights (the file the engine runs) and the dtype actually used, so that a resume never mixes records
+    settings = bench.measured_settings(config, methods, session, model=model, drafters=drafters, engine=args.engine,
+                                       logits_dtype=args.logits_dtype, cost_model=costs.describe(), device=args.device)
     if shard.rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        state = bench.prepare_out(args.out, settings, overwrite=args.overwrite)
+        state = bench.open_out(args.out, settings, overwrite=args.overwrite)
         if state != "new":
             print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
                   f"{args.out}", file=sys.stderr)
-        bench.write_settings(args.out, settings)
     bench.run_shard(config, session, args.out, shard, progress=not args.no_progress)
     if session.close() is None and session.not_saved:  # else the next run starts from what this one learned
         print(f"treespec bench: live-corrected costs not saved: {session.not_saved}", file=sys.stderr)

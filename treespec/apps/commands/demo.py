@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
                         help="the checkpoint of another registered drafter a method names (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="where the records and report go (default: a new "
-                        "folder under the treespec cache's demo/ each run; an existing --out is resumed)")
+                        "folder under the treespec cache's demo/ each run; an --out of the same settings is resumed, "
+                        "one of other settings refused)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results of other settings in --out (default: refuse)")
     parser.add_argument("--cost-model", default="live",
                         help="cost model of the cost-aware methods: live (default: this machine's profile "
                              "corrected while decoding), profile, or a JSON file / preset:NAME")
@@ -116,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
               "docs/embedded.md says how they are trained (treespec train-drafter)", file=sys.stderr)
         return 2
     out = args.out or fresh_run_dir(cache_root() / "demo")  # never another run's records: timings of other conditions
-    results = [_run_engine(engine, args, config, expanded, dirs, threads, out / engine) for engine in engines]
+    try:
+        bench.lock_out(out)  # one writer at a time, before anything loads
+        results = [_run_engine(engine, args, config, expanded, dirs, threads, out / engine) for engine in engines]
+    except ValueError as exc:  # the folder holds another run's settings, or another run writes it
+        print(f"treespec demo: {exc}", file=sys.stderr)
+        return 2
     if len(results) > 1:
         print("\nwhere trees pay (each engine's own AR is its 1.00x):\n" + regimes_table(results))
     print(f"records and full reports (with confidence intervals): {out}")
@@ -130,6 +138,9 @@ def _engines(text: str) -> list[str]:
     from treespec.apps.assembly.loading import engine_class, engines
 
     asked = [e for e in text.split(",") if e]
+    twice = sorted({e for e in asked if asked.count(e) > 1})
+    if twice:
+        raise ValueError(f"--engines names {', '.join(twice)} twice; each engine runs once")
     unknown = [e for e in asked if e not in engines()]
     if unknown or not asked:
         raise ValueError(f"--engines: unknown engine {', '.join(unknown) or text!r}; available: {', '.join(engines())}")
@@ -166,6 +177,13 @@ def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, t
     session = Session.load(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype], engine=engine,
                            float32_head=args.logits_dtype == "float32", costs=CostSource.parse(args.cost_model),
                            threads=threads, progress=True, profile_repeats=3)
+    settings = bench.measured_settings(config, expanded, session, model=embedded_model_dir(), drafters=dirs,
+                                       engine=engine, logits_dtype=args.logits_dtype,
+                                       cost_model=session.costs.describe(), device="cpu")
+    state = bench.open_out(out, settings, overwrite=args.overwrite)  # the same folder contract as bench
+    if state != "new":
+        print(f"treespec demo: {'resuming' if state == 'resume' else 'replacing'} the {engine} run in {out}",
+              file=sys.stderr)
     print(f"\n== engine {engine} ==\n" + machine_header(session, args.dtype), flush=True)
     profile = session.machine_profile()
     bench.run_shard(config, session, out)
