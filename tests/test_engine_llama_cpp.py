@@ -301,3 +301,26 @@ def test_bench_runs_a_gguf_file_and_its_quantization_is_part_of_the_runs_identit
     with pytest.raises(ValueError, match="the llama.cpp engine decodes one sequence at a time here"):
         treespec.generate(model, [[5, 6, 7], [8, 9]], engine="llama.cpp", dtype="float32", max_new_tokens=2)
 
+
+
+def test_flipped_bytes_in_a_gguf_are_caught_by_its_digest(tmp_path, capsys):
+    """A GGUF file carries no checksum: bytes flipped in its weights run silently, unless the run names
+    the digest the weights must have (``--sha256``, the one bench.json records), which is checked first."""
+    import hashlib
+
+    from treespec.apps.cli import main
+
+    path = write_tiny_gguf(tmp_path / "model.gguf")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    common = ["generate", str(path), "--engine", "llama.cpp", "--prompt", "hi", "--dtype", "float32",
+              "--max-new-tokens", "2", "--sha256"]
+    assert main([*common, digest]) == 0
+    data = bytearray(path.read_bytes())
+    data[-200:-100] = bytes(100)  # the last tensor's bytes, zeroed: still a GGUF file that loads
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main([*common, digest]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: sha256" in err and f"expected {digest}" in err and "Traceback" not in err
+    assert main([*common, "abc"]) == 2
+    assert "--sha256 takes 64 hex digits" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, drafter_names
 from treespec.interfaces import Drafter
 from treespec.target import Target
 
-__all__ = ["DEFAULT_ENGINE", "EMBEDDED_NAME", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "engine_class",
+__all__ = ["DEFAULT_ENGINE", "EMBEDDED_NAME", "check_sha256", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "engine_class",
            "engines", "eos_ids", "load_drafter", "load_frozen_model", "load_target", "load_tokenizer", "model_identity",
            "model_path"]
 
@@ -248,6 +249,21 @@ def eos_ids(tokenizer, target: Target | None = None) -> list[int]:
     if eos is not None:
         return [eos] if isinstance(eos, int) else list(eos)
     return [] if target is None else target.eos_token_ids()
+
+
+def check_sha256(model: PathLike | None, engine: str, expected: str) -> None:
+    """The weights ``engine`` runs for ``model`` (None: the embedded default) have the sha256 ``expected``
+    (`model_identity`'s digest: a file's own, or a folder's safetensors in name order), else a ValueError
+    naming the file and both digests."""
+    from treespec.apps.assembly.embedded import embedded_model_dir
+
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", expected):
+        raise ValueError(f"--sha256 takes 64 hex digits, got {expected!r}")
+    path = model_path(model if model is not None else embedded_model_dir(), engine)
+    found = model_identity(str(path), path)["sha256"]
+    if found != expected.lower():
+        raise ValueError(f"{path}: sha256 {found}, expected {expected.lower()}: the weights are not the ones named "
+                         "(damaged, or another file)")
 
 
 def model_identity(name: str, model_dir: str | Path) -> dict[str, str]:

@@ -35,6 +35,19 @@ def add_engine_argument(parser) -> None:
     parser.add_argument("--engine", default="torch", choices=engines(),
                         help="what runs the target: torch (its transformers modules) or llama.cpp (its GGUF file, "
                              "through llama-cpp-python; the drafters stay torch modules)")
+    parser.add_argument("--sha256", default=None, metavar="HEX",
+                        help="the digest the model's weights must have (the GGUF file an engine runs, or a folder's "
+                             "safetensors in name order, as bench.json records it): checked before anything loads "
+                             "(a GGUF file carries no checksum of its own)")
+
+
+def check_model_digest(args) -> None:
+    """``--sha256``: the weights the command's ``--engine`` runs for its model (the embedded default when none
+    is named) against the digest given; a ValueError naming both when they differ."""
+    from treespec.apps.assembly.loading import check_sha256
+
+    if args.sha256 is not None:
+        check_sha256(args.model, args.engine, args.sha256)
 
 
 def add_threads_argument(parser) -> None:

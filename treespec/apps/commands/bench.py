@@ -20,7 +20,14 @@ import attrs
 import torch
 
 from treespec.apps import bench
-from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, exit_status, start_threads
+from treespec.apps.commands import (
+    DTYPES,
+    add_engine_argument,
+    add_threads_argument,
+    check_model_digest,
+    exit_status,
+    start_threads,
+)
 from treespec.decoding import FIRST_TOKENS
 
 
@@ -181,14 +188,14 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     methods = bench.expand_methods(config.methods, config.budgets)  # a bad method fails here, before loading
     bench.bench_prompts(config)  # and so does a missing dataset
     from treespec.apps.assembly.cost_source import CostSource
-    from treespec.apps.assembly.session import Session
-
     from treespec.apps.assembly.loading import engine_class
+    from treespec.apps.assembly.session import Session
 
     costs = CostSource.parse(args.cost_model)
     if config.batch_size > 1 and not engine_class(args.engine).batches:
         raise ValueError(f"--batch-size {config.batch_size}: the {args.engine} engine decodes one sequence at a time "
                          "here; use --batch-size 1, or the torch engine for batches")
+    check_model_digest(args)
     if shard.rank == 0:
         bench.lock_out(args.out)  # one writer at a time, before anything loads
     model = args.model or embedded_model_dir()

@@ -8,7 +8,7 @@ import sys
 
 from treespec import registry
 from treespec.apps.assembly.methods import MethodSpec
-from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, start_threads
+from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, check_model_digest, start_threads
 from treespec.interfaces import SamplingParams
 
 
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         sampling = typed_settings(args)
         drafter = drafter_source(args.drafter, args.model)  # a bad drafter name refused before anything loads
         costs = CostSource.parse(args.cost_model)
+        check_model_digest(args)
         start_threads(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"treespec generate: {'--drafter: ' if 'drafter' in str(exc) else ''}{exc}", file=sys.stderr)

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import torch
 
-from treespec.apps.commands import CPU_DTYPES, DTYPES, add_engine_argument, add_threads_argument, start_threads
+from treespec.apps.commands import (
+    CPU_DTYPES,
+    DTYPES,
+    add_engine_argument,
+    add_threads_argument,
+    check_model_digest,
+    start_threads,
+)
 from treespec.pricing.calibration import Calibration, fit_calibration, node_outcomes, promise_by_quartile
 from treespec.pricing.profile import PROFILE_CONTEXTS, PROFILE_SIZES, time_draft, time_verify
 
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from treespec.pricing.profile import machine_profile, refresh_profile, save_profile
 
     try:
+        check_model_digest(args)
         start_threads(args)
         target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype], engine=args.engine)
         paths = args.drafter if args.drafter is not None else (

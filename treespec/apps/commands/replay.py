@@ -26,7 +26,14 @@ from pathlib import Path
 import attrs
 import torch
 
-from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, exit_status, start_threads
+from treespec.apps.commands import (
+    DTYPES,
+    add_engine_argument,
+    add_threads_argument,
+    check_model_digest,
+    exit_status,
+    start_threads,
+)
 from treespec.tree import check_budget
 
 _KINDS = ("dflash", "domino")
@@ -123,6 +130,7 @@ def _record(args: argparse.Namespace) -> int:
         shutil.rmtree(parts)
     if args.prompt_ids is not None:
         prompt_ids(args.prompt_ids)  # refused before the models load
+    check_model_digest(args)
     from treespec.apps.assembly.session import Session
 
     session = Session.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False,
