@@ -264,6 +264,7 @@ class LlamaCppTarget:
         self._batch = self.llama_cpp.llama_batch_init(max(n_batch, 1), 0, max_leaves + 1)
         self.length = 0
         self._tree: DraftTree | None = None  # the last tree forward, until committed or dropped
+        self._rounding_gaps: dict[int, float] = {}  # tree tokens -> measured on first need (`rounding_gap`)
         self._tree_sets: list[tuple[int, ...]] = []  # its nodes' sequences (`_leaf_sets`)
 
     # ------------------------------------------------------------------ loading
@@ -348,6 +349,31 @@ class LlamaCppTarget:
 
     def eos_token_ids(self) -> list[int]:
         return [] if self.gguf.eos_token_id is None else [int(self.gguf.eos_token_id)]
+
+    def rounding_gap(self, tokens: int = 17) -> float:
+        """The largest top-two gap of a one-token step that a tree of ``tokens`` tokens may flip on this
+        file: twice (two logits move) the largest shift of any logit between a chain of that many tokens
+        decoded at once and the same tokens decoded one at a time (after a 16-token prefix; tokens from a
+        fixed generator), with a margin of 2.  Measured once per size (llama.cpp's kernels change with the
+        batch: on the embedded default's Q4_1 file a 17-token decode equals one-token steps bit for bit,
+        a 65-token one moves logits by about 1); the cache is left empty, so ask between generations."""
+        tokens = max(2, min(tokens, self.n_batch, self.max_positions - 17))  # a tree the engine can verify here
+        if tokens not in self._rounding_gaps:
+            chain = torch.randint(0, self.vocab_size, (16 + tokens,), generator=torch.Generator().manual_seed(0))
+            self._rounding_gaps[tokens] = 4.0 * self._chain_shift(chain[:16], chain[16:])
+        return self._rounding_gaps[tokens]
+
+    def _chain_shift(self, prefix: torch.Tensor, chain: torch.Tensor) -> float:
+        """Largest |logit| difference between ``chain`` (root first) decoded as one tree and one token at a time."""
+        self.prefill(prefix)
+        together = self.forward_tree(DraftTree.chain(int(chain[0]), chain[1:])).logits  # [n + 1, V]
+        self.drop_tree()
+        alone = []
+        for token in chain.tolist():
+            alone.append(self.forward_tree(DraftTree.root_only(token)).logits[0])
+            self.commit(torch.zeros(1, dtype=torch.int64))
+        self.reset()
+        return float((together - torch.stack(alone)).abs().max())
 
     def _context(self, taps: tuple[int, ...]):
         """The llama.cpp context of this tap set (made on first use)."""

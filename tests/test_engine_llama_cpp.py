@@ -324,3 +324,47 @@ def test_flipped_bytes_in_a_gguf_are_caught_by_its_digest(tmp_path, capsys):
     assert f"{path}: sha256" in err and f"expected {digest}" in err and "Traceback" not in err
     assert main([*common, "abc"]) == 2
     assert "--sha256 takes 64 hex digits" in capsys.readouterr().err
+
+
+def test_the_engines_rounding_is_measured_per_file_and_size(gguf_file):
+    """The tolerance a divergence from AR is judged by is the engine's own: the largest logit shift between a
+    chain decoded at once and one token at a time on this file (x4), measured once per size, the cache empty
+    after it."""
+    from treespec.engines.llama_cpp import LlamaCppTarget
+
+    target = LlamaCppTarget(gguf_file, dtype=torch.float32)
+    small, large = target.rounding_gap(17), target.rounding_gap(65)
+    assert 0.0 <= small < 1.0 and 0.0 <= large < 1.0
+    assert target.rounding_gap(17) == small and target.length == 0 and target.cache_length() == 0
+    assert target.rounding_gap(10**6) == target.rounding_gap(target.n_batch)  # no larger than one decode holds
+
+
+def test_generate_check_says_whether_a_near_tie_decided_a_token(gguf_file, monkeypatch, capsys):
+    """``generate --check`` decodes AR beside the method: equal outputs say so; at a difference it names the
+    token and AR's top-two gap there against the engine's rounding (exit 0 within it, 1 beyond it)."""
+    import argparse
+
+    import treespec
+    from treespec.apps.assembly.loading import load_tokenizer
+    from treespec.apps.cli import main
+    from treespec.apps.commands.generate import _check
+    from treespec.engines.llama_cpp import LlamaCppTarget
+
+    target = LlamaCppTarget(gguf_file, dtype=torch.float32)
+    tokenizer = load_tokenizer(gguf_file)
+    args = argparse.Namespace(prompt="hello there", chat=False, max_new_tokens=6, stop_token_id=None, budget=8,
+                              policy="ddtree")
+    ar = treespec.generate(target, "hello there", tokenizer=tokenizer, max_new_tokens=6).tokens.tolist()
+    assert _check(args, target, tokenizer, ar) == 0
+    assert "check: equal to AR's output token for token (6 tokens)" in capsys.readouterr().err
+    other = [*ar[:-1], (ar[-1] + 1) % target.vocab_size]  # a method's output that leaves AR's at token 5
+    monkeypatch.setattr(LlamaCppTarget, "rounding_gap", lambda self, tokens=17: float("inf"))
+    assert _check(args, target, tokenizer, other) == 0
+    err = capsys.readouterr().err
+    assert "token 5 differs from AR's" in err and "a near-tie decided it" in err
+    monkeypatch.setattr(LlamaCppTarget, "rounding_gap", lambda self, tokens=17: -1.0)
+    assert _check(args, target, tokenizer, other) == 1
+    assert "exceeds the engine's rounding" in capsys.readouterr().err
+    assert main(["generate", str(gguf_file), "--engine", "llama.cpp", "--prompt", "hi", "--temperature", "0.5",
+                 "--check"]) == 2
+    assert "--check compares with AR's greedy output" in capsys.readouterr().err

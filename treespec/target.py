@@ -50,7 +50,7 @@ import torch
 
 from treespec.tree import DraftTree
 
-__all__ = ["DTYPE_NAMES", "SUPPORTED_ATTENTION", "ContextOverflowError", "Engine", "EngineUnavailable", "Float32Head",
+__all__ = ["DTYPE_NAMES", "ROUNDING_GAP", "SUPPORTED_ATTENTION", "ContextOverflowError", "Engine", "EngineUnavailable", "Float32Head",
            "Float32Norm", "ModelShapes", "NonFiniteLogits", "Target", "TargetModel", "TargetOutput", "check_device",
            "check_finite", "crop_cache",
            "select_taps", "spread_layers", "tap_features", "use_float32_head"]
@@ -72,6 +72,19 @@ def stored_dtype(config) -> torch.dtype | None:
     return stored if isinstance(stored, torch.dtype) else None
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
+
+
+# Largest top-two gap of a one-token step's logits that a tree forward of the same tokens may flip,
+# per dtype of the torch target (logit units): the two sum in different orders, so they differ by a few
+# units in the last place of logits of magnitude 10-30 (bf16 spacing there is 0.0625-0.125; fp16 8x
+# finer; fp32 ~2e-6).  At T = 0 a tree's output equals the target's own AR output except where AR's
+# top two logits lie this close (`Target.rounding_gap`).
+ROUNDING_GAP: dict[torch.dtype, float] = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-3,
+    torch.float16: 0.05,
+    torch.bfloat16: 0.5,
+}
 
 
 class ContextOverflowError(ValueError):
@@ -153,6 +166,9 @@ class Target(Protocol):
     def describe(self) -> str: ...  # what runs, in a few words ("bfloat16, cpu"; a GGUF file and its quantization)
 
     def eos_token_ids(self) -> list[int]: ...  # the end-of-sequence ids its model states (a tokenizer's come first)
+
+    def rounding_gap(self, tokens: int = 17) -> float: ...  # the largest top-two gap a tree of ``tokens`` tokens
+    # may flip against one-token steps (T = 0 output equals AR's except at a gap this small)
 
 
 class Engine(Protocol):
@@ -280,6 +296,10 @@ class TargetModel:
     def eos_token_ids(self) -> list[int]:
         eos = getattr(self.config, "eos_token_id", None)
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def rounding_gap(self, tokens: int = 17) -> float:
+        """`ROUNDING_GAP` of its dtype, whatever the tree's size."""
+        return ROUNDING_GAP.get(self.dtype, 0.0)
 
     # ------------------------------------------------------------------ properties
     @property

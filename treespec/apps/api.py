@@ -64,7 +64,7 @@ from treespec.pricing.cost import CostModel
 from treespec.stats import GenerationStats
 from treespec.target import Target
 
-__all__ = ["GenerateOutput", "generate"]
+__all__ = ["GenerateOutput", "encode_prompt", "generate"]
 
 PathLike = str | os.PathLike
 _GIVEN = "given"  # the session's name for the drafter the caller gave
@@ -91,7 +91,8 @@ def _tokenizer(model: Any, tokenizer: Any, needed: bool) -> Any:
         return None
 
 
-def _input_ids(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any, chat: bool) -> torch.Tensor:
+def encode_prompt(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any, chat: bool = False) -> torch.Tensor:
+    """[P] int64 token ids of a text prompt (in the chat template with ``chat``) or of given ids, as `generate` encodes it."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass a model directory or tokenizer=")
@@ -168,7 +169,7 @@ def generate(model: PathLike | Target | torch.nn.Module, prompt: str | torch.Ten
     fixed = policy if isinstance(policy, TreePolicy) else None
     options = {"max_new_tokens": max_new_tokens, "sampling": sampling,
                "stop_token_ids": _stop_ids(stop_token_ids, session)}
-    ids = [_input_ids(p, tokenizer, chat) for p in prompts]
+    ids = [encode_prompt(p, tokenizer, chat) for p in prompts]
     with session:  # what the live cost models measured is saved at its end
         if batch:
             generators = [torch.Generator().manual_seed(seed) if seed is not None else None for _ in ids]

@@ -6,8 +6,8 @@ Every response that differs from AR's gets a `Divergence` giving the first diffe
 AR's decision margin there (`decision_gap`: the logits' top-two gap at T = 0; at T > 0 that of the
 position-keyed Gumbel-max scores, in logit units), measured by one fresh forward of the prompt and
 AR's prefix.  It is acceptable only when the margin is within the stated tolerance
-(`GAP_TOLERANCE` per dtype, or the config's); in float64 nothing may differ (docs/decoding.md,
-"Verification").  `lossless_text` writes the verdict per temperature for the report.
+(the target's own, `treespec.target.Target.rounding_gap`: per dtype on torch, measured per file on
+llama.cpp; or the config's); in float64 nothing may differ (docs/decoding.md, "Verification").  `lossless_text` writes the verdict per temperature for the report.
 """
 
 from __future__ import annotations
@@ -24,21 +24,15 @@ from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
 from treespec.interfaces import SamplingParams
 from treespec.sampling import gumbel_noise, sampling_key, work_dtype
-from treespec.target import TargetModel
+from treespec.target import ROUNDING_GAP, Target
 
 __all__ = ["GAP_TOLERANCE", "Divergence", "decision_gap", "find_divergence", "first_difference", "lossless_text",
            "read_divergences", "resolve_tolerance", "token_comparable", "write_jsonl"]
 
 # Largest AR decision margin (top-two gap, logit units; see `decision_gap`) at which a divergence
-# from AR is put down to rounding: a tree forward and a one-token step sum in different orders.
-# Roughly a few units in the last place of logits of magnitude 10-30 (bf16 spacing there is
-# 0.0625-0.125; fp16 8x finer; fp32 ~2e-6).
-GAP_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-3,
-    torch.float16: 0.05,
-    torch.bfloat16: 0.5,
-}
+# from AR is put down to rounding, per dtype of the torch target (`treespec.target.ROUNDING_GAP`);
+# another engine states its own (`treespec.target.Target.rounding_gap`: llama.cpp measures it per file).
+GAP_TOLERANCE = ROUNDING_GAP
 
 
 @attrs.frozen
@@ -75,7 +69,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def decision_gap(target: TargetModel, ids: torch.Tensor, temperature: float, seed: int) -> float:
+def decision_gap(target: Target, ids: torch.Tensor, temperature: float, seed: int) -> float:
     """Top-1 minus top-2 of the scores the target's token after ``ids`` [P] is chosen by, in logit units.
 
     One fresh forward.  T = 0: the logits.  T > 0: T * (logits / T + G) = logits + T * G, with G the
@@ -94,12 +88,13 @@ def decision_gap(target: TargetModel, ids: torch.Tensor, temperature: float, see
     return float(top[0] - top[1])
 
 
-def resolve_tolerance(config: BenchConfig, dtype: torch.dtype) -> float:
-    """The config's gap tolerance, else the stated default for the target's dtype."""
-    return config.gap_tolerance if config.gap_tolerance is not None else GAP_TOLERANCE.get(dtype, 0.0)
+def resolve_tolerance(config: BenchConfig, target: Target, tree_tokens: int = 17) -> float:
+    """The config's gap tolerance, else the target's own for trees of up to ``tree_tokens`` tokens
+    (`treespec.target.Target.rounding_gap`)."""
+    return config.gap_tolerance if config.gap_tolerance is not None else target.rounding_gap(tree_tokens)
 
 
-def find_divergence(target: TargetModel, prompt: torch.Tensor, ar: BenchRecord, rec: BenchRecord,
+def find_divergence(target: Target, prompt: torch.Tensor, ar: BenchRecord, rec: BenchRecord,
                     tolerance: float) -> Divergence | None:
     """The `Divergence` of ``rec`` from the AR record of the same turn (``prompt`` [P] its ids), or None."""
     k = first_difference(ar.tokens, rec.tokens)

@@ -69,7 +69,9 @@ class Runner:
         self.config, self.session, self.methods = config, session, methods
         self.decoders = self.make_decoders()
         self.stops = session.stop_ids if config.stop_at_eos else []
-        self.tolerance = resolve_tolerance(config, session.target.dtype)
+        # the largest tree a method verifies (a chain: a block of 16, the released drafters')
+        largest = max([m.budget or 16 for m in methods if not m.autoregressive] or [16]) + 1
+        self.tolerance = resolve_tolerance(config, session.target, largest)
         self.skipped: list[str] = []
         self.run_id = run_identity()  # this invocation, named in its records
 

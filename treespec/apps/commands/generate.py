@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+import attrs
+import torch
+
 from treespec import registry
 from treespec.apps.assembly.methods import MethodSpec
 from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, check_model_digest, start_threads
@@ -42,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "corrected by this generation's round times and saved), profile (as measured), or a "
                              "cost model JSON file / preset:NAME")
     parser.add_argument("--json", action="store_true", help="print the stats as JSON instead of a summary")
+    parser.add_argument("--check", action="store_true",
+                        help="also decode with the target alone (its AR, T = 0) and say whether the output equals it "
+                             "token for token; where it does not, whether AR's top two logits there lay within the "
+                             "engine's rounding (a near-tie decided the token: exit 0) or not (exit 1)")
     add_threads_argument(parser)
 
 
@@ -53,6 +60,8 @@ def typed_settings(args: argparse.Namespace) -> SamplingParams:
         MethodSpec(args.policy, None, args.budget)  # the method's budget rule
     except ValueError as exc:
         raise ValueError(f"--budget: {exc}") from None
+    if args.check and args.temperature != 0:
+        raise ValueError("--check compares with AR's greedy output: it takes --temperature 0")
     try:
         return SamplingParams.of(None, args.temperature, args.top_k, args.top_p)
     except ValueError as exc:  # named as the flags are
@@ -100,4 +109,37 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(out.text)
     print(json.dumps(out.stats.as_dict()) if args.json else _summary(out.stats), file=sys.stderr)
-    return 0
+    return _check(args, target, tokenizer, out.tokens.tolist()) if args.check and drafter is not None else 0
+
+
+def _tree_tokens(args: argparse.Namespace) -> int:
+    """The most tokens a tree of this run verifies: the budget asked for, else the policy's default, plus the root
+    (a policy with no fixed budget, a chain: 16, the released drafters' block)."""
+    cls = registry.resolve("policy", args.policy)
+    field = attrs.fields_dict(cls).get("budget") if attrs.has(cls) else None
+    default = field.default if field is not None and isinstance(field.default, int) else None
+    return (args.budget or default or 16) + 1
+
+
+def _check(args: argparse.Namespace, target, tokenizer, tokens: list[int]) -> int:
+    """``--check``: the output against the target's own AR output; at the first difference, AR's top-two
+    gap there against the target's rounding for trees of this budget (`treespec.target.Target.rounding_gap`)."""
+    from treespec.apps.api import encode_prompt, generate
+    from treespec.apps.bench.lossless import decision_gap, first_difference
+
+    ar = generate(target, args.prompt, chat=args.chat, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
+                  stop_token_ids=args.stop_token_id).tokens.tolist()
+    k = first_difference(ar, tokens)
+    if k is None:
+        print(f"check: equal to AR's output token for token ({len(ar)} tokens)", file=sys.stderr)
+        return 0
+    ids = encode_prompt(args.prompt, tokenizer, args.chat)
+    gap = decision_gap(target, torch.cat([ids, torch.tensor(ar[:k], dtype=torch.int64)]), 0.0, 0)
+    rounding = target.rounding_gap(_tree_tokens(args))
+    where = (f"token {k} differs from AR's ({ar[k] if k < len(ar) else 'end'} there, "
+             f"{tokens[k] if k < len(tokens) else 'end'} here); AR's top-two gap {gap:.4g}")
+    if gap <= rounding:
+        print(f"check: {where} is within the engine's rounding ({rounding:.3g}): a near-tie decided it", file=sys.stderr)
+        return 0
+    print(f"check: {where} exceeds the engine's rounding ({rounding:.3g}): NOT AR's output", file=sys.stderr)
+    return 1
