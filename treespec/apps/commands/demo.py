@@ -279,7 +279,7 @@ def machine_header(session, dtype_arg: str) -> str:
         why = f"{dtype} ({'bf16 on CUDA' if session.target.device.type == 'cuda' else 'as asked'})"
     profile = session.machine_profile()
     if type(session.target).file_suffix is not None:  # the engine runs a file's own weights
-        why = f"{session.target.describe()} as stored; the drafters' side in {why}"
+        why = f"{why} for the drafters' side; the engine runs {session.target.describe()} as stored"
     return (f"machine: {ident['cpu']}, {ident['cores']} cores, torch {ident['torch']}\n"
             f"{session.threads.choice.describe()}\n"
             f"dtype {why}\n" + verify_line(profile, session.drafters, live=session.costs.live))
