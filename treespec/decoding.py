@@ -19,20 +19,14 @@ every node accepted (`TreePolicy.can_pay`; a compute-bound engine, where a verif
 nearly n AR steps), decodes that generation without drafting: no draft, no taps, the target's AR
 steps, said in the stats (``undrafted``).
 
-Drafting that does not pay is backed off: when a round's policy says its tree did not pay for its
-draft (`TreePolicy.pays_for_draft`: by default, a root-only tree; a cost-aware policy's cost rule
-judges any tree, and may still have returned one worth verifying now that the draft is made), the
-next round drafts nothing and runs one AR step, and each further such round doubles the AR rounds
-before the drafter is asked again, up to ``draft_backoff`` (`DraftGate`; 0 turns it off). A round
-that paid resets the back-off. The first back-off waits for ``DraftGate.patience`` such rounds in a
-row (default ``DRAFT_PATIENCE`` = 3; 1 backs off at the first): one round that did not pay says
-little about the next, and measured across regimes (docs/decoding.md) a patience of 3 lost least.
-The gate belongs to the decoder and carries over between its ``generate`` calls: whether trees pay
-is a property of the machine and the drafter, so a new prompt does not pay for probing again.
-Harnesses that measure prompts independently (the bench, whose records must not depend on sharding,
-resumption or prompt order, and replay, which mirrors it) call ``gate.reset()`` at each
-conversation's start. AR rounds commit exactly what the target chooses, so the output is unchanged;
-the drafter receives the taps of every token committed meanwhile at its next draft.
+Drafting that does not pay is backed off (`DraftGate`): after ``DraftGate.patience`` rounds in a row
+whose policy says its tree did not pay for its draft (`TreePolicy.pays_for_draft`; default
+``DRAFT_PATIENCE`` = 3, docs/decoding.md has why), the next round runs one AR step without drafting,
+each further such round doubles the AR rounds up to ``draft_backoff`` (0: off), and a round that
+paid resets it.  The gate carries over between a decoder's ``generate`` calls (whether trees pay is
+a property of the machine and the drafter); the bench and replay reset it per conversation, so their
+records do not depend on prompt order.  AR rounds commit what the target chooses: the output is
+unchanged, and the drafter receives the taps of the tokens committed meanwhile at its next draft.
 
 Each round is planned and reported through the policy's declared hooks (`TreePolicy.plan_round`,
 `TreePolicy.observe_round`; no-ops by default): before the round the plan says whether it explores
