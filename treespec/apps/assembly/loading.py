@@ -36,9 +36,9 @@ from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, drafter_names
 from treespec.interfaces import Drafter
 from treespec.target import Target
 
-__all__ = ["DEFAULT_ENGINE", "EMBEDDED_NAME", "check_sha256", "drafter_dirs", "drafter_source", "embedded_drafter_dir", "engine_class",
-           "engines", "eos_ids", "load_drafter", "load_frozen_model", "load_target", "load_tokenizer", "model_identity",
-           "model_path"]
+__all__ = ["DEFAULT_ENGINE", "EMBEDDED_NAME", "check_sha256", "drafter_dirs", "drafter_source", "embedded_drafter_dir",
+           "engine_class", "engines", "eos_ids", "load_drafter", "load_frozen_model", "load_target", "load_tokenizer",
+           "model_identity", "model_path"]
 
 PathLike = str | os.PathLike
 EMBEDDED_NAME = "smollm2-135m-instruct"  # how records name the embedded default
@@ -73,6 +73,8 @@ def load_target(model: PathLike | Target | torch.nn.Module, *, dtype: torch.dtyp
     if _is_target(model):
         return model
     cls = engine_class(engine)
+    if isinstance(model, torch.nn.Module) and cls.file_suffix is not None:
+        raise ValueError(f"the {engine} engine runs a model file; pass its path, not a {type(model).__name__}")
     path = model if isinstance(model, torch.nn.Module) else model_path(model, engine)
     if dtype == "auto" and not isinstance(model, torch.nn.Module):
         dtype = _auto_dtype(cls.read_shapes(path), device)

@@ -25,7 +25,7 @@ import attrs
 from treespec.apps.assembly.methods import MethodSpec
 from treespec.apps.bench.config import BenchConfig
 
-__all__ = ["DIVERGENCES", "LOCK", "RECORDS", "SETTINGS", "lock_out", "measured_settings", "open_out", "prepare_out",
+__all__ = ["DIVERGENCES", "LOCK", "RECORDS", "SETTINGS", "abandon_out", "lock_out", "measured_settings", "open_out", "prepare_out",
            "run_settings",
            "shard_files", "shard_paths", "unlock_out", "weights_identity", "write_settings"]
 
@@ -78,18 +78,22 @@ def measured_settings(config: BenchConfig, methods: Sequence[MethodSpec], sessio
 
 
 _LOCKS: dict[Path, int] = {}  # folder -> the open descriptor of its lock, held while this process runs
+_MADE: set[Path] = set()  # folders `lock_out` created (removed again by `abandon_out` while empty)
 
 
 def lock_out(out_dir: Path) -> None:
     """Make this process the one writer of ``out_dir`` (created if missing): a ValueError naming the
-    other run when one holds it.  The lock (``.lock``, an flock) is released when the process ends."""
+    other run when one holds it.  The lock (``.lock``, an flock) is released when the process ends,
+    or by `abandon_out` for a run that ends before it measured anything."""
     import fcntl
     import os
 
+    if out_dir.resolve() in _LOCKS:
+        return
+    if not out_dir.exists():
+        _MADE.add(out_dir.resolve())
     out_dir.mkdir(parents=True, exist_ok=True)
     key = out_dir.resolve()
-    if key in _LOCKS:
-        return
     fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -110,6 +114,16 @@ def unlock_out(out_dir: Path) -> None:
     fd = _LOCKS.pop(out_dir.resolve(), None)
     if fd is not None:
         os.close(fd)
+
+
+def abandon_out(out_dir: Path) -> None:
+    """A run that could not start: its lock given up, and the folder removed again when `lock_out` made
+    it and nothing but the lock is in it (nothing is left behind by a run that measured nothing)."""
+    unlock_out(out_dir)
+    if out_dir.resolve() in _MADE and [p.name for p in out_dir.iterdir()] == [LOCK]:
+        (out_dir / LOCK).unlink()
+        out_dir.rmdir()
+    _MADE.discard(out_dir.resolve())
 
 
 def open_out(out_dir: Path, settings: dict, *, overwrite: bool = False) -> str:

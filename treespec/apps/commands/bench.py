@@ -198,17 +198,24 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     check_model_digest(args)
     if shard.rank == 0:
         bench.lock_out(args.out)  # one writer at a time, before anything loads
-    model = args.model or embedded_model_dir()
-    drafters = _drafter_dirs(args, methods)
-    threads = start_threads(args, ranks=shard.world)
-    session = Session.load(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard), engine=args.engine,
-                           float32_head=args.logits_dtype == "float32", costs=costs, threads=threads,
-                           progress=not args.no_progress, profile_repeats=3, enable_thinking=config.enable_thinking)
-    # the weights (the file the engine runs) and the dtype actually used, so that a resume never mixes records
-    settings = bench.measured_settings(config, methods, session, model=model, drafters=drafters, engine=args.engine,
-                                       logits_dtype=args.logits_dtype, cost_model=costs.describe(), device=args.device)
+    try:
+        model = args.model or embedded_model_dir()
+        drafters = _drafter_dirs(args, methods)
+        threads = start_threads(args, ranks=shard.world)
+        session = Session.load(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
+                               engine=args.engine, float32_head=args.logits_dtype == "float32", costs=costs,
+                               threads=threads, progress=not args.no_progress, profile_repeats=3,
+                               enable_thinking=config.enable_thinking)
+        # the weights (the file the engine runs) and the dtype actually used: a resume never mixes records
+        settings = bench.measured_settings(config, methods, session, model=model, drafters=drafters,
+                                           engine=args.engine, logits_dtype=args.logits_dtype,
+                                           cost_model=costs.describe(), device=args.device)
+        state = bench.open_out(args.out, settings, overwrite=args.overwrite) if shard.rank == 0 else "new"
+    except BaseException:
+        if shard.rank == 0:
+            bench.abandon_out(args.out)  # nothing measured: nothing left behind
+        raise
     if shard.rank == 0:
-        state = bench.open_out(args.out, settings, overwrite=args.overwrite)
         if state != "new":
             print(f"treespec bench: {'resuming the run' if state == 'resume' else 'replacing the results'} in "
                   f"{args.out}", file=sys.stderr)
