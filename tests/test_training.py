@@ -345,6 +345,13 @@ def test_training_scores_held_out_tau_keeps_the_best_and_resumes_it(target, tmp_
     assert trainer.best_tau == max(x["tau/ddtree@4"] for x in lines)
     best = json.loads((trainer.out_dir / "best" / "heldout.json").read_text())
     assert best["tau/ddtree@4"] == trainer.best_tau
+    svg = (trainer.out_dir / "tau_curve.svg").read_text()  # the run draws its curve beside eval.jsonl
+    assert (trainer.out_dir / "tau_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"best {trainer.best_tau:.3f} at step" in svg and "ddtree@4" in svg and "dflash" in svg
+    from treespec.apps.training.curve import draw_tau_curve
+
+    draw_tau_curve(trainer.out_dir, "ddtree@4")
+    assert (trainer.out_dir / "tau_curve.svg").read_text() == svg  # the same lines draw the same bytes
     again = make(target, tmp_path, steps=6, eval_every=3, eval_methods=("ddtree@4", "dflash"))
     assert again.resume() and again.best_tau == trainer.best_tau
     warm = DrafterTrainer(BlockRecipe(target, trainer.drafter, trainer.cfg), out_dir=tmp_path / "warm",

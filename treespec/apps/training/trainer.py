@@ -19,7 +19,8 @@ holding a drafter, a frozen target and a config) one sequence per step:
 * **Held-out τ** (with a held-out teacher cache, every ``eval_every`` steps and, for a warm start,
   before the first step): each of ``recipe.eval_methods`` decoded greedily over the cached answers
   (`treespec.apps.training.evaluate`), logged to ``eval.jsonl``; the weights that score best on the
-  first method are kept in ``best/``.
+  first method are kept in ``best/``, and the run draws its τ curve beside it (``tau_curve.svg`` and
+  ``.png``, `treespec.apps.training.curve`).
 * **Checkpoints** (safetensors only), every ``save_every`` steps and at the end: the drafter in its
   released layout (``drafter/``), the optimiser's moments under parameter names, and a JSON record
   of the step, the config, the start (``init``: a warm start's path and sha256) and the best τ
@@ -42,6 +43,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
+from treespec.apps.training.curve import draw_tau_curve
 from treespec.apps.training.teacher import TeacherCache, TeacherSpec, live_record
 from treespec.training import TeacherRecord, TrainingRecipe
 
@@ -181,6 +183,7 @@ class DrafterTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "eval.jsonl", "a") as fh:
             fh.write(json.dumps(scores, sort_keys=True) + "\n")
+        draw_tau_curve(self.out_dir, self.recipe.eval_methods[0])  # tau_curve.svg / .png beside it
         primary = scores[f"tau/{self.recipe.eval_methods[0]}"]
         if primary > self.best_tau:
             self.best_tau = primary
