@@ -1,0 +1,52 @@
+"""The training recipe end to end on a tiny random target (docs/training.md): self-distillation data, teacher
+caches (training and held-out), `treespec train-drafter` with held-out τ and its curve, the export in the
+released layout, and the exported drafter decoding losslessly through `treespec.generate`."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import treespec
+from treespec.apps.cli import main
+from treespec.apps.data.selfdistill import DistillConfig, write_shards
+
+
+def tiny_target() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def prompts(n: int, seed: int) -> list[tuple[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(f"p{seed}-{i}", torch.randint(3, 64, (8,), generator=g).tolist()) for i in range(n)]
+
+
+def test_from_a_target_to_a_trained_drafter_that_decodes_losslessly(tmp_path):
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    cfg = DistillConfig(num_prompts=8, max_new_tokens=24, batch_size=4, shard_size=4)
+    write_shards(target, prompts(8, 1), tmp_path / "data", cfg, stop_ids=[999], pad_id=0, progress=False)
+    write_shards(target, prompts(4, 2), tmp_path / "held-data", cfg, stop_ids=[999], pad_id=0, progress=False)
+    for data, cache in (("data", "cache"), ("held-data", "held")):
+        assert main(["teacher-cache", "--data", str(tmp_path / data), "--out", str(tmp_path / cache), "--target",
+                     str(tmp_path / "target"), "--top-k", "8", "--dtype", "float32", "--threads", "1"]) == 0
+    assert main(["train-drafter", "--teacher", str(tmp_path / "cache"), "--heldout", str(tmp_path / "held"),
+                 "--target", str(tmp_path / "target"), "--out", str(tmp_path / "run"), "--mask-token-id", "0",
+                 "--target-dtype", "float32", "--export", str(tmp_path / "drafter"), "--export-dtype", "float32",
+                 "--set", "steps=6", "--set", "teacher_top_k=8", "--set", "block_size=4", "--set", "num_layers=1", "--set", "warmup_steps=1",
+                 "--set", "anchors_per_sequence=2", "--set", "eval_every=3", "--set", "save_every=3",
+                 "--threads", "1"]) == 0
+    run = tmp_path / "run"
+    steps = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert steps == [3, 6] and (run / "tau_curve.svg").is_file() and (run / "tau_curve.png").is_file()
+    assert {p.name for p in (tmp_path / "drafter").iterdir()} >= {"config.json", "model.safetensors"}
+    ids = torch.tensor(prompts(1, 3)[0][1])
+    ar = treespec.generate(tmp_path / "target", ids, dtype="float32", max_new_tokens=16)
+    tree = treespec.generate(tmp_path / "target", ids, dtype="float32", max_new_tokens=16,
+                             drafter=tmp_path / "drafter", policy="ddtree", budget=4)
+    assert tree.tokens.tolist() == ar.tokens.tolist()
