@@ -69,7 +69,8 @@ class TrainConfig:
     init_from_target: bool = True  # start draft layers as copies of the target's top layers
     anchors_per_sequence: int = 24  # blocks trained per sequence and step
     max_seq_len: int = 384  # longer sequences are cut
-    steps: int = 2000  # optimizer steps (one sequence each)
+    steps: int = 2000  # optimizer steps (batch_sequences sequences each)
+    batch_sequences: int = 1  # sequences per optimizer step: the global batch (data-parallel ranks split it)
     lr: float = 1e-3  # AdamW peak learning rate
     warmup_steps: int = 50  # linear warm-up, then cosine decay to 10% of lr
     weight_decay: float = 0.0  # AdamW weight decay

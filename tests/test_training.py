@@ -484,7 +484,7 @@ def test_grown_layers_learn_at_their_multiple_of_the_rate(target, tmp_path, kind
         assert BlockRecipe(target, recipe.drafter, two).lr_scales(None) == []  # fresh weights: nothing grown
         trainer = DrafterTrainer(recipe, out_dir=tmp_path / f"s{scale}", init="a", lr_scales=scales)
         before = {n: q.detach().clone() for n, q in recipe.trainable.named_parameters()}
-        assert trainer.train_step(trainer.record(data, 0)) is not None
+        assert trainer.train_step([(0, trainer.record(data, 0))]) is not None
         moved[scale] = {n: q.detach() - before[n] for n, q in recipe.trainable.named_parameters()}
     added = [n for n in moved[1.0] if n.startswith("layers.1.")]
     assert added and len(added) < len(moved[1.0])

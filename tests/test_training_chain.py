@@ -50,3 +50,51 @@ def test_from_a_target_to_a_trained_drafter_that_decodes_losslessly(tmp_path):
     tree = treespec.generate(tmp_path / "target", ids, dtype="float32", max_new_tokens=16,
                              drafter=tmp_path / "drafter", policy="ddtree", budget=4)
     assert tree.tokens.tolist() == ar.tokens.tolist()
+
+
+def _train_args(tmp_path, out: str, *extra: str) -> list[str]:
+    return ["train-drafter", "--teacher", str(tmp_path / "cache"), "--target", str(tmp_path / "target"), "--out",
+            str(tmp_path / out), "--mask-token-id", "0", "--target-dtype", "float32", "--threads", "1",
+            "--set", "steps=4", "--set", "batch_sequences=2", "--set", "teacher_top_k=8", "--set", "block_size=4",
+            "--set", "num_layers=1", "--set", "warmup_steps=1", "--set", "anchors_per_sequence=2",
+            "--set", "save_every=2", *extra]
+
+
+def _torchrun(args: list[str]) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               shutil.which("treespec"), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TREESPEC_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _losses(run) -> list[float]:
+    return [row["loss"] for row in json.loads((run / "trainer_state.json").read_text())["recent"]]
+
+
+def test_two_cpu_ranks_train_as_one_process_with_the_same_global_batch(tmp_path):
+    """``torchrun --nproc-per-node 2 treespec train-drafter`` (gloo, DistributedDataParallel) takes one of
+    each step's two sequences per rank: its loss curve is one process's with ``batch_sequences=2`` to
+    1e-4, rank 0 alone writes the run; a run stopped in one process resumes under two ranks and ends
+    where the one-process run does."""
+    from safetensors.torch import load_file
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    write_shards(target, prompts(8, 1), tmp_path / "data", DistillConfig(num_prompts=8, max_new_tokens=24,
+                 batch_size=4, shard_size=4), stop_ids=[999], pad_id=0, progress=False)
+    assert main(["teacher-cache", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cache"), "--target",
+                 str(tmp_path / "target"), "--top-k", "8", "--dtype", "float32", "--threads", "1"]) == 0
+    assert main(_train_args(tmp_path, "one")) == 0
+    _torchrun(_train_args(tmp_path, "two"))
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(one) == len(two) == 4 and max(abs(a - b) for a, b in zip(one, two, strict=True)) < 1e-4
+    assert main(_train_args(tmp_path, "switched", "--until", "2")) == 0
+    _torchrun(_train_args(tmp_path, "switched"))
+    ends = [load_file(str(tmp_path / run / "drafter" / "model.safetensors")) for run in ("one", "switched")]
+    assert max(float((ends[0][k] - ends[1][k]).abs().max()) for k in ends[0]) < 1e-4

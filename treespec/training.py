@@ -15,7 +15,8 @@ trains ``recipe.trainable`` and saves and reloads the drafter through its ``save
 The loop reads these fields of a recipe's config (an attrs class, so ``--set KEY=VALUE`` reaches
 every field alike): ``kind`` (a name for the logs), ``steps``, ``lr``, ``warmup_steps``,
 ``weight_decay``, ``grad_clip``, ``seed``, ``save_every``, ``eval_every``, ``eval_methods``,
-``autocast_bf16``, ``teacher_top_k`` and ``max_seq_len``; and of the drafter,
+``autocast_bf16``, ``teacher_top_k``, ``max_seq_len`` and ``batch_sequences`` (sequences per
+optimiser step: the global batch, which data-parallel ranks split); and of the drafter,
 ``config.target_layer_ids`` (the taps a record's features hold) and the `Drafter` ABC's own.
 """
 

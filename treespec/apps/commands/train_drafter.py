@@ -7,6 +7,10 @@ trains DFlash and Domino drafters) and ``--preset`` one of its named configs.
 every step; ``--set draft_vocab_size=N`` gives the drafter a head over the N most frequent response
 tokens of the training data.  Resumable: rerunning with the same ``--out`` continues from the last checkpoint (weights, optimizer
 moments and data order).  The final drafter is ``OUT/drafter/`` in the released checkpoint layout.
+
+Data-parallel: ``torchrun --nproc-per-node N "$(which treespec)" train-drafter ... --set batch_sequences=K``
+runs N ranks (gloo on CPUs, NCCL with ``--device cuda``, one GPU per rank), each taking K / N of every
+step's K sequences (`treespec.apps.training.trainer`); rank 0 writes the run directory and prints.
 """
 
 from __future__ import annotations
@@ -187,11 +191,39 @@ def _init_identity(init: Path | None) -> str | None:
     return f"{init} sha256:{sha256_of(init / 'model.safetensors')}"
 
 
+def _distributed(args: argparse.Namespace) -> int:
+    """Join the ``torchrun`` group this process was launched in (its world size; 1 without torchrun): gloo
+    on CPUs, NCCL on GPUs (each rank on cuda:LOCAL_RANK)."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        cuda = str(args.device).startswith("cuda")
+        if cuda:
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return world
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    world = _distributed(args)
+    try:
+        return _train(args, world)
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, world: int) -> int:
     from treespec.apps.assembly.loading import load_frozen_model
     from treespec.apps.training.trainer import DrafterTrainer
 
-    start_threads(args)
+    start_threads(args, ranks=world)
     recipe = _recipe(args.recipe)
     cfg = _config(args, recipe)
     if args.init is not None:
@@ -217,14 +249,16 @@ def run(args: argparse.Namespace) -> int:
     scales = run_recipe.lr_scales(args.init)
     for params, scale in scales:
         print(f"{sum(p.numel() for p in params):,} parameters added to the --init drafter learn at {scale:g}x the rate")
-    trainer = DrafterTrainer(run_recipe, out_dir=args.out, init=_init_identity(args.init), lr_scales=scales)
     try:
+        trainer = DrafterTrainer(run_recipe, out_dir=args.out, init=_init_identity(args.init), lr_scales=scales)
         resumed = trainer.resume()
     except ValueError as exc:
         raise SystemExit(f"treespec train-drafter: {exc}") from None
     if resumed:
         print(f"resumed at step {trainer.step}")
-    trainer.train(data, until=args.until, heldout=heldout)
+    trainer.train(data, until=args.until, heldout=heldout, progress=trainer.rank == 0)
+    if trainer.rank:
+        return 0  # rank 0 writes and exports
     print(f"drafter written to {args.out / 'drafter'}")
     if args.export is not None:
         best = args.out / "best"

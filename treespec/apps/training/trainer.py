@@ -3,13 +3,19 @@
 Contract
 --------
 `DrafterTrainer(recipe, out_dir=...)` trains ``recipe.trainable`` (a `treespec.training.TrainingRecipe`
-holding a drafter, a frozen target and a config) one sequence per step:
+holding a drafter, a frozen target and a config) ``batch_sequences`` sequences per step:
 
 * **Data.** A `TeacherCache` (`treespec.apps.training.teacher`), or (tokens, response_start) pairs
   whose teacher record is computed live by a target forward (the same record, features rounded to
-  bf16 in both); sequences are visited in a permutation seeded by ``config.seed``, and step s draws
-  from its own generator (seeded by the seed and s), so a resumed run draws what an uninterrupted
-  one drew.
+  bf16 in both); sequences are visited in a permutation seeded by ``config.seed`` (step s takes
+  entries s k .. s k + k - 1 of it, k = ``batch_sequences``), and sequence j of step s draws from its
+  own generator (seeded by the seed, s and j), so a resumed run draws what an uninterrupted one drew.
+* **Data-parallel** (launched by ``torchrun``: `torch.distributed` initialised with gloo on CPUs, NCCL
+  on GPUs): ``recipe.trainable`` is wrapped in `DistributedDataParallel`; rank r of W takes entries
+  j = r k / W .. (r + 1) k / W - 1 of each step's batch, so the global batch and every sequence's
+  generator are those of one process (k must be a multiple of W).  The loss of a step is the mean
+  over its k sequences in any world size; rank 0 alone writes checkpoints, evaluations and the
+  curve, and a run resumes under another world size.
 * **Optimiser.** AdamW (``lr``, ``weight_decay``), the global gradient norm clipped at ``grad_clip``;
   the learning rate warms up linearly over ``warmup_steps`` and then decays by a cosine to 10 % of
   its peak at ``steps``; parameters the recipe names in ``lr_scales`` follow the schedule times
@@ -65,6 +71,50 @@ def use_autocast(setting: bool | None, device: torch.device, target_config) -> b
     return cpu_dtype_choice(target_config).dtype == torch.bfloat16
 
 
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of the `torch.distributed` group this process is in ((0, 1) outside one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _summed(learned: int, positions: int, total: float, world: int) -> tuple[int, int, float]:
+    """The three counts summed over every rank (as they are in one process)."""
+    if world == 1:
+        return learned, positions, total
+    import torch.distributed as dist
+
+    counts = torch.tensor([learned, positions, total], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return int(counts[0]), int(counts[1]), float(counts[2])
+
+
+def _no_sync(model: torch.nn.Module, sync: bool):
+    """DDP's ``no_sync`` for all but a step's last backward (gradients accumulate, then one all-reduce)."""
+    import contextlib
+
+    return contextlib.nullcontext() if sync else model.no_sync()
+
+
+class _RecipeLoss(torch.nn.Module):
+    """``recipe.loss`` as a module over ``recipe.trainable`` (what `DistributedDataParallel` wraps): (the
+    loss tensor, the `StepLoss`), or (a zero loss over every parameter, None) when the record holds
+    nothing to learn, so every rank's backward reaches the same parameters."""
+
+    def __init__(self, recipe: TrainingRecipe) -> None:
+        super().__init__()
+        self.trainable = recipe.trainable
+        self.recipe = recipe
+
+    def forward(self, record: TeacherRecord, step: int, generator: torch.Generator):
+        out = self.recipe.loss(record, step, generator)
+        if out is None:
+            return sum(p.sum() for p in self.trainable.parameters() if p.requires_grad) * 0.0, None
+        return out.loss, out
+
+
 def _with_defaults(saved: dict[str, Any], config_type: type) -> dict[str, Any]:
     """A saved config with the fields it predates at their defaults (a run saved before a field was
     added resumes as one trained with the default)."""
@@ -89,6 +139,10 @@ class DrafterTrainer:
     def __init__(self, recipe: TrainingRecipe, *, out_dir: str | Path, init: str | None = None,
                  lr_scales: Sequence[tuple[Sequence[torch.nn.Parameter], float]] = ()) -> None:
         self.recipe = recipe
+        self.rank, self.world = _ranks()
+        if recipe.config.batch_sequences % self.world:
+            raise ValueError(f"batch_sequences {recipe.config.batch_sequences} is not a multiple of the "
+                             f"{self.world} data-parallel ranks")
         self.init = init  # the warm start's weights (path and sha256), None for fresh weights
         self.out_dir = Path(out_dir)
         cfg = recipe.config
@@ -102,6 +156,7 @@ class DrafterTrainer:
         self.step = 0
         self.best_tau = float("-inf")  # best held-out τ of the first eval method so far
         self._eval_target = None
+        self._model: torch.nn.Module | None = None  # the loss as a module (DDP-wrapped across ranks), made on first use
 
     @property
     def cfg(self) -> Any:
@@ -124,9 +179,16 @@ class DrafterTrainer:
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    def step_generator(self, step: int) -> torch.Generator:
-        """The generator of step ``step`` (anchors and the like): a function of the seed and the step."""
-        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+    def step_generator(self, step: int, sequence: int = 0) -> torch.Generator:
+        """The generator of sequence ``sequence`` of step ``step`` (anchors and the like): a function of
+        the seed, the step and the sequence's place in the step's batch."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step + sequence * 7_919_317)
+
+    def batch_indices(self, order: Sequence[int], step: int) -> list[tuple[int, int]]:
+        """(place j in the step's batch, sequence index) of this rank's share of step ``step``."""
+        k = self.cfg.batch_sequences
+        share = range(self.rank * k // self.world, (self.rank + 1) * k // self.world)
+        return [(j, order[(step * k + j) % len(order)]) for j in share]
 
     # ------------------------------------------------------------------ one step
     def record(self, source: Sequence, index: int) -> TeacherRecord:
@@ -138,23 +200,50 @@ class DrafterTrainer:
         tokens, response_start = source[index]
         return live_record(self.target, tokens, response_start, self.spec)
 
-    def train_step(self, record: TeacherRecord) -> tuple[dict[str, float], int] | None:
-        """One optimiser step on ``record``: (logs, label positions), or None when the recipe finds
-        nothing to learn in it (the step still counts)."""
+    def train_step(self, records: Sequence[tuple[int, TeacherRecord]]) -> tuple[dict[str, float], int] | None:
+        """One optimiser step on this rank's ``records`` ((place in the batch, record) pairs): the mean
+        loss over the step's ``batch_sequences`` sequences, gradients averaged across ranks.  Returns
+        (logs, label positions of the whole batch), or None when the recipe found nothing to learn in
+        any of them (the step still counts)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step) * group["lr_scale"]
-        with torch.autocast(self.params[0].device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.recipe.loss(record, self.step, self.step_generator(self.step))
-        if out is None:
+        model, scale = self._loss_module(), self.world / self.cfg.batch_sequences  # DDP averages over ranks
+        self.optimizer.zero_grad(set_to_none=True)
+        logs: dict[str, float] = {}
+        learned, positions, total = 0, 0, 0.0
+        for i, (j, record) in enumerate(records):
+            sync = i == len(records) - 1 or self.world == 1
+            with _no_sync(model, sync), torch.autocast(self.params[0].device.type, dtype=torch.bfloat16,
+                                                       enabled=self.autocast):
+                loss, out = model(record, self.step, self.step_generator(self.step, j))
+            if out is not None:
+                learned, positions, total = learned + 1, positions + out.label_positions, total + float(loss.detach())
+                for key, value in out.logs.items():
+                    logs[key] = logs.get(key, 0.0) + value
+            (loss * scale).backward()
+        learned, positions, total = _summed(learned, positions, total, self.world)
+        if learned == 0:
             self.step += 1
             return None
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        logs = dict(out.logs)
+        logs = {key: value / max(1, len(records)) for key, value in logs.items()}  # this rank's means
+        logs["loss"] = total / learned  # the step's mean over every rank's sequences
         logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         self.optimizer.step()
         self.step += 1
-        return logs, out.label_positions
+        return logs, int(positions)
+
+    def _loss_module(self) -> torch.nn.Module:
+        """The recipe's loss as a module over ``recipe.trainable`` (wrapped in `DistributedDataParallel`
+        across ranks, which broadcasts rank 0's weights once and averages every backward's gradients)."""
+        if self._model is None:
+            self._model = _RecipeLoss(self.recipe)
+            if self.world > 1:
+                from torch.nn.parallel import DistributedDataParallel
+
+                device = self.params[0].device
+                self._model = DistributedDataParallel(
+                    self._model, device_ids=[device] if device.type == "cuda" else None, find_unused_parameters=True)
+        return self._model
 
     # ------------------------------------------------------------------ held-out τ
     @torch.no_grad()
@@ -175,8 +264,9 @@ class DrafterTrainer:
         return {f"tau/{r.policy}": r.tau for r in results}
 
     def _maybe_evaluate(self, heldout: TeacherCache | None, history: list[dict[str, float]]) -> None:
-        """Every ``eval_every`` steps: log held-out τ to ``eval.jsonl``; keep the best weights in ``best/``."""
-        if heldout is None or not self.cfg.eval_every or self.step % self.cfg.eval_every:
+        """Every ``eval_every`` steps: log held-out τ to ``eval.jsonl``; keep the best weights in ``best/``
+        (rank 0 alone)."""
+        if heldout is None or not self.cfg.eval_every or self.step % self.cfg.eval_every or self.rank:
             return
         scores = self.evaluate(heldout) | {"step": self.step}
         history.append(scores)
@@ -214,7 +304,7 @@ class DrafterTrainer:
         if self.step == 0 and self.init is not None:  # a warm start's score: the bar to beat, best/ until beaten
             self._maybe_evaluate(heldout, history)
         while self.step < stop:
-            done = self.train_step(self.record(sequences, order[self.step % len(order)]))
+            done = self.train_step([(j, self.record(sequences, i)) for j, i in self.batch_indices(order, self.step)])
             if done is None:
                 continue
             logs, labelled = done
@@ -232,7 +322,10 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, history: Sequence[dict[str, float]] = ()) -> Path:
-        """Write ``drafter/`` (released layout), optimizer moments and the trainer state."""
+        """Write ``drafter/`` (released layout), optimizer moments and the trainer state (rank 0 alone:
+        every rank holds the same weights and moments)."""
+        if self.rank:
+            return self.out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.drafter.save_pretrained(self.out_dir / "drafter")
         names = {id(p): n for n, p in self.recipe.trainable.named_parameters()}
