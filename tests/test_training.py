@@ -547,3 +547,19 @@ def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_fre
         from treespec.drafters.training import grow_vocab
 
         grow_vocab(new_drafter(target, attrs_evolve(cfg, draft_vocab_size=None), 1), 32, counts)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_bf16_autocast_keeps_float32_masters_and_a_fixed_batchs_loss_within_two_percent(target, tmp_path, kind):
+    """bf16 autocast (on CUDA, or a CPU whose bf16 matmul is faster) trains float32 master weights, and the
+    loss of a fixed record and anchors is float32's to 2 % (bf16 keeps 8 bits of mantissa: about 0.4 % a
+    product; the loss sums many)."""
+    trainer = make(target, tmp_path, kind=kind, autocast_bf16=True)
+    record = trainer.record(sequences(1, target=target), 0)
+    losses = {}
+    for enabled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            losses[enabled] = float(trainer.recipe.loss(record, 0, trainer.step_generator(0)).loss.detach())
+    assert abs(losses[True] - losses[False]) <= 0.02 * abs(losses[False])
+    assert trainer.autocast and trainer.train_step([(0, record)]) is not None
+    assert {p.dtype for p in trainer.params} == {torch.float32}
