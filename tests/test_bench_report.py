@@ -125,3 +125,28 @@ def test_the_report_says_when_a_cell_pools_several_runs():
     two = one[:2] + [record(m, "b", "r2") for m in ("ar", "ddtree@16")]
     assert "gsm8k T=0 (2 runs)" in pooled_runs_note(two)
     assert pooled_runs_note([attrs.evolve(r, run="") for r in two]) == ""  # records of older versions name none
+
+
+def test_the_decisions_table_says_why_a_cost_aware_method_ran_as_ar():
+    """Per method that priced its trees or ran AR rounds: rounds drafted and AR, explorations, the mean tree
+    size, generations decoded without drafting and the break-even of its budget under the curve it priced
+    with; AR and a fixed tree that always drafted have no row."""
+    from treespec.apps.bench.decisions import break_even, decisions_table
+    from treespec.pricing.cost import LinearCost
+
+    curve = LinearCost(draft=0.002, base=0.01, per_token=0.004).to_dict()  # C_v(n) = 0.01 + 0.004 n
+
+    def rec(method, budget, decisions, models=()):
+        return BenchRecord(method=method, policy=method.split("@")[0], budget=budget, temperature=0.0, dataset="d",
+                           prompt_id="1", turn=0, seed=0, tokens=[1], taus=[1], decode_time=1.0, prefill_time=0.0,
+                           stage_times={}, decisions=decisions, cost_models=list(models), cost_rounds=[0] * len(models))
+
+    records = [rec("ar", 0, {}),
+               rec("ddtree@16", 16, {"drafted": 10, "ar": 0, "explored": 0, "tree_tokens": 170, "undrafted": False}),
+               rec("caddtree@16", 16, {"drafted": 4, "ar": 20, "explored": 1, "tree_tokens": 30, "undrafted": False},
+                   [curve]),
+               rec("caddtree@16", 16, {"drafted": 0, "ar": 24, "explored": 0, "tree_tokens": 0, "undrafted": True})]
+    table = decisions_table(records, ["ar", "ddtree@16", "caddtree@16"]).splitlines()
+    assert len(table) == 3 and table[2].split() == ["caddtree@16", "4", "44", "1", "7.5", "1/2", "5.71"]
+    assert break_even(curve, 16) == pytest.approx((0.002 + 0.01 + 0.004 * 17) / (0.01 + 0.004))
+    assert decisions_table(records[:2], ["ar", "ddtree@16"]) == ""

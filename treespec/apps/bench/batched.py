@@ -19,7 +19,7 @@ import torch
 
 from treespec.apps.assembly.methods import MethodSpec, naming
 from treespec.apps.bench.measure import Runner, Turn, method_fields, regain_threads, rotated
-from treespec.apps.bench.records import BenchRecord
+from treespec.apps.bench.records import BenchRecord, decisions_of
 from treespec.apps.bench.summary import AR
 from treespec.apps.data.datasets import PromptRecord
 from treespec.target import ContextOverflowError
@@ -108,5 +108,6 @@ class BatchRunner(Runner):
                 prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed, tokens=result.tokens.tolist(),
                 taus=result.stats.taus, decode_time=decode * share, prefill_time=result.stats.prefill_time * share,
                 stage_times={k: v * share for k, v in longest.items()}, batch_size=len(turns), run=self.run_id,
-                threads=meter.threads, load=load))
+                threads=meter.threads, load=load,
+                decisions={} if method.autoregressive else decisions_of(result.stats)))
         return records

@@ -27,7 +27,7 @@ from treespec.apps.assembly.methods import MethodSpec, naming
 from treespec.apps.assembly.session import Session
 from treespec.apps.bench.config import BenchConfig, pair_seed
 from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_tolerance, token_comparable
-from treespec.apps.bench.records import BenchRecord, cost_schedule
+from treespec.apps.bench.records import BenchRecord, cost_schedule, decisions_of
 from treespec.apps.bench.summary import AR
 from treespec.apps.data.datasets import PromptRecord
 from treespec.decoding import SpeculativeDecoder
@@ -123,7 +123,8 @@ class Runner:
             **method_fields(method), temperature=turn.temperature, dataset=turn.prompt.dataset,
             prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus,
             decode_time=s.decode_time, prefill_time=s.prefill_time, stage_times=s.stage_totals(), run=self.run_id,
-            cost_models=models, cost_rounds=rounds, threads=meter.threads, load=load.to_record())
+            cost_models=models, cost_rounds=rounds, threads=meter.threads, load=load.to_record(),
+            decisions={} if method.autoregressive else decisions_of(s))
 
     def divergences(self, turn: Turn, records: dict[str, BenchRecord]) -> list[Divergence]:
         ar = records[AR]

@@ -59,6 +59,7 @@ class BenchRecord:
     cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
     threads: int = 0  # torch intra-op threads it ran with (0: a record made before they were kept)
     load: dict = attrs.field(factory=dict)  # what other processes took meanwhile (`Load.to_record`; empty: unknown)
+    decisions: dict = attrs.field(factory=dict)  # what its decoder chose (`decisions_of`; empty: AR, or an older record)
 
     def __attrs_post_init__(self) -> None:
         if not self.hash:
@@ -93,6 +94,16 @@ class BenchRecord:
     def priced_rounds(self) -> list[dict | None]:
         """Per round, the cost model (its `CostModel.to_dict` form) it was priced with, None if none."""
         return [self.cost_models[i] if i >= 0 else None for i in self.cost_rounds]
+
+
+def decisions_of(stats) -> dict:
+    """What a generation's decoder chose, from its `GenerationStats`: rounds that drafted, AR rounds (no
+    draft: the back-off's, or a generation decoded without drafting), explorations, the tree tokens
+    verified over the drafted rounds, and whether the policy judged that no tree could pay."""
+    drafted = [r for r in stats.rounds if r.drafted]
+    return {"drafted": len(drafted), "ar": len(stats.rounds) - len(drafted),
+            "explored": sum(r.explored for r in stats.rounds), "tree_tokens": sum(r.tree_size for r in drafted),
+            "undrafted": bool(stats.undrafted)}
 
 
 def cost_schedule(rounds) -> tuple[list[dict], list[int]]:

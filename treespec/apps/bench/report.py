@@ -10,6 +10,7 @@ from pathlib import Path
 
 import attrs
 
+from treespec.apps.bench.decisions import LEGEND, decisions_table
 from treespec.apps.bench.lossless import lossless_text, read_divergences
 from treespec.apps.bench.outdir import DIVERGENCES, RECORDS, shard_files
 from treespec.apps.bench.plots import plot_budget_curves, plot_tau_histograms
@@ -62,6 +63,9 @@ def write_report(out_dir: str | Path, *, resamples: int = 1000) -> Report:
         raise ValueError(f"{out_dir / RECORDS} holds no records")
     summaries = summarize(records, resamples=resamples)
     table = markdown_table(summaries) + pooled_runs_note(records) + disturbed_note(records) + threads_note(records)
+    decided = decisions_table(records, list(dict.fromkeys(s.method for s in summaries)))
+    if decided:
+        table += f"\n\nWhat the decoders decided ({LEGEND}):\n\n```\n{decided}\n```\n"
     lossless, bad = lossless_text(records, read_divergences(out_dir / DIVERGENCES))
     write_csv(summaries, out_dir / "summary.csv")
     write_csv(compare_pairs(records, resamples=resamples), out_dir / "pairs.csv")

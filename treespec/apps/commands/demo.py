@@ -172,6 +172,7 @@ def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, t
     from treespec.apps.assembly.cost_source import CostSource
     from treespec.apps.assembly.embedded import embedded_model_dir
     from treespec.apps.assembly.session import Session
+    from treespec.apps.bench.decisions import LEGEND, decisions_table
     from treespec.apps.bench.records import read_records
 
     session = Session.load(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype], engine=engine,
@@ -196,6 +197,9 @@ def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, t
     records = list(read_records(out / bench.RECORDS))
     order = [m.name for m in expanded]
     print(pooled_table(records, order, bench.read_divergences(out / bench.DIVERGENCES)))
+    decided = decisions_table(records, order)
+    if decided:
+        print(f"\n{decided}\n({LEGEND})")
     print("\n" + lossless_verdict(records, report.unacceptable))
     print(conditions_line(records, session.disturbed))
     if learned is not None:
