@@ -48,7 +48,8 @@ def test_the_identity_takes_the_promises_as_they_are_and_records_round_trip():
     s = torch.tensor([-3.0, -0.5, 0.0])
     assert Calibration().identity and torch.equal(Calibration().deltas(s), s.double().exp())
     assert Calibration.from_record(Calibration(0.8, 0.6).to_record()) == Calibration(0.8, 0.6)
-    assert Calibration.from_record(0.9) == Calibration(0.9, 1.0)  # a scale alone, as older profiles kept
+    with pytest.raises(ValueError, match=r"a calibration is \[scale, power\], got 0.9"):
+        Calibration.from_record(0.9)  # a bare scale is no record of this format (its profile is measured again)
     assert to_calibration(0.7) == Calibration(0.7) and to_calibration(Calibration(1, 2)) == Calibration(1, 2)
     with pytest.raises(ValueError, match="power must be a finite number > 0"):
         Calibration(1.0, -1.0)
