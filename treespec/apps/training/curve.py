@@ -45,8 +45,9 @@ def draw_tau_curve(run_dir: Path, primary: str) -> list[Path]:
         points = [(r["step"], r[f"tau/{method}"]) for r in rows if f"tau/{method}" in r]
         ax.plot([s for s, _ in points], [t for _, t in points], marker="o", markersize=3, label=method)
     step, tau = max(((r["step"], r[f"tau/{primary}"]) for r in rows), key=lambda p: (p[1], -p[0]))
-    ax.annotate(f"best {tau:.3f} at step {step}", (step, tau), textcoords="offset points", xytext=(-6, 8),
+    ax.annotate(f"best {tau:.3f} at step {step}", (step, tau), textcoords="offset points", xytext=(-6, 6),
                 ha="right", fontsize=8)
+    ax.margins(y=0.18)  # room for the note above the best point
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out τ (T = 0)")
     ax.grid(alpha=0.3)
