@@ -187,7 +187,8 @@ def networkx_ms(policy, make_draft, rounds: int, limit: float) -> float | None:
     first = interleaved_ms({"nx": lambda d: policy.with_backend("networkx").build(d)}, make_draft, range(9_000, 9_001))
     if first["nx"][0] > 1e3 * limit:
         return None
-    return interleaved_ms({"nx": lambda d: policy.with_backend("networkx").build(d)}, make_draft, range(rounds))["nx"][0]
+    reference = policy.with_backend("networkx")
+    return interleaved_ms({"nx": lambda d: reference.build(d)}, make_draft, range(rounds))["nx"][0]
 
 
 def fmt(ms: float | None) -> str:

@@ -38,7 +38,8 @@ def test_from_a_target_to_a_trained_drafter_that_decodes_losslessly(tmp_path):
     assert main(["train-drafter", "--teacher", str(tmp_path / "cache"), "--heldout", str(tmp_path / "held"),
                  "--target", str(tmp_path / "target"), "--out", str(tmp_path / "run"), "--mask-token-id", "0",
                  "--target-dtype", "float32", "--export", str(tmp_path / "drafter"), "--export-dtype", "float32",
-                 "--set", "steps=6", "--set", "teacher_top_k=8", "--set", "block_size=4", "--set", "num_layers=1", "--set", "warmup_steps=1",
+                 "--set", "steps=6", "--set", "teacher_top_k=8", "--set", "block_size=4", "--set", "num_layers=1",
+                 "--set", "warmup_steps=1",
                  "--set", "anchors_per_sequence=2", "--set", "eval_every=3", "--set", "save_every=3",
                  "--threads", "1"]) == 0
     run = tmp_path / "run"

@@ -374,7 +374,8 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ public entry
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, stop_token_ids: Iterable[int] | None = None,
-                 generator: torch.Generator | None = None, position_keyed: bool | None = None, first_token: str = "round",
+                 generator: torch.Generator | None = None, position_keyed: bool | None = None,
+                 first_token: str = "round",
                  sampling: SamplingParams | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([P] or [1, P]).
 

@@ -92,7 +92,8 @@ def _tokenizer(model: Any, tokenizer: Any, needed: bool) -> Any:
 
 
 def encode_prompt(prompt: str | torch.Tensor | Iterable[int], tokenizer: Any, chat: bool = False) -> torch.Tensor:
-    """[P] int64 token ids of a text prompt (in the chat template with ``chat``) or of given ids, as `generate` encodes it."""
+    """[P] int64 token ids of a text prompt (in the chat template with ``chat``) or of given ids, as
+    `generate` encodes it."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass a model directory or tokenizer=")

@@ -136,7 +136,8 @@ def _file_tokenizer(path: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 -- transformers' GGUF reader raises bare struct/index errors on a damaged file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"no tokenizer beside {path} and none readable in it ({first}): put the model's tokenizer "
-                         f"files ({', '.join(_TOKENIZER_FILES[:2])}) in {path.parent}, or give the API token ids") from None
+                         f"files ({', '.join(_TOKENIZER_FILES[:2])}) in {path.parent}, or give the API token "
+                         "ids") from None
 
 
 def load_drafter(drafter: Drafter | PathLike | None, path: PathLike | None = None, *, model: Any = None,

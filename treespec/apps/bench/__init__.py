@@ -39,7 +39,8 @@ from treespec.apps.bench.runner import resume_shard, run_shard
 
 __all__ = [
     "BENCH_PRESETS", "DIVERGENCES", "GAP_TOLERANCE", "METHODS", "RECORDS", "SETTINGS", "BenchConfig", "BenchRecord",
-    "Divergence", "Report", "Shard", "abandon_out", "bench_prompts", "decision_gap", "expand_methods", "first_difference", "lock_out",
-    "measured_settings", "merge_shards", "open_out", "pair_seed", "prepare_out", "read_divergences", "read_records", "resume_shard",
+    "Divergence", "Report", "Shard", "abandon_out", "bench_prompts", "decision_gap", "expand_methods",
+    "first_difference", "lock_out", "measured_settings", "merge_shards", "open_out", "pair_seed", "prepare_out",
+    "read_divergences", "read_records", "resume_shard",
     "run_settings", "run_shard", "shard_paths", "weights_identity", "write_report", "write_settings",
 ]

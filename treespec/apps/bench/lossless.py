@@ -7,7 +7,8 @@ AR's decision margin there (`decision_gap`: the logits' top-two gap at T = 0; at
 position-keyed Gumbel-max scores, in logit units), measured by one fresh forward of the prompt and
 AR's prefix.  It is acceptable only when the margin is within the stated tolerance
 (the target's own, `treespec.target.Target.rounding_gap`: per dtype on torch, measured per file on
-llama.cpp; or the config's); in float64 nothing may differ (docs/decoding.md, "Verification").  `lossless_text` writes the verdict per temperature for the report.
+llama.cpp; or the config's); in float64 nothing may differ (docs/decoding.md, "Verification").
+`lossless_text` writes the verdict per temperature for the report.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import attrs
 from treespec.apps.assembly.methods import MethodSpec
 from treespec.apps.bench.config import BenchConfig
 
-__all__ = ["DIVERGENCES", "LOCK", "RECORDS", "SETTINGS", "abandon_out", "lock_out", "measured_settings", "open_out", "prepare_out",
+__all__ = ["DIVERGENCES", "LOCK", "RECORDS", "SETTINGS", "abandon_out", "lock_out", "measured_settings", "open_out",
+           "prepare_out",
            "run_settings",
            "shard_files", "shard_paths", "unlock_out", "weights_identity", "write_settings"]
 

@@ -59,7 +59,7 @@ class BenchRecord:
     cost_rounds: list[int] = attrs.field(factory=list)  # per round: index into cost_models (-1: not priced)
     threads: int = 0  # torch intra-op threads it ran with (0: a record made before they were kept)
     load: dict = attrs.field(factory=dict)  # what other processes took meanwhile (`Load.to_record`; empty: unknown)
-    decisions: dict = attrs.field(factory=dict)  # what its decoder chose (`decisions_of`; empty: AR, or an older record)
+    decisions: dict = attrs.field(factory=dict)  # what its decoder chose (`decisions_of`; empty: AR or older)
 
     def __attrs_post_init__(self) -> None:
         if not self.hash:

@@ -139,7 +139,8 @@ def _check(args: argparse.Namespace, target, tokenizer, tokens: list[int]) -> in
     where = (f"token {k} differs from AR's ({ar[k] if k < len(ar) else 'end'} there, "
              f"{tokens[k] if k < len(tokens) else 'end'} here); AR's top-two gap {gap:.4g}")
     if gap <= rounding:
-        print(f"check: {where} is within the engine's rounding ({rounding:.3g}): a near-tie decided it", file=sys.stderr)
+        print(f"check: {where} is within the engine's rounding ({rounding:.3g}): a near-tie decided it",
+              file=sys.stderr)
         return 0
     print(f"check: {where} exceeds the engine's rounding ({rounding:.3g}): NOT AR's output", file=sys.stderr)
     return 1

@@ -203,7 +203,8 @@ def policy_for(trace: Trace, method: MethodSpec, cache: dict[str, ReplayDrafts] 
     return drafts, policy
 
 
-def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, stop_token_ids: Iterable[int] = (), prompts: Sequence[int] | None = None,
+def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, stop_token_ids: Iterable[int] = (),
+             prompts: Sequence[int] | None = None,
              cost_model: CostModel | None = None) -> list[ReplayResult]:
     """Replay each method (``"ddtree@16"``, ``"dominotree@32"``, ...; see treespec.apps.assembly.methods) on the
     trace; ``cost_model`` prices the trees of cost-aware policies, by default with the cost models
