@@ -73,10 +73,12 @@ def load_target(model: PathLike | Target | torch.nn.Module, *, dtype: torch.dtyp
     if _is_target(model):
         return model
     cls = engine_class(engine)
-    if isinstance(model, torch.nn.Module) and cls.file_suffix is not None:
-        raise ValueError(f"the {engine} engine runs a model file; pass its path, not a {type(model).__name__}")
-    path = model if isinstance(model, torch.nn.Module) else model_path(model, engine)
-    if dtype == "auto" and not isinstance(model, torch.nn.Module):
+    if isinstance(model, torch.nn.Module):  # loaded already: its own dtype
+        if cls.file_suffix is not None:
+            raise ValueError(f"the {engine} engine runs a model file; pass its path, not a {type(model).__name__}")
+        return cls.load(model, dtype=dtype, device=device, float32_head=float32_head)
+    path = model_path(model, engine)
+    if dtype == "auto":
         dtype = _auto_dtype(cls.read_shapes(path), device)
     return cls.load(path, dtype=dtype, device=device, float32_head=float32_head)
 

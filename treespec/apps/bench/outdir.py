@@ -89,12 +89,12 @@ def lock_out(out_dir: Path) -> None:
     import fcntl
     import os
 
-    if out_dir.resolve() in _LOCKS:
+    key = out_dir.resolve()
+    if key in _LOCKS:
         return
     if not out_dir.exists():
-        _MADE.add(out_dir.resolve())
+        _MADE.add(key)
     out_dir.mkdir(parents=True, exist_ok=True)
-    key = out_dir.resolve()
     fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -121,10 +121,11 @@ def abandon_out(out_dir: Path) -> None:
     """A run that could not start: its lock given up, and the folder removed again when `lock_out` made
     it and nothing but the lock is in it (nothing is left behind by a run that measured nothing)."""
     unlock_out(out_dir)
-    if out_dir.resolve() in _MADE and [p.name for p in out_dir.iterdir()] == [LOCK]:
+    key = out_dir.resolve()
+    if key in _MADE and [p.name for p in out_dir.iterdir()] == [LOCK]:
         (out_dir / LOCK).unlink()
         out_dir.rmdir()
-    _MADE.discard(out_dir.resolve())
+    _MADE.discard(key)
 
 
 def open_out(out_dir: Path, settings: dict, *, overwrite: bool = False) -> str:
