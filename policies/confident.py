@@ -123,10 +123,9 @@ class _Confident:
     def stop(self) -> FloorStop:
         return FloorStop(self.floor.floor)
 
-    def observe_round(self, report: RoundReport) -> bool:
+    def observe_round(self, report: RoundReport) -> None:
         if report.drafted and len(report.tree) > 1:
             self.floor.observe(report.tree, report.result.accepted.tolist())
-        return False
 
     def learned_state(self) -> dict:
         return {"floor": self.floor.floor, "nodes": [list(node) for node in self.floor.nodes]}

@@ -124,10 +124,9 @@ class _Learned:
 
     table: AcceptanceTable
 
-    def observe_round(self, report: RoundReport) -> bool:
+    def observe_round(self, report: RoundReport) -> None:
         if report.drafted and len(report.tree) > 1:
             self.table.observe(report.tree, report.result.accepted.tolist())
-        return False
 
     def learned_state(self) -> dict:
         return self.table.to_record()

@@ -6,7 +6,7 @@ Contract
 policy built at ``budget``.  At the start of a generation (`TreePolicy.start_generation`) the router
 forgets the last request; its first drafted rounds try each arm in turn, ``probe`` rounds each, and
 the rest of the generation uses the arm whose probe rounds accepted most tokens per round (ties: the
-earlier arm).  The choice is made before each round (`TreePolicy.plan_round`) and learned after it
+earlier arm).  The choice is made before each round (`TreePolicy.begin_round`) and learned after it
 (`TreePolicy.observe_round`, which also reaches the arm that built the round, so an arm that
 learns, such as ``learned-dominotree``, keeps learning).  An arm that needs a scorer is skipped on a
 draft without one.  Without the hooks (a bare ``build``) the first arm builds.  The choice belongs to
@@ -23,7 +23,7 @@ from typing import ClassVar
 import attrs
 
 from treespec import registry
-from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy, backend_field
+from treespec.interfaces import DraftOutput, RoundReport, TreePolicy, backend_field
 from treespec.policies.engine.best_first import budget_field, count_field
 from treespec.tree import DraftTree
 
@@ -82,14 +82,13 @@ class Router(TreePolicy):
         object.__setattr__(copy, "policies", self.policies)
         return copy
 
-    def plan_round(self) -> RoundPlan:
+    def begin_round(self) -> None:
         self.choice.current = self.choice.choose(self.probe)
-        return RoundPlan()
 
-    def observe_round(self, report: RoundReport) -> bool:
+    def observe_round(self, report: RoundReport) -> None:
         if report.drafted:
             self.choice.taus[self.choice.current].append(report.result.tau)
-        return self.policies[self.choice.current].observe_round(report)
+        self.policies[self.choice.current].observe_round(report)
 
     def build(self, draft: DraftOutput) -> DraftTree:
         return self._arm(draft).build(draft)

@@ -41,11 +41,12 @@ from typing import ClassVar
 import attrs
 import numpy as np
 
-from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy, backend_field
+from treespec.control import DraftController
+from treespec.interfaces import DraftOutput, TreePolicy, backend_field
 from treespec.policies.engine.best_first import budget_field
 from treespec.policies.engine.cost import check_cost_model, require_cost_model
 from treespec.policies.static import Static
-from treespec.pricing import feedback
+from treespec.pricing.control import PricedController
 from treespec.pricing.cost import CostModel
 from treespec.tree import DraftTree
 
@@ -176,10 +177,10 @@ class HardwareAwareSequoia(Sequoia):
         ar = 1.0 / float(cost.verify_costs(1, draft.position)[1])
         return best if rate[best] > ar else 1
 
-    def plan_round(self) -> RoundPlan:
-        """What the live cost model asks of the next round (`treespec.pricing.feedback`)."""
-        return feedback.plan_round(self.cost_model)
+    def draft_controller(self) -> DraftController:
+        """Whether and at what price each round drafts (`treespec.pricing.control.PricedController`)."""
+        return PricedController(require_cost_model(self.name, self.cost_model), None, self.budget)
 
-    def observe_round(self, report: RoundReport) -> bool:
-        """The round's times to the live cost model."""
-        return feedback.observe_round(self.cost_model, None, report)
+    def priced(self, price: CostModel | None, calibration=None) -> HardwareAwareSequoia:
+        """This policy sizing its trees at ``price`` (None keeps its own)."""
+        return self if price is None else attrs.evolve(self, cost_model=price)

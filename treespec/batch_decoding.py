@@ -9,9 +9,9 @@ sequence's tokens are the target's own choices at every step, whatever the other
 ``drafter=None, policy=None`` is batched autoregressive decoding.
 
 A round is the single-sequence decoder's own (`treespec.decoding.RoundRunner`) over all the
-unfinished sequences: each sequence's policy plans it, every sequence drafts unless its own
-`DraftGate` backs it off (each sequence has its gate, as a fresh single-sequence decoder would),
-all drafts come from one ``Drafter.draft_batch`` over the sequences' forks (``Drafter.fork``: one
+unfinished sequences: the decoder's draft controller (`TreePolicy.draft_controller`, one per
+decoder, as the single-sequence decoder keeps one) decides each sequence's round, the drafting
+sequences' drafts come from one ``Drafter.draft_batch`` over the sequences' forks (``Drafter.fork``: one
 context cache each), the trees of sequences sharing a policy from one ``TreePolicy.build_batch``
 (a policy that samples its trees at T > 0 samples each with its sequence's generator), and all
 trees are verified in one forward of a `BatchTarget` (a `TreeBatch`, padded); then each
@@ -19,7 +19,7 @@ sequence's verifier walk, commit, tokens, drafter feedback and round report are 
 sequence's round goes to the policy `TreePolicy.for_request` gave it: by default the decoder's
 policy itself, so what a learning policy learns per drafter it learns from every row; what it keeps
 per request stays with the row.  The reports say how many sequences one forward verified, and a
-live cost model learns only from rounds that verified one (`treespec.pricing.feedback`).  A
+controller learns time only from rounds that verified one (`treespec.pricing.control`).  A
 sequence that reaches a stop token or its ``max_new_tokens`` leaves the batch.  Sampling at T > 0:
 sequence s uses ``generators[s]`` (and, position-keyed, a key drawn from it as the single-sequence
 decoder draws it), so per-row equality with single runs holds at any temperature when the same
@@ -41,8 +41,6 @@ import torch
 from treespec.batch import TreeBatch
 from treespec.batch_target import BatchTarget
 from treespec.decoding import (
-    DRAFT_BACKOFF,
-    DraftGate,
     RoundRunner,
     Row,
     SequenceState,
@@ -67,8 +65,9 @@ class BatchSide:
     def __init__(self, batch: BatchTarget, taps: tuple[int, ...]) -> None:
         self.batch, self.taps = batch, taps
 
-    def forward(self, trees: Sequence[DraftTree]) -> list[TargetOutput]:
-        return self.batch.forward_trees(TreeBatch(list(trees)), self.taps)
+    def forward(self, trees: Sequence[DraftTree], tapping: Sequence[bool]) -> list[TargetOutput]:
+        """The trees' forward, with the drafter's taps while any row still reads them."""
+        return self.batch.forward_trees(TreeBatch(list(trees)), self.taps if any(tapping) else ())
 
     def commit(self, accepted: Sequence[torch.Tensor]) -> None:
         self.batch.commit(list(accepted))
@@ -78,13 +77,13 @@ class BatchDecoder:
     """Batched AR and speculative decoding over one target (see the module docstring)."""
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
-                 verifier: Verifier | None = None, *, draft_backoff: int = DRAFT_BACKOFF) -> None:
+                 verifier: Verifier | None = None) -> None:
         if not target.batches:
             raise ValueError(f"the {target.engine} engine decodes one sequence at a time here: decode the prompts one "
                              "by one, or batch them on the torch engine")
         self.target, self.drafter, self.policy = target, drafter, policy
-        self.verifier = checked_parts(drafter, policy, verifier, draft_backoff)
-        self.draft_backoff = draft_backoff
+        self.verifier = checked_parts(drafter, policy, verifier)
+        self.controller = policy.draft_controller() if policy is not None else None  # kept across generate calls
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -104,7 +103,7 @@ class BatchDecoder:
         start = time.perf_counter()
         check_first_token(first_token)
         sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
-        drafting = self.drafter is not None and self.policy.can_pay()  # as the single decoder asks
+        drafting = self.drafter is not None and self.controller.start_generation()  # as the single decoder asks
         taps = self.taps if drafting else ()
         rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators, drafting)
         batch = BatchTarget(self.target)
@@ -170,7 +169,7 @@ class BatchDecoder:
         fork = self.drafter.fork() if drafting else None
         policy = self.policy.for_request() if drafting else None
         seq = SequenceState.start(prompt, max_new_tokens, stops)
-        return Row(seq, fork, policy, DraftGate(self.draft_backoff), sampling, generator)
+        return Row(seq, fork, policy, self.controller if drafting else None, sampling, generator, tapping=drafting)
 
     @staticmethod
     def _result(row: Row) -> GenerationResult:

@@ -14,29 +14,17 @@ KV cache; the round commits the accepted draft tokens plus the bonus (tau tokens
 its previous draft, so ``feature_start + len(features) == anchor position`` always: the prompt's
 taps (all but the anchor) in the first round, the accepted nodes' taps (root first) afterwards.
 
-A policy whose cost model shows that no tree within its budget could pay for its draft, even with
-every node accepted (`TreePolicy.can_pay`; a compute-bound engine, where a verify of n tokens costs
-nearly n AR steps), decodes that generation without drafting: no draft, no taps, the target's AR
-steps, said in the stats (``undrafted``).
-
-Drafting that does not pay is backed off (`DraftGate`): after ``DraftGate.patience`` rounds in a row
-whose policy says its tree did not pay for its draft (`TreePolicy.pays_for_draft`; default
-``DRAFT_PATIENCE`` = 3, docs/decoding.md has why), the next round runs one AR step without drafting,
-each further such round doubles the AR rounds up to ``draft_backoff`` (0: off), and a round that
-paid resets it.  The gate carries over between a decoder's ``generate`` calls (whether trees pay is
-a property of the machine and the drafter); the bench and replay reset it per conversation, so their
-records do not depend on prompt order.  AR rounds commit what the target chooses: the output is
+Whether and how much a round drafts is decided by one object, the policy's draft controller
+(`TreePolicy.draft_controller`, `treespec.control`), which a decoder asks for once and keeps across
+its ``generate`` calls: before a generation whether it may draft at all (if not: no draft, no taps,
+the target's AR steps, said in the stats as ``undrafted``), before each round a `Decision` (draft
+or run an AR step; keep the taps or drop them for the rest of the generation; the price a priced
+policy builds at, `TreePolicy.priced`), and after each round the `RoundReport` (the verified tree,
+its accepted path, the cached context, the stage times).  Fixed-size policies draft every round
+(`treespec.control.EveryRound`); cost-aware ones learn the machine (treespec/pricing/control.py).
+The policy itself hears ``begin_round`` before a round and the report after it (``observe_round``),
+for a policy that learns from acceptance.  AR rounds commit what the target chooses: the output is
 unchanged, and the drafter receives the taps of the tokens committed meanwhile at its next draft.
-
-Each round is planned and reported through the policy's declared hooks (`TreePolicy.plan_round`,
-`TreePolicy.observe_round`; no-ops by default): before the round the plan says whether it explores
-(it then drafts whatever the back-off says, and its tree is not taken as the policy's verdict on
-whether trees pay) or runs as an AR step without a draft; after it the policy receives the
-`RoundReport` (the verified tree, its accepted path, the cached context, the stage times), which
-is how a policy's live cost model and calibration learn the machine and the drafter while it
-decodes (treespec/pricing/feedback.py).  When the report's answer is that the machine changed speed
-after an exploring round, the back-off ends.  The tokens committed are the same whatever a policy
-learns (every tree is verified losslessly).
 
 A policy declaring ``samples_from_draft`` samples its tree at T > 0 (`TreePolicy.sample`): each
 round draws a fresh seed from the caller's generator, the tree's `Proposals` go to the verifier
@@ -59,12 +47,12 @@ import attrs
 import torch
 
 from treespec import registry
+from treespec.control import Decision, DraftController
 from treespec.interfaces import (
     DraftContext,
     Drafter,
     DraftOutput,
     Proposals,
-    RoundPlan,
     RoundReport,
     SamplingParams,
     TreePolicy,
@@ -77,14 +65,13 @@ from treespec.stats import GenerationResult, GenerationStats, RoundStats
 from treespec.target import ContextOverflowError, TargetModel, TargetOutput
 from treespec.tree import DraftTree
 
-__all__ = ["DRAFT_BACKOFF", "DRAFT_PATIENCE", "FIRST_TOKENS", "DraftGate", "OneTarget", "PolicyError", "RoundRunner",
+__all__ = ["FIRST_TOKENS", "OneTarget", "PolicyError", "RoundRunner",
            "Row", "SequenceState", "SpeculativeDecoder", "Stopwatch", "built_tree", "built_trees", "check_first_token",
            "check_request", "checked_draft", "checked_parts", "checked_tree", "commit_first_token", "commit_round",
            "cut_proposals", "fitted_tree", "generator_for", "limit_depth", "policy_tree"]
 
 FIRST_TOKENS = ("round", "prefill")  # where the first new token comes from (see SpeculativeDecoder.generate)
-DRAFT_BACKOFF = 32  # most AR rounds between two drafts while the policy says no tree pays
-DRAFT_PATIENCE = 3  # drafted rounds in a row that may fail to pay before the first back-off
+AR_ROUND = Decision(draft=False, taps=False)  # what a row without a drafter does every round
 
 
 @attrs.define
@@ -134,39 +121,6 @@ class SequenceState:
         self.done = self.done or self.remaining == 0
 
 
-@attrs.define
-class DraftGate:
-    """Backs drafting off while the policy keeps answering with the root-only tree (module docstring)."""
-
-    max_backoff: int  # most AR rounds between two drafts (0: draft every round)
-    patience: int = DRAFT_PATIENCE  # drafted rounds in a row that did not pay before the first back-off
-    skip: int = 0  # AR rounds left before the next draft
-    wait: int = 0  # the current back-off length
-    misses: int = 0  # drafted rounds in a row that did not pay
-
-    def drafts_now(self) -> bool:
-        """Whether this round drafts (consumes one skipped round otherwise)."""
-        if self.skip > 0:
-            self.skip -= 1
-            return False
-        return True
-
-    def record(self, paid: bool) -> None:
-        """After a drafted round: whether its tree paid for the draft (`TreePolicy.pays_for_draft`)."""
-        if paid or self.max_backoff == 0:
-            self.wait = self.misses = 0
-            return
-        self.misses += 1
-        if self.misses < self.patience:  # one round that did not pay says little about the next
-            return
-        self.wait = min(max(1, 2 * self.wait), self.max_backoff)
-        self.skip = self.wait
-
-    def reset(self) -> None:
-        """Forget the back-off: the next round drafts (a harness measuring prompts independently)."""
-        self.skip = self.wait = self.misses = 0
-
-
 class Stopwatch:
     """Wall-clock stage timer; synchronises CUDA so that queued kernels count in their stage."""
 
@@ -196,17 +150,18 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
 
 @attrs.define
 class Row:
-    """One sequence being decoded: its state, its drafter and policy, its gate, sampling and stats,
+    """One sequence being decoded: its state, its drafter, policy and controller, sampling and stats,
     and what the round under way made for it."""
 
     seq: SequenceState
     drafter: Drafter | None  # the decoder's drafter (a fork of it in a batch); None: AR
     policy: TreePolicy | None  # the decoder's policy, or its `TreePolicy.for_request` copy in a batch
-    gate: DraftGate
+    controller: DraftController | None  # the decoder's draft controller (None: AR)
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: GenerationStats = attrs.field(factory=GenerationStats)
-    plan: RoundPlan = RoundPlan()  # this round's plan
+    tapping: bool = True  # the target still gives the drafter's taps (a row that dropped them drafts no more)
+    decision: Decision = AR_ROUND  # this round's decision
     draft: DraftOutput | None = None  # this round's draft (None: an AR round for this sequence)
     tree: DraftTree | None = None  # this round's tree, cut to the depth the sequence can use
     proposals: Proposals | None = None  # what a sampled tree's children were drawn from
@@ -218,9 +173,9 @@ class OneTarget:
     def __init__(self, target: TargetModel, taps: tuple[int, ...]) -> None:
         self.target, self.taps = target, taps
 
-    def forward(self, trees: Sequence[DraftTree]) -> list[TargetOutput]:
-        (tree,) = trees
-        return [self.target.forward_tree(tree, self.taps)]
+    def forward(self, trees: Sequence[DraftTree], tapping: Sequence[bool]) -> list[TargetOutput]:
+        (tree,), (taps,) = trees, tapping
+        return [self.target.forward_tree(tree, self.taps if taps else ())]
 
     def commit(self, accepted: Sequence[torch.Tensor]) -> None:
         (nodes,) = accepted
@@ -228,7 +183,7 @@ class OneTarget:
 
 
 class RoundRunner:
-    """One decoding round over one row or many (module docstring): plan, draft, build, verify,
+    """One decoding round over one row or many (module docstring): decide, draft, build, verify,
     commit, observe.  ``side`` runs the trees through the target (`OneTarget`, or a batch's) and
     ``batched`` says whether the rows' drafters are forks drafted together (``Drafter.draft_batch``)."""
 
@@ -242,9 +197,8 @@ class RoundRunner:
         """One round of every row of ``rows`` (each unfinished); appends each row's `RoundStats`."""
         clock = Stopwatch(self.target.device, self.clock)  # "verify": the trees' forward + the verifiers' walks
         for row in rows:
-            row.plan = _plan(row, alone=len(rows) == 1)
-        drafting = [r for r in rows if r.drafter is not None and not r.plan.ar_step
-                    and (r.plan.explore or r.gate.drafts_now())]
+            _decide(row)
+        drafting = [r for r in rows if r.decision.draft]
         for row in rows:
             row.draft = None
         if drafting:
@@ -258,14 +212,15 @@ class RoundRunner:
         clock.run("commit", self._commit, rows, results, outputs)
         for row, result, ctx in zip(rows, results, contexts, strict=True):
             self._observe(row, RoundReport(row.tree, result, ctx, clock.times, row.draft is not None,
-                                           row.plan.explore, batch_rows=len(rows)))
+                                           row.decision.explore, batch_rows=len(rows)))
             row.stats.rounds.append(_round_stats(row, result, dict(clock.times)))
 
     def first_tokens(self, rows: list[Row]) -> None:
         """``first_token="prefill"``: every row's anchor in one forward of root-only trees; commit the
         target's token after it (argmax, or a draw at T > 0) as each row's first new token."""
         device = self.target.device
-        outputs = self.side.forward([DraftTree.root_only(r.seq.anchor, device=device) for r in rows])
+        outputs = self.side.forward([DraftTree.root_only(r.seq.anchor, device=device) for r in rows],
+                                    [r.tapping for r in rows])
         self.side.commit([torch.zeros(1, dtype=torch.int64, device=device) for _ in rows])
         for row, out in zip(rows, outputs, strict=True):
             commit_first_token(row.seq, out.logits, out.features, row.sampling, row.generator)
@@ -279,22 +234,20 @@ class RoundRunner:
             row.draft = checked_draft(draft, self.target)
 
     def _build(self, rows: list[Row]) -> None:
-        """Each row's tree: its policy's (sampled at T > 0 where it samples from the draft; trees of rows
-        sharing a policy built together), checked, recorded by the gate, cut to the usable depth; the
-        root alone for a row that did not draft."""
+        """Each row's tree: its policy's at the decided price (sampled at T > 0 where it samples from the
+        draft; trees of rows sharing a policy and price built together), checked, cut to the usable
+        depth; the root alone for a row that did not draft."""
         built = _trees(rows, self.batched)
         for row in rows:
             tree, proposals = built.get(id(row), (None, None))
             if tree is None:
                 row.tree, row.proposals = DraftTree.root_only(row.seq.anchor, device=self.target.device), None
                 continue
-            if not row.plan.explore:  # an exploring round's tree says nothing about whether trees pay
-                row.gate.record(row.policy.pays_for_draft(row.draft, tree))  # before the window and length cut
             row.tree = fitted_tree(tree, row.seq, self.target)
             row.proposals = cut_proposals(proposals, tree, row.tree)
 
     def _verify(self, rows: list[Row]) -> tuple[list[VerifyResult], list[TargetOutput]]:
-        outputs = self.side.forward([r.tree for r in rows])
+        outputs = self.side.forward([r.tree for r in rows], [r.tapping for r in rows])
         results = [self.verifier.verify(r.tree, out.logits, sampling=r.sampling, generator=r.generator,
                                         position=r.seq.anchor_position + 1, draft=r.draft, proposals=r.proposals)
                    for r, out in zip(rows, outputs, strict=True)]
@@ -310,42 +263,51 @@ class RoundRunner:
 
     @staticmethod
     def _observe(row: Row, report: RoundReport) -> None:
-        """The round's feedback to the row's policy; a change of the machine's speed found by an exploring
-        round ends the row's drafting back-off (the policy judges the next round afresh)."""
-        if row.policy is not None and row.policy.observe_round(report) and report.explored:
-            row.gate.reset()
+        """The round's report to the row's controller and policy."""
+        if row.controller is not None:
+            row.controller.observe(report)
+        if row.policy is not None:
+            row.policy.observe_round(report)
 
 
-def _plan(row: Row, *, alone: bool) -> RoundPlan:
-    """What the row's policy asks of this round.  A policy that prices its trees plans to measure the
-    machine's times, which a round verifying several sequences' trees together does not give it: it is
-    asked only when its row's tree is verified alone."""
-    if row.policy is None or (row.policy.uses_cost_model and not alone):
-        return RoundPlan()
-    return row.policy.plan_round()
+def _decide(row: Row) -> None:
+    """This round's `Decision` for ``row`` (its controller's; a row that dropped its taps drafts no
+    more this generation), and the policy told that a round begins."""
+    if row.drafter is None or not row.tapping:
+        row.decision = AR_ROUND
+        return
+    row.decision = row.controller.decide()
+    row.tapping = row.decision.taps
+    row.policy.begin_round()
+
+
+def _round_policy(row: Row) -> TreePolicy:
+    """The row's policy at the price its controller decided."""
+    return row.policy.priced(row.decision.price, row.decision.calibration)
 
 
 def _trees(rows: list[Row], batched: bool) -> dict[int, tuple[DraftTree, Proposals | None]]:
     """id(row) -> (tree, proposals) for every drafting row: sampled per row where its policy samples at
     T > 0, else built, the rows of one policy together (`built_trees`) in a batch."""
     out = {}
-    groups: dict[int, list[Row]] = {}
+    groups: dict[tuple[int, int, int], list[Row]] = {}
     for row in (r for r in rows if r.draft is not None):
         if not batched or (row.policy.samples_from_draft and not row.sampling.greedy):
-            out[id(row)] = policy_tree(row.policy, row.draft, row.sampling, row.generator)
+            out[id(row)] = policy_tree(_round_policy(row), row.draft, row.sampling, row.generator)
         else:
-            groups.setdefault(id(row.policy), []).append(row)
+            key = (id(row.policy), id(row.decision.price), id(row.decision.calibration))
+            groups.setdefault(key, []).append(row)
     for group in groups.values():
-        trees = built_trees(group[0].policy, [r.draft for r in group])
+        trees = built_trees(_round_policy(group[0]), [r.draft for r in group])
         out.update({id(r): (t, None) for r, t in zip(group, trees, strict=True)})
     return out
 
 
 def _round_stats(row: Row, result: VerifyResult, times: dict[str, float]) -> RoundStats:
     drafted = row.draft is not None
-    return RoundStats(tau=result.tau, tree_size=len(row.tree), times=times, explored=row.plan.explore,
-                      drafted=drafted, priced_with=row.plan.priced_with if drafted else None,
-                      calibrated_with=row.plan.calibrated_with if drafted else None,
+    return RoundStats(tau=result.tau, tree_size=len(row.tree), times=times, explored=row.decision.explore,
+                      drafted=drafted, priced_with=row.decision.price if drafted else None,
+                      calibrated_with=row.decision.calibration if drafted else None,
                       tree_seed=None if row.proposals is None else row.proposals.seed)
 
 
@@ -355,14 +317,15 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None,
                  on_round: Callable[[DraftTree, VerifyResult], None] | None = None, *,
-                 draft_backoff: int = DRAFT_BACKOFF, clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.target = target
         self.drafter = drafter
         self.policy = policy
-        self.verifier = checked_parts(drafter, policy, verifier, draft_backoff)
+        self.verifier = checked_parts(drafter, policy, verifier)
         self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
         self.clock = clock  # seconds; stage times are differences of it (a test may inject a fake one)
-        self.gate = DraftGate(draft_backoff)  # when the drafter is asked next (kept across generations)
+        # whether and at what price rounds draft (kept across generations: the machine does not change with them)
+        self.controller = policy.draft_controller() if policy is not None else None
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -392,7 +355,7 @@ class SpeculativeDecoder:
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
         check_first_token(first_token)
-        drafting = self.drafter is not None and self.policy.can_pay()
+        drafting = self.drafter is not None and self.controller.start_generation()
         row = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), sampling, generator, drafting)
         row.stats.undrafted = self.drafter is not None and not drafting
         rounds = RoundRunner(self.target, self.drafter if drafting else None, self.verifier,
@@ -420,15 +383,15 @@ class SpeculativeDecoder:
         clock = Stopwatch(self.target.device, self.clock)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps if drafting else ())
         row = Row(SequenceState.start(prompt, max_new_tokens, stops), self.drafter if drafting else None,
-                  self.policy if drafting else None, self.gate, sampling, generator)
+                  self.policy if drafting else None, self.controller if drafting else None, sampling, generator,
+                  tapping=drafting)
         row.stats.prefill_time = clock.times["prefill"]
         row.seq.features = prefill.features
         return row
 
 
 # ---------------------------------------------------------------------------- checks and the steps of a round
-def checked_parts(drafter: Drafter | None, policy: TreePolicy | None, verifier: Verifier | None,
-                  draft_backoff: int) -> Verifier:
+def checked_parts(drafter: Drafter | None, policy: TreePolicy | None, verifier: Verifier | None) -> Verifier:
     """The verifier to use (default: match) once the parts are known to fit together."""
     if (drafter is None) != (policy is None):
         raise ValueError("give both a drafter and a policy for speculative decoding, or neither for AR")
@@ -439,8 +402,6 @@ def checked_parts(drafter: Drafter | None, policy: TreePolicy | None, verifier: 
             f"draft, and the {policy.name} policy chooses its tokens deterministically, so the output would "
             "not follow the target's distribution; use RejectionVerifier(proposal='point') (the default) "
             "or the match verifier")
-    if draft_backoff < 0:
-        raise ValueError(f"draft_backoff must be >= 0, got {draft_backoff}")
     return verifier
 
 

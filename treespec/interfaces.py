@@ -15,11 +15,11 @@ One decoding round is ``draft -> build -> verify -> commit``:
    with the root) and the new bonus token, which becomes the next round's root.
 4. The decoder commits the accepted path and calls ``Drafter.observe``.
 5. The round's feedback: the decoder hands a `RoundReport` (the verified tree, its accepted path,
-   the cached context, the stage times) to ``TreePolicy.observe_round``.  Before the round it asks
-   ``TreePolicy.plan_round`` for a `RoundPlan` (explore past the drafting back-off, or run an AR
-   step instead of drafting).  Both are no-ops by default; a policy that prices its trees passes
-   them on to what it prices with (treespec/pricing/), which is how cost models and calibrations
-   learn while decoding.  The decoder finds nothing on a policy but these declared methods.
+   the cached context, the stage times) to the policy's draft controller (`treespec.control`:
+   whether and at what price the next round drafts; ``TreePolicy.draft_controller``) and to
+   ``TreePolicy.observe_round`` (a policy that learns from acceptance).  Before the round it calls
+   ``TreePolicy.begin_round``.  The hooks are no-ops by default; the decoder finds nothing on a
+   policy but these declared methods.
 
 A policy declaring ``samples_from_draft`` also implements ``TreePolicy.sample``: at T > 0 the
 decoder asks it for a tree whose children are *drawn* from the draft, given a seed it draws from
@@ -51,11 +51,12 @@ import torch
 from treespec.tree import DraftTree
 
 if TYPE_CHECKING:
+    from treespec.control import DraftController
     from treespec.target import TargetModel
 
 __all__ = [
     "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "Proposals", "RecordableScorer",
-    "CalibrationMap", "PricedCurve", "RoundPlan", "RoundReport", "SamplingParams",
+    "CalibrationMap", "PricedCurve", "RoundReport", "SamplingParams",
     "TreePolicy", "Verifier", "VerifyResult", "backend_field", "check_backend", "check_single_batch", "BACKENDS",
 ]
 
@@ -297,13 +298,14 @@ class Drafter(ABC):
 class TreePolicy(ABC):
     """Turns a `DraftOutput` into a `DraftTree`.
 
-    What is pure and what is state: ``build`` (and ``sample``, ``build_batch``, ``pays_for_draft``)
-    is a pure function of the draft and of the policy's fields; most policies have no other state.
-    A policy that learns declares ``learns`` and keeps what it learned in its fields, changed only
-    through the round hooks: ``start_generation`` (a new request), ``observe_round`` (a verified
-    round), ``restore_learned`` (what an earlier run learned); ``plan_round`` reads it.  Given the
-    same hooks in the same order it builds the same trees.  ``for_request`` says what is learned per
-    request rather than per drafter.
+    What is pure and what is state: ``build`` (and ``sample``, ``build_batch``) is a pure function
+    of the draft and of the policy's fields; most policies have no other state.  A policy that
+    learns declares ``learns`` and keeps what it learned in its fields, changed only through the
+    round hooks: ``start_generation`` (a new request), ``begin_round`` (a round starts),
+    ``observe_round`` (a verified round), ``restore_learned`` (what an earlier run learned).  Given
+    the same hooks in the same order it builds the same trees.  ``for_request`` says what is learned
+    per request rather than per drafter.  Whether a round drafts, and at what price a priced policy
+    builds, is its draft controller's (``draft_controller``, ``priced``), not the policy's.
     """
 
     name: ClassVar[str] = "policy"
@@ -340,20 +342,18 @@ class TreePolicy(ABC):
         build each; a policy may share work across the drafts (policies/engine/best_first.py does)."""
         return [self.build(draft) for draft in drafts]
 
-    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
-        """Whether the round that built ``tree`` from ``draft`` paid for drafting: the decoder backs
-        drafting off after rounds that did not (`treespec.decoding.DraftGate`).  Default: any tree
-        past the root; a policy that prices its trees may say no while still returning a tree worth
-        verifying now that the draft is made (policies/engine/cost.py)."""
-        return len(tree) > 1
+    def draft_controller(self) -> DraftController:
+        """A fresh controller of whether and at what price this policy's rounds draft (`treespec.control`);
+        a decoder asks once and keeps it across its generations.  Default: draft every round at the
+        policy's own price; a policy that prices its trees returns one that learns the machine."""
+        from treespec.control import EveryRound
 
-    def can_pay(self) -> bool:
-        """Whether any tree this policy may build could pay for its draft on this machine: False only
-        where the policy prices its trees and its cost model shows that even a tree whose every node
-        the target accepts costs more than the AR steps it saves (a compute-bound engine, where a verify
-        of n tokens costs nearly n steps).  A decoder then decodes that generation without drafting:
-        no draft, no taps (`treespec.decoding.SpeculativeDecoder`).  Default: True."""
-        return True
+        return EveryRound()
+
+    def priced(self, price: PricedCurve | None, calibration: CalibrationMap | None) -> TreePolicy:
+        """This policy building at ``price`` and ``calibration`` (a controller's `treespec.control.Decision`;
+        None keeps the policy's own).  Default: the policy itself (it prices nothing)."""
+        return self
 
     def start_generation(self) -> None:
         """Optional: a new generation (a new request) starts: the decoders call it before the first
@@ -375,19 +375,14 @@ class TreePolicy(ABC):
         """Optional: take up what `learned_state` gave (a ValueError naming what is wrong with it).
         Default: nothing."""
 
-    def plan_round(self) -> RoundPlan:
-        """Optional: before each round, what this policy asks of it (`RoundPlan`); a policy declaring
-        ``uses_cost_model`` is asked only for a round that verifies its tree alone (its plan is about
-        measuring the machine).  Default: nothing (draft as the back-off says)."""
-        return RoundPlan()
+    def begin_round(self) -> None:
+        """Optional: a round of this policy starts (a policy choosing among others chooses here).
+        Default: nothing."""
 
-    def observe_round(self, report: RoundReport) -> bool:
-        """Optional: after each verified round, what it measured (`RoundReport`), for the models the
-        policy prices with to learn from; True when they judge that the machine changed speed (the
-        decoder then forgets its drafting back-off after an exploring round).  Default: learns
-        nothing.  The tree a later ``build`` returns may depend on what was observed; given the same
-        observations it is the same tree."""
-        return False
+    def observe_round(self, report: RoundReport) -> None:
+        """Optional: after each verified round, what it measured (`RoundReport`), for a policy that learns
+        from it (acceptance).  Default: learns nothing.  The tree a later ``build`` returns may depend
+        on what was observed; given the same observations it is the same tree."""
 
 
 class PricedCurve(Protocol):
@@ -405,26 +400,22 @@ class CalibrationMap(Protocol):
 
 
 @attrs.frozen(eq=False)
-class RoundPlan:
-    """What a policy asks of the next round before it starts (`TreePolicy.plan_round`)."""
-
-    explore: bool = False  # draft past the back-off; the tree is not the policy's verdict on whether trees pay
-    ar_step: bool = False  # run the round as an AR step without drafting (the pricing measures one)
-    priced_with: PricedCurve | None = None  # the cost curve a drafted round's build prices with (kept in its RoundStats)
-    calibrated_with: CalibrationMap | None = None  # the calibration a live fit gives a drafted round (kept likewise)
-
-
-@attrs.frozen(eq=False)
 class RoundReport:
-    """One verified round as the decoder measured it (`TreePolicy.observe_round`)."""
+    """One verified round as the decoder measured it (`treespec.control.DraftController.observe`,
+    `TreePolicy.observe_round`)."""
 
     tree: DraftTree  # the tree the target verified (root-only for an AR step)
     result: VerifyResult  # its accepted path (root first) and bonus token
     context: int  # tokens in the target's cache under the tree (the anchor's position)
     times: Mapping[str, float]  # seconds per stage: draft, build, verify, commit
     drafted: bool  # the drafter was asked this round (False: an AR step)
-    explored: bool = False  # the round explored (`RoundPlan.explore`)
+    explored: bool = False  # the round explored (`treespec.control.Decision.explore`)
     batch_rows: int = 1  # sequences whose trees one forward verified together: > 1, the times are the batch's
+
+    @property
+    def seconds(self) -> float:
+        """The round's seconds, every stage counted (what the round cost the user)."""
+        return float(sum(self.times.values()))
 
     @property
     def drafting_seconds(self) -> float | None:

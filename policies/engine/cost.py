@@ -22,9 +22,9 @@ Two conventions:
 
       j° = argmax_j  Φ_j - (C_v(n_j; ctx) / C_v(1; ctx) - 1)     (expected tokens over one, in AR steps),
 
-  and the root-only tree when no j gains (the first argmax; j = 0 gains 0).  Either way the round
-  did not pay for its draft, and `CostAware.pays_for_draft` says so, so the decoder drafts less
-  often (`treespec.decoding.DraftGate`): the draft already made is used, the next ones are saved.
+  and the root-only tree when no j gains (the first argmax; j = 0 gains 0).  Whether the next rounds
+  draft at all is not the rule's: the policy's draft controller measures what drafted rounds yield
+  (`CostAware.draft_controller`, treespec/pricing/control.py).
 * ``"published"``: CaDDTree's released ``build_caddtree_tree``: n_j = j (its C_v is indexed by the
   drafted nodes, the root not counted), candidates kept up to the first j with θ_j <= θ_{j-1}
   (scores never rise along the pop order, so with a convex C_v the ratio is unimodal and this is
@@ -36,7 +36,9 @@ bare number is κ with β = 1).  `treespec.pricing.calibration.fit_calibration` 
 nodes, and the machine profile stores them per drafter.
 
 The rule keeps no state between builds; `keep` (torch) and `reference` + `trim` (networkx) read one
-float64 cost table and agree bit for bit.
+float64 cost table and agree bit for bit.  A round is built at the price its controller decided
+(`CostAware.priced`: a frozen curve and calibration), so a build is a pure function of the draft
+and the policy's fields.
 """
 
 from __future__ import annotations
@@ -47,16 +49,15 @@ from typing import ClassVar, Literal
 import attrs
 import torch
 
-from treespec.interfaces import DraftOutput, RoundPlan, RoundReport
+from treespec.control import DraftController
+from treespec.interfaces import DraftOutput
 from treespec.policies.engine.stop import StopRule
-from treespec.pricing import feedback
 from treespec.pricing.calibration import Calibration, to_calibration
+from treespec.pricing.control import PricedController
 from treespec.pricing.cost import CostModel
-from treespec.tree import DraftTree
 
 __all__ = [
-    "CONVENTIONS", "PAY_CONTEXTS", "CostAwareStop", "CostAware", "check_convention", "check_cost_model",
-    "require_cost_model", "tree_can_pay",
+    "CONVENTIONS", "CostAwareStop", "CostAware", "check_convention", "check_cost_model", "require_cost_model",
 ]
 
 CONVENTIONS = ("treespec", "published")
@@ -153,26 +154,12 @@ class CostAwareStop(StopRule):
         spent = int(gain.argmax())  # the first maximum; gain[0] = 0
         return spent if float(gain[spent]) > 0.0 else 0
 
-    def _ar_rate(self, draft: DraftOutput) -> float:
-        """1 / C_v(1; ctx): the tokens per second of autoregressive decoding at this context."""
-        return 1.0 / float(self.cost.verify_costs(1, draft.position)[1])
-
-    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
-        """Treespec convention: whether ``tree`` (this rule's, or any with path log-prob scores) beats
-        AR with its draft counted, (1 + Φ) / (C_d + C_v(len(tree); ctx)) > 1 / C_v(1; ctx), Φ the sum
-        of its nodes' δ; the published rule never compares with AR, so any tree past the root pays."""
-        if self.convention == "published" or len(tree) == 1:
-            return len(tree) > 1
-        phi = float(self._deltas(tree.scores[1:]).sum())
-        cost = self.cost.draft_cost + float(self.cost.verify_costs(len(tree), draft.position)[len(tree)])
-        return (1.0 + phi) / cost > self._ar_rate(draft)
-
 
 @attrs.frozen
 class CostAware:
     """Mixin of a cost-aware best-first policy: the machine's cost model, the accounting convention
-    and the stop rule they make (keyword-only fields, after the policy's own), and the round hooks
-    through which live models learn (`treespec.pricing.feedback`)."""
+    and the stop rule they make (keyword-only fields, after the policy's own), and the draft
+    controller that learns with the cost model (`treespec.pricing.control`)."""
 
     uses_cost_model: ClassVar[bool] = True
 
@@ -182,27 +169,16 @@ class CostAware:
     calibration: Calibration = attrs.field(default=Calibration(), converter=to_calibration,
                                            kw_only=True)  # the drafter's (κ, β)
 
-    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
-        """Whether the round's tree paid for its draft, by the cost rule (`CostAwareStop.pays_for_draft`)."""
-        return self.stop.pays_for_draft(draft, tree)
+    def draft_controller(self) -> DraftController:
+        """Whether and at what price each round drafts: a `PricedController` learning with this policy's
+        cost model and calibration (the published convention drafts every round)."""
+        return PricedController(self.require_cost_model(), self.calibration, self.budget,
+                                versus_ar=self.convention == "treespec")
 
-    def plan_round(self) -> RoundPlan:
-        """What the live cost model asks of the next round; the curve and calibration it prices with."""
-        return feedback.plan_round(self.cost_model, self.calibration)
-
-    def observe_round(self, report: RoundReport) -> bool:
-        """The round's times to the live cost model, its node outcomes to the live calibration."""
-        return feedback.observe_round(self.cost_model, self.calibration, report)
-
-    def can_pay(self) -> bool:
-        """Whether the next generation should draft: some tree within the budget could pay for its draft
-        (`tree_can_pay`), and the drafted rounds the live model measured lately did not deliver tokens
-        slower than AR steps (`treespec.pricing.feedback.drafting_pays`).  The published convention never
-        compares with AR, so it always drafts."""
-        if self.convention != "treespec":
-            return True
-        cost = self.require_cost_model()
-        return tree_can_pay(cost, self.budget) and feedback.drafting_pays(cost)
+    def priced(self, price: CostModel | None, calibration: Calibration | None):
+        """This policy building at ``price`` and ``calibration`` (frozen; None keeps its own)."""
+        changes = {k: v for k, v in (("cost_model", price), ("calibration", calibration)) if v is not None}
+        return attrs.evolve(self, **changes) if changes else self
 
     def require_cost_model(self) -> CostModel:
         """The cost model, or a ValueError saying where one comes from (before any work is done)."""
@@ -211,24 +187,6 @@ class CostAware:
     @property
     def stop(self) -> CostAwareStop:
         return CostAwareStop(self.require_cost_model(), self.convention, self.calibration)
-
-
-PAY_CONTEXTS = (0, 512, 4096)  # cached lengths at which `tree_can_pay` looks for a tree that could pay
-
-
-def tree_can_pay(cost: CostModel, budget: int) -> bool:
-    """Whether a tree of at most ``budget`` nodes could pay for its draft at some context of
-    `PAY_CONTEXTS`: whether (n + 1) C_v(1; ctx) > C_d + C_v(n + 1; ctx) for some n <= budget.  An n-node
-    tree commits at most n + 1 tokens (its deepest path accepted, and the bonus), so where no n
-    passes, no drafter's tree pays, whatever it proposes: the verify of n + 1 tokens alone costs
-    about as much as n + 1 AR steps (llama.cpp's quantized forward on a CPU: 17 tokens at 8 steps
-    leaves a 16-node tree needing tau 8, and a 1-node tree 2.4 where it can make 2)."""
-    for ctx in PAY_CONTEXTS:
-        costs = cost.verify_costs(budget + 1, ctx)  # [budget + 2] C_v(n; ctx), n = 0..budget + 1
-        gain = torch.arange(2, budget + 2, dtype=torch.float64) * costs[1] - cost.draft_cost - costs[2:]
-        if bool((gain > 0).any()):
-            return True
-    return False
 
 
 def require_cost_model(name: str, cost_model: CostModel | None) -> CostModel:

@@ -3,11 +3,12 @@
 Contract
 --------
 `LiveCost(prior)` is a `treespec.pricing.cost.CostModel` (C_d, C_v(n; ctx)) that prices like ``prior``
-(the machine's profile) until the decoding loop tells it what rounds cost: after every round of a
-single-sequence decoder whose policy prices with it, ``observe(n, ctx, verify, draft)`` receives the
-verify seconds of the round's n tree tokens on ctx cached tokens and, for a drafted round, its draft
-and build seconds.  The loop feeds it and nothing else writes to it; everything it computes is
-deterministic in the observations, so a recorded run can be priced again.
+(the machine's profile) until it is told what rounds cost: after every round a single sequence's
+forward verified alone, the draft controller that learns with it (treespec/pricing/control.py)
+calls ``observe(n, ctx, verify, draft, explored)`` with the verify seconds of the round's n tree
+tokens on ctx cached tokens and, for a drafted round, its draft and build seconds.  Nothing else
+writes to it; everything it computes is deterministic in the observations, so a recorded run can
+be priced again.
 
 The rules (docs/decoding.md, "Live cost model", has the reasons and the measurements behind them):
 
@@ -15,23 +16,23 @@ The rules (docs/decoding.md, "Live cost model", has the reasons and the measurem
   step (n = 1, another kernel) is a kind of its own, trees (n >= 2) the other.
 * **Per bucket** a correction: the `trimmed_mean` of seconds / prior over its last ``window``
   observations, pooled with its kind's (``pool_weight`` rounds' worth); a bucket never observed takes
-  its kind's, trees with none observed take the one-token step's, else 1.
+  its kind's, a kind with none observed takes the other kind's (the machine changed speed, not one
+  kernel), else 1.
 * **The curve**, per profiled context: each knot's prior value and corrected value, weighted by a
   pseudo-count of the prior and the bucket's observations, fitted by `fit_verify_curve` as the
   profile is; C_d the trimmed mean of draft + build seconds, weighted alike.
 * **Re-fit** every ``refit_every`` observations, and at once on a change of regime: ``drift_rounds``
   rounds of a kind in a row beyond the `ordinary` range of the earlier ones (second smallest to second
   largest log(measured / predicted)) by more than ``drift`` on the same side, or an exploring round
-  faster than the trees' ordinary range by more than 2 ``drift``.  A change empties that kind's
-  windows, scales the other kind's corrections by the same factor and asks for a round of the other
-  kind (`wants_ar_step`, or an exploration) to check them.
-* **Exploration**: after ``explore_every`` rounds without a tree of the last explored size,
-  `begin_round` answers True once: that round drafts past the back-off and prices a verify at an AR
-  step's cost, so the full budget is built and observed; its period grows so that exploring costs at
-  most ``explore_share`` of the AR steps between two (`explore_period`).
+  (one the controller priced flat, `flat_curve`, to measure large trees) faster than the trees'
+  ordinary range by more than 2 ``drift``.  A change empties that kind's windows and scales the
+  other kind's corrections by the same factor; the next round of the other kind replaces them only
+  if it lies outside that kind's ordinary spread around them.  ``observe`` returns True then.
 
-`snapshot()` is the current curve as a frozen `ConvexCost`; `support()` says how many observations
-each knot rests on.  `LiveCost.restore(prior, observations)` rebuilds the model a run ended with.
+`snapshot()` is the current curve as a frozen `ConvexCost`; `flat_curve()` the curve that prices
+every tree at the current one-token step (what an exploring round builds at: the full budget);
+`support()` says how many observations each knot rests on.  `LiveCost.restore(prior, observations)`
+rebuilds the model a run ended with.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ __all__ = ["LiveCost", "LiveSettings", "Observation", "ordinary", "shifted", "tr
 
 @attrs.frozen
 class LiveSettings:
-    """How the live estimator weighs, re-fits and explores (module docstring)."""
+    """How the live estimator weighs and re-fits (module docstring)."""
 
     # observations kept per bucket
     window: int = attrs.field(default=16, validator=attrs.validators.ge(1))
@@ -63,16 +64,6 @@ class LiveSettings:
     drift: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))
     # rounds of a kind in a row that must all lie beyond that range
     drift_rounds: int = attrs.field(default=5, validator=attrs.validators.ge(1))
-    # rounds before exploring (0: never)
-    explore_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))
-    # most of the AR steps' time exploring may cost: a dear tree (a compute-bound engine) explores less often
-    explore_share: float = attrs.field(default=0.025, validator=attrs.validators.gt(0))
-    # drafted rounds kept to judge whether drafting pays (`LiveCost.drafting_verdict`); the last this many
-    value_rounds: int = attrs.field(default=32, validator=attrs.validators.ge(1))
-    # fewest drafted rounds a verdict rests on
-    value_min_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    # generations decoded without drafting before drafting is measured again
-    reprobe_every: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     # rounds' worth of the kind's pooled correction in each tree size's own (0: none)
     pool_weight: float = attrs.field(default=4.0, validator=attrs.validators.ge(0))
 
@@ -85,7 +76,7 @@ class Observation:
     ctx: int  # cached context tokens under the tree
     verify: float  # seconds of the verify stage
     draft: float | None = None  # seconds of the draft and build stages (None: an AR round, nothing drafted)
-    explored: bool = False  # the round was priced for exploration
+    explored: bool = False  # the round was priced flat to measure large trees (`LiveCost.flat_curve`)
 
     def to_list(self) -> list:
         return [self.n, self.ctx, self.verify, self.draft, self.explored]
@@ -111,9 +102,6 @@ class LiveCost(CostModel):
             prior = prior.snapshot()
         self.prior = prior
         self.settings = settings or LiveSettings()
-        # drafted rounds' (tokens committed, seconds of draft + build + verify, context): `drafting_verdict`
-        self._yields: deque[tuple[int, float, int]] = deque(maxlen=self.settings.value_rounds)
-        self._skipped = 0  # generations decoded without drafting since drafting was last measured
         self.contexts, self.knots = _grid(prior)
         # (observation index, value) windows: verify ratios per knot, draft + build seconds
         self._ratios: list[deque[tuple[int, float]]] = [deque(maxlen=self.settings.window) for _ in self.knots]
@@ -127,11 +115,7 @@ class LiveCost(CostModel):
         self._changed = [False, False]
         self._stale: int | None = None  # a kind whose corrections were scaled from the other's regime change
         self._since_fit = 0
-        self._since_large = 0  # rounds since a verified tree of at least `_explore_size` tokens
-        self._explore_size = 2
-        self._largest = 1  # the largest tree observed
-        self._exploring = False
-        self._flat: ConvexCost | None = None  # the exploring round's curve
+        self.regime_start = 0  # the observation the current regime began at (`observe` said True then)
         self.observations: list[Observation] = []  # every round observed, in order
         self.refits = 0
         self._current = self._fit()
@@ -142,86 +126,28 @@ class LiveCost(CostModel):
         return self._current.draft_cost
 
     def verify_cost(self, n: torch.Tensor, ctx: int) -> torch.Tensor:
-        return self.priced().verify_cost(n, ctx)  # exploring: a verify priced as an AR step, so the full budget
+        return self._current.verify_cost(n, ctx)
 
     def to_dict(self) -> dict:
         """The current curve (a plain convex cost model: what a saved file or a record replays with)."""
         return self._current.to_dict()
 
-    def priced(self) -> ConvexCost:
-        """The curve this round is priced with, frozen: the current one, or while exploring the flat
-        curve at the current one-token step (one knot per context: `ConvexCost` extends it flat)."""
-        return self._flat if self._exploring else self._current
-
-    def _flat_curve(self) -> ConvexCost:
+    def flat_curve(self) -> ConvexCost:
+        """The current curve with every tree priced at its one-token step (one knot per context:
+        `ConvexCost` extends it flat): a policy priced by it builds its full budget."""
         cur = self._current
         steps = tuple(cur.verify_seconds(1, c) for c in cur.contexts)
         return ConvexCost(cur.draft, cur.contexts, tuple((1.0,) for _ in cur.contexts), tuple((v,) for v in steps))
 
-    # ------------------------------------------------------------------ the loop's side
-    def begin_round(self) -> bool:
-        """Called by the loop before each round; True when this round explores (module docstring)."""
-        every = self.explore_period()
-        self._exploring = every > 0 and self._since_large >= every
-        if self._exploring:
-            self._flat = self._flat_curve()
-        return self._exploring
-
-    def explore_period(self) -> int:
-        """Rounds between explorations (0: never): ``explore_every``, or more where one exploring round
-        costs more than ``explore_share`` of that many AR steps: (C_d + C_v(n) - C_v(1)) / (share C_v(1)),
-        n the size the last exploration built (or the largest tree seen), at the shortest context."""
-        every = self.settings.explore_every
-        size = max(self._explore_size, self._largest)
-        if every == 0 or size <= 2:
-            return every
-        cur, ctx = self._current, self._current.contexts[0]
-        step = cur.verify_seconds(1, ctx)
-        excess = cur.draft + cur.verify_seconds(size, ctx) - step
-        if step <= 0 or excess <= 0:
-            return every
-        return max(every, math.ceil(excess / (self.settings.explore_share * step)))
-
-    def observe(self, n: int, ctx: int, verify: float, draft: float | None = None, tokens: int | None = None) -> bool:
+    # ------------------------------------------------------------------ the controller's side
+    def observe(self, n: int, ctx: int, verify: float, draft: float | None = None, explored: bool = False) -> bool:
         """One round's measured seconds: ``verify`` for ``n`` tree tokens on ``ctx`` cached tokens, and
-        the draft and build seconds of a drafted round (with ``tokens``, what it committed, for
-        `drafting_verdict`).  True when it changed the regime (the model re-fitted to a new speed of
-        the machine)."""
-        obs = Observation(int(n), int(ctx), float(verify), None if draft is None else float(draft), self._exploring)
+        the draft and build seconds of a drafted round; ``explored``: the round was priced flat.  True
+        when it changed the regime (the model re-fitted to a new speed of the machine)."""
+        obs = Observation(int(n), int(ctx), float(verify), None if draft is None else float(draft), bool(explored))
         if obs.n < 1 or not math.isfinite(obs.verify) or obs.verify <= 0:
             raise ValueError(f"a round of {n} tokens that took {verify} s cannot be observed")
-        if obs.draft is not None and tokens is not None:
-            self._yields.append((int(tokens), obs.draft + obs.verify, obs.ctx))
         return self._update(obs)
-
-    def drafting_verdict(self) -> bool | None:
-        """Whether the drafted rounds measured lately paid, from their yield: the seconds AR steps (the
-        profile's one-token verify, measured without taps) would take for the tokens they committed,
-        over the seconds they took.  A round counts everything drafting cost it: the draft, the build
-        and a verify with the taps the drafter reads.  With k rounds kept (the last ``value_rounds``),
-        False when the yield is below 1 - 1 / sqrt(k) (a shortfall a few noisy rounds do not make:
-        half of AR's speed after 4 rounds, three quarters after 16), True when it is at least 1, else
-        None, as with fewer than ``value_min_rounds``: undecided, the next generation drafts.  On an
-        engine where no realistic tree pays (a compute-bound verify: a 17-token verify at 8 AR steps)
-        the verdict is False within a generation or two of probing.  After ``reprobe_every``
-        generations without drafting (`skip_generation`) the yields are forgotten and drafting is
-        measured again."""
-        k = len(self._yields)
-        if k < self.settings.value_min_rounds:
-            return None
-        ar_seconds = sum(t * self.prior.verify_seconds(1, ctx) for t, _, ctx in self._yields)
-        ratio = ar_seconds / sum(s for _, s, _ in self._yields)
-        if ratio >= 1:
-            return True
-        return False if ratio < 1 - 1 / math.sqrt(k) else None
-
-    def skip_generation(self) -> None:
-        """A generation decoded without drafting on this verdict; every ``reprobe_every`` of them, the
-        yields are dropped so the next generation drafts and measures again."""
-        self._skipped += 1
-        if self._skipped >= self.settings.reprobe_every:
-            self._yields.clear()
-            self._skipped = 0
 
     def _update(self, obs: Observation) -> bool:
         index = len(self.observations)
@@ -247,17 +173,13 @@ class LiveCost(CostModel):
         if obs.draft is not None:
             self._drafts.append((index, obs.draft))
             self._draft_count += 1
-        if obs.explored and obs.n > 1:
-            self._explore_size = obs.n
-        self._largest = max(self._largest, obs.n)
-        self._since_large = 0 if obs.n >= self._explore_size else self._since_large + 1
-        self._exploring = False
         self._since_fit += 1
         s = self.settings
         drifted = shifted(self._kind_errors(kind), s.drift_rounds, s.drift, self._baseline)
         cheaper = obs.explored and error < lo - 2 * s.drift  # an exploring round found the machine faster
         if drifted or cheaper:
-            self._new_regime(kind, index - s.drift_rounds + 1 if drifted else index)
+            self.regime_start = index - s.drift_rounds + 1 if drifted else index
+            self._new_regime(kind, self.regime_start)
             self._errors[kind].clear()  # errors against the old regime's curve
         if self._since_fit >= s.refit_every or drifted or cheaper or measured:
             before, self._current = self._current, self._fit()
@@ -292,7 +214,7 @@ class LiveCost(CostModel):
         """A change of regime of one kind: its windows (and the drafts', for trees) keep only what was
         observed from observation ``index`` on, and its prior no longer counts.  The other kind's
         corrections are scaled by the same factor (the machine changed speed, not one kernel) and
-        marked stale, so the next round measures that kind (`wants_ar_step`, or exploring)."""
+        marked stale: the next round of that kind checks them (`_contradicts_scaling`)."""
         self._changed[kind] = True
         mine, other = self._windows(kind), self._windows(1 - kind)
         before = [x for w in mine for i, x in w if i < index]
@@ -310,18 +232,10 @@ class LiveCost(CostModel):
         errors.extend(shifted_errors)
         if any(other):
             self._stale = 1 - kind
-            if self._stale == 1:
-                self._since_large = max(self._since_large, self.explore_period())  # explore next round
 
     def _windows(self, kind: int) -> list[deque]:
         """The ratio windows of one kind's buckets (0: the one-token step, 1: trees)."""
         return [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) == kind]
-
-    @property
-    def wants_ar_step(self) -> bool:
-        """Whether the loop should run this round as an AR step (no draft): the one-token step's
-        correction is only an estimate since the trees' change of regime, and one AR step measures it."""
-        return self._stale == 0 and not self._exploring
 
     # ------------------------------------------------------------------ the estimator
     def _bucket(self, n: int) -> int:
@@ -338,7 +252,7 @@ class LiveCost(CostModel):
         seen = [j for j in range(len(self.knots)) if own[j] is not None]
 
         def pooled(trees: bool) -> float | None:  # the kind's observed corrections, each weighed by its rounds
-            kin = [j for j in seen if (self.knots[j] >= 2) == trees] or (seen if trees else [])
+            kin = [j for j in seen if (self.knots[j] >= 2) == trees] or seen
             counts = [len(self._ratios[j]) for j in kin]
             return sum(own[j] * m for j, m in zip(kin, counts)) / sum(counts) if kin else None
 
@@ -399,11 +313,7 @@ class LiveCost(CostModel):
         """The model a run ended with, rebuilt from its prior and its observations in order."""
         live = cls(prior, settings)
         for obs in observations:
-            obs = obs if isinstance(obs, Observation) else Observation.from_list(obs)
-            if live.begin_round() != obs.explored:
-                raise ValueError(f"observation {len(live.observations)} was {'' if obs.explored else 'not '}an "
-                                 "exploring round here: the observations were made with other settings")
-            live._update(obs)
+            live._update(obs if isinstance(obs, Observation) else Observation.from_list(obs))
         return live
 
 

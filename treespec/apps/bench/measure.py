@@ -8,8 +8,8 @@ load that comes and goes hits every method alike), each record holding the threa
 what other processes took meanwhile; a turn another process disturbed is measured again once, after
 the threads are chosen again from the cores free now.  Turn t + 1 is asked after AR's answer to
 turn t, so it is the same prompt for every method.  Each method's generator is seeded with the turn's
-``pair_seed``; every decoder's draft gate is reset at a conversation's start, so records do not
-depend on the shard layout, resumption or prompt order.  A turn that would overflow the context
+``pair_seed``.  A cost-aware method's draft controller and live cost model learn the machine across
+conversations, so its records depend on the order prompts were measured in (a fixed method's do not).  A turn that would overflow the context
 window ends its conversation (``skipped`` names it).  bench/batched.py measures S turns at a time.
 """
 
@@ -30,7 +30,6 @@ from treespec.apps.bench.lossless import Divergence, find_divergence, resolve_to
 from treespec.apps.bench.records import BenchRecord, cost_schedule, decisions_of
 from treespec.apps.bench.summary import AR
 from treespec.apps.data.datasets import PromptRecord
-from treespec.decoding import SpeculativeDecoder
 from treespec.pricing.conditions import Load, ThreadControl, process_started
 from treespec.target import ContextOverflowError
 
@@ -135,9 +134,6 @@ class Runner:
     def conversation(self, prompt: PromptRecord, temperature: float) -> Iterator[tuple[list, list]]:
         """(records, divergences) per turn; turn t + 1 is asked after AR's answer to turn t."""
         answers: list[str] = []
-        for decoder in self.decoders.values():  # each conversation on its own: records independent of
-            if isinstance(decoder, SpeculativeDecoder):  # the shard layout, resumption and prompt order
-                decoder.gate.reset()
         for t in range(len(prompt.turns)):
             turn = self._turn(prompt, t, temperature, answers)
             try:

@@ -14,8 +14,8 @@ one `treespec.apps.assembly.session.Session`, a conversation at a time (bench/me
 * Prompt-major order (prompt, temperature, turn, method), so machine noise hits every method alike.
   MT-Bench turns are measured separately; turn 2's prompt holds turn 1's question and the AR answer
   of turn 1 at the same temperature, so it is identical for every method.
-* One untimed warm-up generation per method precedes the measurements; every decoder's draft gate
-  is reset per conversation, so records do not depend on the shard layout or prompt order.
+* One untimed warm-up generation per method precedes the measurements; a cost-aware method's draft
+  controller carries over between conversations (it learns the machine, `treespec.pricing.control`).
 * Rank r of K takes prompts r::K and streams ``records-rank{r}.jsonl`` (a `BenchRecord` per method x
   prompt turn x temperature) and ``divergences-rank{r}.jsonl`` (bench/lossless.py); a conversation
   is the unit of resumption (`resume_shard`).  `merge_shards` (bench/merge.py) joins the shards and

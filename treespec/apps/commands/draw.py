@@ -87,7 +87,7 @@ def live_round(target, drafter, policy, input_ids, round_index: int) -> tuple[Dr
         if len(rounds) == round_index:
             raise _Enough
 
-    decoder = SpeculativeDecoder(target, drafter, policy, on_round=observe, draft_backoff=0)
+    decoder = SpeculativeDecoder(target, drafter, policy, on_round=observe)
     room = target.max_positions - int(torch.as_tensor(input_ids).numel())
     try:
         decoder.generate(input_ids, max_new_tokens=min(room, (drafter_depth(drafter) + 1) * round_index),

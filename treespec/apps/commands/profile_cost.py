@@ -120,7 +120,7 @@ def calibration_rounds(target, tokenizer, drafter, *, prompts: int = 3, tokens: 
     if policy is None:
         policy = registry.create("policy", "dominotree" if drafter.role == "conditional" else "ddtree", budget=16)
     rounds = []
-    decoder = SpeculativeDecoder(target, drafter, policy, draft_backoff=0,
+    decoder = SpeculativeDecoder(target, drafter, policy,
                                  on_round=lambda tree, result: rounds.append((tree, result)))
     for name in CALIBRATION_SETS:
         for prompt in load_prompts(name, limit=CALIBRATION_SKIP + prompts)[CALIBRATION_SKIP:]:

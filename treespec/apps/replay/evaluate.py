@@ -24,7 +24,8 @@ from treespec.analysis import accepted_length, accepted_path
 from treespec.apps.assembly.methods import MethodSpec, build_policy, naming, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree, limit_depth
+from treespec.control import DraftController
+from treespec.decoding import built_tree, limit_depth
 from treespec.interfaces import RoundReport, TreePolicy, VerifyResult
 from treespec.pricing.calibration import Calibration
 from treespec.pricing.cost import CostModel, cost_model_from_dict
@@ -61,39 +62,44 @@ class ReplayRound:
 
     tau: int  # tokens committed (accepted draft tokens + the bonus)
     tree_size: int  # tokens of the verified tree, root included (1: an AR step or a root-only tree)
-    drafted: bool  # whether the round asked the drafter (False: the back-off's AR step)
+    drafted: bool  # whether the round asked the drafter (False: its controller decided an AR step)
 
 
 def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
-                  stop_token_ids: Iterable[int] = (), gate: DraftGate | None = None) -> list[ReplayRound]:
+                  stop_token_ids: Iterable[int] = (), controller: DraftController | None = None) -> list[ReplayRound]:
     """The rounds of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop runs
-    them, the policy's round hooks included (`TreePolicy.can_pay` first: where it says no tree pays,
-    AR rounds and no hooks, as the live loop; else `TreePolicy.start_generation`, then each round
-    `plan_round` before it and `observe_round` after it, with no stage times: replay measures none);
-    ``gate`` is the decoder's `DraftGate` (default: a fresh one, as the bench starts each
-    conversation; pass one across prompts to mirror a decoder used for several generations)."""
+    them: its draft controller (``controller``, default a fresh one from the policy, as the bench
+    starts each conversation; pass one across prompts to mirror a decoder used for several
+    generations) decides each round and hears its report, without stage times (replay measures none:
+    a priced controller then decides from its cost model alone), and the policy hears
+    ``start_generation``, ``begin_round`` and ``observe_round`` as in the live loop."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
-    rounds, done, gate = [], 0, gate if gate is not None else DraftGate(DRAFT_BACKOFF)
-    drafting = policy is not None and policy.can_pay()  # asked before the generation, as the live decoder asks
+    rounds, done = [], 0
+    if policy is not None and controller is None:
+        controller = policy.draft_controller()
+    drafting = policy is not None and controller.start_generation()  # as the live decoder asks
     if drafting:
         policy.start_generation()
     while done < total:
         anchor = start + done  # absolute position of the round's root
-        if drafting:
-            policy.plan_round()
-        if not drafting or not gate.drafts_now():
+        decision = controller.decide() if drafting else None
+        if decision is not None and not decision.taps:
+            drafting = False  # the generation drafts no more, as the live loop
+        if decision is None or not decision.draft:
             tree, drafted = DraftTree.root_only(seq[anchor]), False
         else:
+            policy.begin_round()
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
-            built = built_tree(policy, draft)
-            gate.record(policy.pays_for_draft(draft, built))  # before the length cut, as the live loop
+            built = built_tree(policy.priced(decision.price, decision.calibration), draft)
             tree, drafted = limit_depth(built, min(total - done - 1, room - 1 - anchor)), True
             _check_recorded(tree)
         path = accepted_path(tree, seq[anchor + 1:])
-        if drafting:
+        if decision is not None:
             result = VerifyResult(torch.tensor(path), seq[anchor + len(path)] if anchor + len(path) < len(seq) else 0)
-            policy.observe_round(RoundReport(tree, result, anchor, {}, drafted))
+            report = RoundReport(tree, result, anchor, {}, drafted, decision.explore)
+            controller.observe(report)
+            policy.observe_round(report)
         tau = len(path)
         rounds.append(ReplayRound(tau, len(tree), drafted))
         if stops.intersection(seq[anchor + 1:anchor + 1 + tau]):
@@ -103,9 +109,10 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
 
 
 def replay_prompt(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
-                  stop_token_ids: Iterable[int] = (), gate: DraftGate | None = None) -> list[int]:
+                  stop_token_ids: Iterable[int] = (), controller: DraftController | None = None) -> list[int]:
     """Per-round tau of ``policy`` on one recorded prompt (`replay_rounds`)."""
-    return [r.tau for r in replay_rounds(trace, drafts, policy, prompt, stop_token_ids=stop_token_ids, gate=gate)]
+    return [r.tau for r in replay_rounds(trace, drafts, policy, prompt, stop_token_ids=stop_token_ids,
+                                         controller=controller)]
 
 
 def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt: int,
@@ -115,7 +122,7 @@ def replay_priced(trace: Trace, drafts: ReplayDrafts, method: MethodSpec, prompt
     `CostModel.to_dict` form, or None for a round that drafted nothing (`BenchRecord.priced_rounds`);
     an entry's ``"calibration"`` (a round calibrated live) replaces ``calibration`` for that round.
     So a run whose costs were corrected live builds the same trees again (the drafting decisions
-    are the recorded ones: an exploring round drafts past the back-off, `treespec.pricing.live_cost`)."""
+    are the recorded ones, `treespec.pricing.control`)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     room = int(trace.meta["target"]["max_positions"])
     policies: dict[str, TreePolicy] = {}
@@ -216,7 +223,7 @@ def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, stop_token_id
     results = []
     for method in parsed:
         drafts, policy = policy_for(trace, method, cache, cost_model)
-        start = time.perf_counter()  # each prompt with a fresh gate, as the bench measures conversations
+        start = time.perf_counter()  # each prompt with a fresh controller, as the bench measures conversations
         with naming(method):
             taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, stop_token_ids=stops))
                          for i in chosen)

@@ -239,7 +239,7 @@ def _record_prompts(target: TargetModel, drafters: Mapping[str, Drafter], items:
                     config: RecordConfig, target_meta: dict, progress: bool = False) -> Trace:
     """The trace of ``items`` ((prompt id, prompt) pairs), without cost models."""
     recorder = _Recorder(drafters, config)
-    decoder = SpeculativeDecoder(target, recorder, _RootOnly(), draft_backoff=0)  # a draft at every anchor
+    decoder = SpeculativeDecoder(target, recorder, _RootOnly())  # a draft at every anchor
     sequences = [_record_prompt(decoder, prompt, config.max_new_tokens)
                  for _, prompt in _progress(items, progress, "record")]
     records = {kind: capture.finish() for kind, capture in recorder.captures.items()}
