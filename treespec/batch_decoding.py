@@ -169,7 +169,7 @@ class BatchDecoder:
         fork = self.drafter.fork() if drafting else None
         policy = self.policy.for_request() if drafting else None
         seq = SequenceState.start(prompt, max_new_tokens, stops)
-        return Row(seq, fork, policy, self.controller if drafting else None, sampling, generator, tapping=drafting)
+        return Row(seq, fork, policy, self.controller, sampling, generator, tapping=drafting)
 
     @staticmethod
     def _result(row: Row) -> GenerationResult:

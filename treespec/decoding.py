@@ -156,7 +156,7 @@ class Row:
     seq: SequenceState
     drafter: Drafter | None  # the decoder's drafter (a fork of it in a batch); None: AR
     policy: TreePolicy | None  # the decoder's policy, or its `TreePolicy.for_request` copy in a batch
-    controller: DraftController | None  # the decoder's draft controller (None: AR)
+    controller: DraftController | None  # the decoder's draft controller, told every round (None: AR decoding)
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: GenerationStats = attrs.field(factory=GenerationStats)
@@ -383,8 +383,7 @@ class SpeculativeDecoder:
         clock = Stopwatch(self.target.device, self.clock)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps if drafting else ())
         row = Row(SequenceState.start(prompt, max_new_tokens, stops), self.drafter if drafting else None,
-                  self.policy if drafting else None, self.controller if drafting else None, sampling, generator,
-                  tapping=drafting)
+                  self.policy if drafting else None, self.controller, sampling, generator, tapping=drafting)
         row.stats.prefill_time = clock.times["prefill"]
         row.seq.features = prefill.features
         return row

@@ -4,52 +4,58 @@ Contract
 --------
 `PricedController(cost, calibration, budget)` is a `treespec.control.DraftController` for a policy
 that prices its trees (CaDDTree, the cost-aware DominoTree, the hardware-aware Sequoia).  It is the
-one place that decides whether a round drafts and at what price its tree is built; it learns with
-the policy's cost model (a `treespec.pricing.live_cost.LiveCost` learns the machine's curve from the
-rounds it is given here) and calibration (a `LiveCalibration` learns from the drafted rounds' nodes).
-A fixed cost model learns nothing, and the rule below still measures what the rounds yield.
+one place that decides whether a round drafts and at what price its tree is built.  It learns with
+the policy's cost model: every round verified alone goes to a `treespec.pricing.live_cost.LiveCost`
+(seconds of the verify for its tree size and context, of the draft and build), which is how the
+machine's prices -- and their changes -- are learned; a drafted round's nodes go to a
+`LiveCalibration`.  A fixed cost model learns nothing; the rule below still counts the tokens.
 
-**What it compares.**  Two options: AR steps, and drafting a tree priced by the current curve
-(the policy's cost rule then picks the tree's size).  A round is measured in the AR steps of its
-moment: its *yield* is y = (tokens committed) x (the curve's one-token step at its context) /
-(its seconds, every stage counted), so AR's yield is 1 by construction, and trees pay when the
-drafted rounds' yield Y = sum(tokens x step) / sum(seconds) over the last ``window`` drafted rounds
-exceeds 1.  Its confidence bound is Y (1 +- z s), s the ratio estimator's relative standard error
-over those rounds.  Before ``min_rounds`` drafted rounds have been measured, Y is the best case
-B = max over n <= budget of (n + 1) C_v(1) / (C_d + C_v(n + 1)): every node accepted.
+**What it compares.**  Two options: AR steps, and drafting a tree priced by the current curve (the
+policy's cost rule then picks its size).  Drafting pays when the drafted rounds' *yield*
+
+    Y = sum_i t_i C_v(1; c_i) / sum_i (C_d + C_v(n_i; c_i))
+
+exceeds 1: the AR steps their tokens would have taken over what the rounds cost, both at the
+current curve (t_i tokens committed, n_i tree tokens, c_i the context; the rounds of the last
+``forget_after``).  Time enters through the curve only, so a busy machine's slow rounds, which slow
+an AR step as much, do not count against trees twice, and a change of regime the live model finds
+re-prices every kept round at once.  Before ``min_rounds`` drafted rounds t_i is what the round's
+tree promised (1 + its nodes' calibrated acceptance chances), after it what the target accepted.
+Its bounds are Y -+ z s, s the ratio estimator's standard error (at least Y ``min_spread`` / sqrt(m)
+over m rounds) combined with the live curve's own (`LiveCost.price_spread`: the time noise of each
+kind's rounds over their count).  With no drafted round yet, Y is the best case B = max over n <= budget of
+(n + 1) C_v(1) / (C_d + C_v(n + 1)) (every node accepted), with bounds (0, B).
 
 **The rule**, before each round:
 
 1. B <= 1 (even a tree whose every node is accepted cannot pay: a compute-bound engine): no round
    drafts, no generation reads taps.
-2. Trees *lead* while Y > 1 (B for a tree never measured: optimism at the start, at most
-   ``min_rounds`` drafted rounds).  The leader runs every round unless an exploration is due.
-3. An *exploration* measures the other option: a tree priced flat (`LiveCost.flat_curve`: the full
-   budget, which also measures the curve's large end) while AR leads and Y's upper bound is above 1;
-   an AR step while trees lead and the one-token step has fewer than ``ar_rounds`` observations
-   (the yields are only as good as the step they are measured in); a flat-priced tree every
-   ``size_every`` drafted rounds while trees lead (the curve's large end, where the policy's own
-   trees may never reach).  Each exploration is taken only when the exploring rounds' losses so far
-   plus its predicted loss stay within ``explore_share`` of the seconds of every round observed.  A
-   round's *loss* is its seconds less what the leading option would have taken for its tokens
-   (negative for an exploration that pays); an exploring tree's loss is predicted with one token.
-4. Taps: a generation reads the drafter's taps when trees lead or Y's upper bound is above 1 (a
-   later round may still draft); otherwise it is plain AR decoding.  A round that leaves trees
-   behind for good this generation drops them.
-5. Forgetting: a drafted round older than ``forget_after`` rounds leaves the window, so a machine
-   where trees lost long ago explores them again (under the share of 3); a change of regime found
-   by the live cost model re-expresses the rounds since its start in the new regime's step.
+2. One option *leads*; trees at the start (where B > 1).  The leader changes on confident evidence
+   only, judged after every round from two drafted rounds on: trees stop leading when Y's upper
+   bound falls below 1, AR when Y's lower bound rises above 1.  The leader runs every round unless an
+   exploration is due.
+3. An *exploration* measures what the leader alone would not: a tree priced flat
+   (`LiveCost.flat_curve`: the full budget, which also measures the curve's large end) while AR leads
+   and Y's upper bound is above 1; an AR step while trees lead and the live model has observed fewer
+   than ``ar_rounds`` one-token steps (Y is priced in that step); a flat-priced tree every
+   ``size_every`` drafted rounds while trees lead (sizes the policy's own trees may never reach).  An
+   exploration is taken only when the exploring rounds' losses so far plus its predicted loss stay
+   within ``explore_share`` of the seconds of every round observed.  A round's *loss* is its seconds
+   less what the leading option would have taken for its tokens (negative for one that pays); an
+   exploring tree's is predicted with one token.
+4. Taps: a generation reads the drafter's taps while trees lead or Y's upper bound is above 1 (a
+   later round may still draft); a round that leaves trees behind for the generation drops them.
 
-**Guarantees** (tested on `treespec.pricing.simulate`'s recorded rounds and curves, a deterministic
+**Guarantees** (tested on `treespec.pricing.simulate`'s recorded rounds and curves, on a deterministic
 clock): exploring rounds lose at most ``explore_share`` of the seconds observed, plus one round's
-misprediction; besides them, at most ``min_rounds`` drafted rounds run before trees are first
-judged (and none where B <= 1); on a stable machine, once Y's bound excludes 1 the controller runs
-the better option only, so its time converges to that option's; after a change of the machine's
-speed it decides on the new speed within the live model's ``drift_rounds`` plus ``min_rounds``
-rounds of the option it favours.  Everything is deterministic in the rounds observed.
+misprediction; where B <= 1 no round drafts; on a stable machine the leader changes only when Y's
+bound excludes 1, so once m rounds make z s smaller than |Y - 1| every round goes to the better
+option; after a change of the machine's speed the prices are the new regime's within the live
+model's ``drift_rounds`` rounds of the changed kind, and every kept round is re-priced then.
+Everything is deterministic in the rounds observed.
 
-Rounds verified in a batch (``report.batch_rows > 1``) teach it nothing about time (their seconds
-are the batch's); their nodes still teach a live calibration.  The published convention never
+Rounds verified in a batch (``report.batch_rows > 1``) and replayed rounds (no stage times) teach it
+nothing about time; their nodes still teach a live calibration.  The published convention never
 compares with AR (``versus_ar=False``): every round drafts at the live price.
 """
 
@@ -62,7 +68,7 @@ import attrs
 
 from treespec.control import Decision, DraftController
 from treespec.interfaces import RoundReport
-from treespec.pricing.calibration import LiveCalibration, node_outcomes
+from treespec.pricing.calibration import Calibration, LiveCalibration, node_outcomes
 from treespec.pricing.cost import CostModel
 from treespec.pricing.live_cost import LiveCost
 
@@ -73,10 +79,10 @@ __all__ = ["ControlSettings", "PricedController", "best_case_yield"]
 class ControlSettings:
     """How the priced controller weighs and explores (module docstring)."""
 
-    # drafted rounds whose yield makes Y
-    window: int = attrs.field(default=32, validator=attrs.validators.ge(2))
-    # drafted rounds measured before Y replaces the best case B
-    min_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    # drafted rounds measured before Y counts the tokens they committed (their trees' promise till then)
+    min_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(2))
+    # the least relative spread of one round's yield (a tree's tokens vary from round to round)
+    min_spread: float = attrs.field(default=0.3, validator=attrs.validators.ge(0))
     # width of the confidence bound, in standard errors
     z: float = attrs.field(default=2.0, validator=attrs.validators.ge(0))
     # most of the observed seconds that exploring rounds may lose
@@ -85,27 +91,26 @@ class ControlSettings:
     ar_rounds: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     # drafted rounds between flat-priced trees while trees lead (0: never)
     size_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))
-    # rounds after which a drafted round leaves the window
-    forget_after: int = attrs.field(default=512, validator=attrs.validators.ge(1))
+    # rounds after which a drafted round no longer counts in Y (acceptance drifts with the prompts)
+    forget_after: int = attrs.field(default=256, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen
-class _Yield:
-    """One drafted round as the window keeps it."""
+class _Round:
+    """One drafted round as Y keeps it."""
 
     index: int  # the round's number among every round observed
     tokens: int  # tokens committed
-    seconds: float  # every stage
-    step: float  # the curve's one-token step at the round's context when it was observed
-    context: int
+    promised: float  # tokens its tree promised: 1 + the calibrated acceptance chances of its nodes
+    size: int  # tree tokens verified, root included
+    context: int  # tokens cached under the tree
 
 
 def best_case_yield(cost: CostModel, budget: int, ctx: int) -> float:
     """B: the best yield a tree of at most ``budget`` nodes can have at context ``ctx`` under ``cost``, every
     node accepted: max over n of (n + 1) C_v(1) / (C_d + C_v(n + 1)) (n + 1 tokens for one round)."""
-    costs = cost.verify_costs(budget + 1, ctx)  # [budget + 2] C_v(n), n = 0..budget + 1
-    sizes = range(1, budget + 1)
-    return max((n + 1) * float(costs[1]) / (cost.draft_cost + float(costs[n + 1])) for n in sizes)
+    step = cost.verify_seconds(1, ctx)
+    return max((n + 1) * step / (cost.draft_cost + cost.verify_seconds(n + 1, ctx)) for n in range(1, budget + 1))
 
 
 class PricedController(DraftController):
@@ -118,41 +123,85 @@ class PricedController(DraftController):
         self.cost, self.calibration, self.budget, self.versus_ar = cost, calibration, budget, versus_ar
         self.settings = settings or ControlSettings()
         self.live = cost if isinstance(cost, LiveCost) else None
-        self._yields: deque[_Yield] = deque(maxlen=self.settings.window)
+        self._kept: deque[_Round] = deque()  # the drafted rounds Y is made of
+        self._terms: deque[tuple[float, float, float]] = deque()  # theirs at `_priced_by`: (t C_v(1), promised C_v(1), C_d + C_v(n))
+        self._priced_by: CostModel | None = None
+        self._best: tuple[object, int, float] | None = None  # (curve, context, B) last computed
+        self._trees_lead = versus_ar  # which option leads (rule 2)
         self._rounds = 0  # rounds observed (alone)
         self._seconds = 0.0  # their seconds
         self._lost = 0.0  # what the exploring rounds among them lost against the leader
         self._since_flat = 0  # drafted rounds since the last flat-priced one
-        self._context = 0  # the last round's context (where the next one is priced)
+        contexts = getattr(cost, "contexts", None)
+        self._context = contexts[0] if contexts else 0  # the last round's context (where the next one is priced)
         self._tapping = True  # this generation reads taps
-        self.explorations = 0
+        self.explorations = 0  # exploring rounds observed
 
     # ------------------------------------------------------------------ estimates
+    def _curve(self) -> CostModel:
+        """The curve prices are read from now (the live model's current fit, or the fixed model)."""
+        return self.live.snapshot() if self.live is not None else self.cost
+
     def _step(self, ctx: int) -> float:
         """The curve's one-token step at ``ctx`` (seconds of an AR round)."""
         return self.cost.verify_seconds(1, ctx)
 
-    def _best_case(self) -> float:
-        return best_case_yield(self.cost, self.budget, self._context)
+    def best_case(self) -> float:
+        """B at the last round's context under the current curve (module docstring)."""
+        curve = self._curve()
+        if self._best is None or self._best[0] is not curve or self._best[1] != self._context:
+            self._best = (curve, self._context, best_case_yield(curve, self.budget, self._context))
+        return self._best[2]
+
+    def _terms_now(self) -> deque[tuple[float, float, float]]:
+        """Every kept round's terms at the current curve (re-priced when the curve changed)."""
+        curve = self._curve()
+        if self._priced_by is not curve:
+            self._terms = deque(self._price(r, curve) for r in self._kept)
+            self._priced_by = curve
+        return self._terms
+
+    @staticmethod
+    def _price(r: _Round, curve: CostModel) -> tuple[float, float, float]:
+        step = curve.verify_seconds(1, r.context)
+        return r.tokens * step, r.promised * step, curve.draft_cost + curve.verify_seconds(r.size, r.context)
 
     def trees_yield(self) -> tuple[float, float, float]:
-        """(Y, its lower bound, its upper bound); the best case B for all three before ``min_rounds``
-        drafted rounds."""
-        rounds = list(self._yields)
-        if len(rounds) < self.settings.min_rounds:
-            best = self._best_case()
-            return best, best, best
-        gained = [r.tokens * r.step for r in rounds]  # what AR would have taken for the same tokens
-        seconds = [r.seconds for r in rounds]
-        y = sum(gained) / sum(seconds)
-        m = len(rounds)
-        residual = sum((g - y * s) ** 2 for g, s in zip(gained, seconds, strict=True)) / (m - 1)
-        se = math.sqrt(residual / m) / (sum(seconds) / m)  # ratio estimator: se(Y)
-        half = self.settings.z * se
-        return y, y - half, y + half
+        """(Y, its lower bound, its upper bound) (module docstring)."""
+        terms, s = self._terms_now(), self.settings
+        m = len(terms)
+        if m == 0:
+            best = self.best_case()
+            return best, 0.0, best
+        column = 1 if m < s.min_rounds else 0  # the promise before min_rounds, the tokens after
+        gained = [t[column] for t in terms]
+        prices = [t[2] for t in terms]
+        y = sum(gained) / sum(prices)
+        se = y * s.min_spread / math.sqrt(m)
+        if m >= 2:  # the ratio estimator's standard error
+            residual = sum((g - y * p) ** 2 for g, p in zip(gained, prices, strict=True)) / (m - 1)
+            se = max(se, math.sqrt(residual / m) / (sum(prices) / m))
+        if self.live is not None:  # and the prices' own: a few rounds of a noisy machine say little
+            se = math.hypot(se, y * self.live.price_spread())
+        return y, y - s.z * se, y + s.z * se
 
+    @property
     def trees_lead(self) -> bool:
-        return self.trees_yield()[0] > 1.0
+        """Whether drafting is the leading option (rule 2)."""
+        return self._trees_lead
+
+    def _judge(self) -> None:
+        """Rule 2: the leader changes on confident evidence only."""
+        if self.best_case() <= 1.0:
+            self._trees_lead = False
+            return
+        if len(self._kept) < 2:
+            return  # one round is no evidence
+        _, lo, hi = self.trees_yield()
+        if self._trees_lead and hi < 1.0:
+            self._trees_lead = False
+        elif not self._trees_lead and lo > 1.0:
+            self._trees_lead = True
 
     # ------------------------------------------------------------------ the decoder's side
     def start_generation(self) -> bool:
@@ -161,21 +210,20 @@ class PricedController(DraftController):
 
     def _may_draft(self) -> bool:
         """Whether trees may still win: they lead, or Y's upper bound is above 1 (and B is)."""
-        if self._best_case() <= 1.0:
+        if self.best_case() <= 1.0:
             return False
-        y, _, hi = self.trees_yield()
-        return y > 1.0 or hi > 1.0
+        return self._trees_lead or self.trees_yield()[2] > 1.0
 
     def decide(self) -> Decision:
         if not self.versus_ar:
             return self._tree(explore=False)
         if not self._tapping:
             return Decision(draft=False, taps=False)
-        if self._best_case() <= 1.0:
+        if self.best_case() <= 1.0:
             return self._ar(taps=False)
         y, _, hi = self.trees_yield()
-        if y > 1.0:
-            return self._while_trees_lead(y)
+        if self._trees_lead:
+            return self._while_trees_lead(max(y, 1.0))
         if hi > 1.0 and self._affordable(self._flat_loss(1.0)):
             return self._tree(explore=True, flat=True)
         return self._ar(taps=hi > 1.0)
@@ -213,33 +261,39 @@ class PricedController(DraftController):
     def observe(self, report: RoundReport) -> None:
         if isinstance(self.calibration, LiveCalibration) and report.drafted:
             self.calibration.observe(*node_outcomes(report.tree, report.result))
-        if report.batch_rows != 1 or "verify" not in report.times:
-            return  # a batch's seconds, or a replayed round: nothing about this tree's time
         seconds = report.seconds
-        if seconds <= 0:
-            return
+        if report.batch_rows != 1 or "verify" not in report.times or seconds <= 0:
+            return  # a batch's seconds, or a replayed round: nothing about this tree's time
         self._context = report.context
-        step = self._step(report.context)
         if report.explored:  # what the leading option would have taken for the round's tokens
-            lead = max(self.trees_yield()[0], 1.0) if self.versus_ar else 1.0
-            self._lost += seconds - report.result.tau * step / lead
+            lead = max(self.trees_yield()[0], 1.0) if self._trees_lead else 1.0
+            self._lost += seconds - report.result.tau * self._step(report.context) / lead
             self.explorations += 1
         index = self._rounds
         self._rounds += 1
         self._seconds += seconds
         if report.drafted:
             self._since_flat = 0 if report.explored else self._since_flat + 1
-            self._yields.append(_Yield(index, report.result.tau, seconds, step, report.context))
-        while self._yields and self._yields[0].index <= index - self.settings.forget_after:
-            self._yields.popleft()
-        if self.live is not None and self.live.observe(len(report.tree), report.context, report.times["verify"],
-                                                       report.drafting_seconds, report.explored):
-            self._rebase(self.live.regime_start)
+            self._keep(_Round(index, report.result.tau, self._promise(report), len(report.tree), report.context))
+        while self._kept and self._kept[0].index <= index - self.settings.forget_after:
+            self._kept.popleft()
+            if self._priced_by is not None:
+                self._terms.popleft()
+        if self.live is not None:
+            self.live.observe(len(report.tree), report.context, report.times["verify"], report.drafting_seconds,
+                              report.explored)
+        if self.versus_ar:
+            self._judge()
 
-    def _rebase(self, start: int) -> None:
-        """A change of regime began at the live model's observation ``start``: the drafted rounds since are
-        measured in the new regime's step."""
-        first = self._rounds - (len(self.live.observations) - start)  # our index of that observation
-        rebased = [attrs.evolve(r, step=self._step(r.context)) if r.index >= first else r for r in self._yields]
-        self._yields.clear()
-        self._yields.extend(rebased)
+    def _keep(self, r: _Round) -> None:
+        self._kept.append(r)
+        if self._priced_by is not None:
+            self._terms.append(self._price(r, self._priced_by))
+
+    def _promise(self, report: RoundReport) -> float:
+        """1 + Σ δ' over the verified tree's nodes: the tokens the drafter promised, calibrated."""
+        scores = report.tree.scores[1:].detach().cpu()
+        if scores.numel() == 0:
+            return 1.0
+        calibration = self.calibration if self.calibration is not None else Calibration()
+        return 1.0 + float(calibration.deltas(scores).sum())

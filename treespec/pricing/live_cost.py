@@ -115,7 +115,6 @@ class LiveCost(CostModel):
         self._changed = [False, False]
         self._stale: int | None = None  # a kind whose corrections were scaled from the other's regime change
         self._since_fit = 0
-        self.regime_start = 0  # the observation the current regime began at (`observe` said True then)
         self.observations: list[Observation] = []  # every round observed, in order
         self.refits = 0
         self._current = self._fit()
@@ -178,8 +177,7 @@ class LiveCost(CostModel):
         drifted = shifted(self._kind_errors(kind), s.drift_rounds, s.drift, self._baseline)
         cheaper = obs.explored and error < lo - 2 * s.drift  # an exploring round found the machine faster
         if drifted or cheaper:
-            self.regime_start = index - s.drift_rounds + 1 if drifted else index
-            self._new_regime(kind, self.regime_start)
+            self._new_regime(kind, index - s.drift_rounds + 1 if drifted else index)
             self._errors[kind].clear()  # errors against the old regime's curve
         if self._since_fit >= s.refit_every or drifted or cheaper or measured:
             before, self._current = self._current, self._fit()
@@ -187,6 +185,17 @@ class LiveCost(CostModel):
             self._since_fit = 0
             self.refits += 1
         return drifted or cheaper
+
+    def price_spread(self) -> float:
+        """The relative standard error of the curve's price of a tree against an AR step: from each kind's
+        kept errors log(measured / predicted), their variance over their count (a kind with fewer than two
+        rounds counts ``drift`` as its spread), summed over the two kinds, square-rooted."""
+        total = 0.0
+        for kind in (0, 1):
+            errors = self._kind_errors(kind)
+            var = statistics.variance(errors) if len(errors) >= 2 else self.settings.drift ** 2
+            total += var / max(len(errors), 1)
+        return math.sqrt(total)
 
     def _kind_errors(self, kind: int) -> list[float]:
         """The kept errors log(measured / predicted) of one kind's rounds, oldest first."""
