@@ -1,9 +1,9 @@
 """Modelled speed of tree policies on a replay trace: every replayed round timed by a cost model.
 
 No target runs.  For each method every recorded prompt is replayed as the live loop runs it, the
-decoder's back-off included (`treespec.apps.replay.evaluate.replay_rounds`, a fresh gate per
-prompt as the bench does), and each round is charged what the cost model says it costs: a drafted
-round of an n-token tree C_d + C_v(n; ctx), an AR step of the back-off C_v(1; ctx).  AR is charged
+policy's draft controller included (`treespec.apps.replay.evaluate.replay_rounds`, one controller
+over the prompts in order, as the bench keeps one), and each round is charged what the cost model
+says it costs: a drafted round of an n-token tree C_d + C_v(n; ctx), an AR step C_v(1; ctx).  AR is charged
 C_v(1; ctx) per token, so the modelled speed over AR is
 
     speed = Σ tokens / Σ modelled seconds  ÷  (1 / C_v(1; ctx)).
@@ -39,7 +39,6 @@ from treespec.apps.assembly.methods import parse_method
 from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.replay.evaluate import policy_for, replay_rounds
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.decoding import DRAFT_BACKOFF, DraftGate
 from treespec.pricing.cost import ConvexCost, CostModel, cost_model_from_dict, load_cost_model
 
 DEFAULT_METHODS = ("ddtree@16", "caddtree@16", "dominotree@16", "cost-aware-dominotree@16")
@@ -56,8 +55,6 @@ def parse_args() -> argparse.Namespace:
                              "(e.g. verify times measured at every tree size): what a rule's pricing costs it")
     parser.add_argument("--draft-steps", action="append", default=[],
                         help="C_d in AR steps: KIND=S for one drafter, or S for all (repeatable)")
-    parser.add_argument("--backoff", type=int, default=DRAFT_BACKOFF,
-                        help="the decoder's draft back-off (most AR rounds between drafts; 0: draft every round)")
     parser.add_argument("--resamples", type=int, default=2000)
     return parser.parse_args()
 
@@ -114,7 +111,7 @@ def main() -> None:
     except (OSError, ValueError, TraceError) as exc:
         sys.exit(f"bench_modelled_rules: {exc}")
     steps = draft_steps(args.draft_steps)
-    print(f"{args.trace}: {trace.num_prompts} prompts x {trace.max_new_tokens} tokens; back-off {args.backoff}; C_d "
+    print(f"{args.trace}: {trace.num_prompts} prompts x {trace.max_new_tokens} tokens; C_d "
           + (", ".join(f"{k or 'all'} {v:.2f} AR steps" for k, v in steps.items()) or "as the profile measured"))
     print("\n| method | τ | drafted rounds | mean tree (tokens, root included) | modelled speed over AR "
           "| ratio to the first |")
@@ -136,8 +133,9 @@ def modelled_rows(args, trace, method, cache, given, charged, steps):
     if model is not None and charged is not None:
         model = model_of(trace, method.drafter, charged, steps)
     rows, rounds_all = [], []
+    controller = policy.draft_controller() if policy is not None else None
     for p in range(trace.num_prompts):
-        rounds = replay_rounds(trace, drafts, policy, p, gate=DraftGate(args.backoff))
+        rounds = replay_rounds(trace, drafts, policy, p, controller=controller)
         rounds_all += rounds
         rows.append(prompt_seconds(trace, p, rounds, model) if model is not None else (1.0, 1.0, 1))
     return np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), rounds_all

@@ -39,7 +39,7 @@ from treespec.apps.bench.summary import bootstrap_interval
 from treespec.apps.data.datasets import encode_chat, load_prompts
 from treespec.apps.replay import RecordConfig, ReplayDrafts, Trace, merge_traces, record_trace
 from treespec.apps.replay.evaluate import replay_rounds
-from treespec.decoding import DRAFT_BACKOFF, DraftGate, built_tree
+from treespec.decoding import built_tree
 from treespec.interfaces import ConditionalScorer, DraftOutput, Expansion
 from treespec.pricing.conditions import ThreadControl
 
@@ -142,7 +142,8 @@ def replay_method(trace: Trace, name: str) -> tuple[list[list[int]], Measured]:
     method = parse_method(name)
     policy = build_policy(method)
     measured = Measured(ReplayDrafts.of(trace, method.drafter), policy)
-    taus = [[r.tau for r in replay_rounds(trace, measured, policy, i, gate=DraftGate(DRAFT_BACKOFF))]
+    controller = policy.draft_controller()  # one over the turns, as a live decoder keeps one
+    taus = [[r.tau for r in replay_rounds(trace, measured, policy, i, controller=controller)]
             for i in range(trace.num_prompts)]
     return taus, measured
 

@@ -289,7 +289,6 @@ def test_every_row_equals_its_own_ar_and_single_run(target, arm, size):
     policy = make_policy(name)
     single = SpeculativeDecoder(target, OracleDrafter(ORACLE, conditional=conditional), policy)
     for prompt, n, o in zip(prompts, budgets, out, strict=True):
-        single.gate.reset()
         alone = single.generate(prompt, max_new_tokens=n, stop_token_ids=stops)
         assert alone.tokens.tolist() == o.tokens.tolist()
         # a policy that learns from the rounds it is told of builds otherwise alone than in a batch, which tells it none
@@ -312,7 +311,6 @@ def test_a_learning_policy_in_a_batch_learns_what_it_learns_from_the_rows_one_by
         prompts, max_new_tokens=16, stop_token_ids=())
     single = SpeculativeDecoder(target, OracleDrafter(ORACLE, conditional=True), alone)
     for prompt, row in zip(prompts, out, strict=True):
-        single.gate.reset()
         want = single.generate(prompt, max_new_tokens=16, stop_token_ids=())
         ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=16, stop_token_ids=())
         assert row.tokens.tolist() == want.tokens.tolist() == ar.tokens.tolist()
@@ -360,7 +358,6 @@ def test_the_first_token_from_the_prefill_gives_each_row_its_single_run(target, 
                            generators=[torch.Generator().manual_seed(s) for s in seeds], first_token="prefill")
     single = SpeculativeDecoder(target, OracleDrafter(ORACLE, conditional=True), make_policy("dominotree"))
     for prompt, seed, n, o in zip(prompts, seeds, budgets, out, strict=True):
-        single.gate.reset()
         alone = single.generate(prompt, max_new_tokens=n, temperature=temperature, stop_token_ids=(),
                                 generator=torch.Generator().manual_seed(seed), first_token="prefill")
         assert o.tokens.tolist() == alone.tokens.tolist() and o.stats.taus == alone.stats.taus

@@ -12,7 +12,8 @@ from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 
 import treespec
 from treespec.apps.cli import main
-from treespec.decoding import DRAFT_PATIENCE, DraftGate, SpeculativeDecoder, limit_depth
+from treespec.control import Decision, DraftController
+from treespec.decoding import SpeculativeDecoder, limit_depth
 from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec.interfaces import Drafter, DraftOutput, TreePolicy
 from treespec.policies.ddtree import DDTree
@@ -326,38 +327,79 @@ def test_first_token_from_the_prefill_counts_rounds_as_the_papers_do(temperature
         decoder.generate(prompt, max_new_tokens=2, first_token="paper")
 
 
-def test_the_length_cut_of_a_last_round_does_not_back_drafting_off():
-    """A round cut to the root by max_new_tokens is not the policy saying no tree pays."""
+def test_a_fixed_policy_drafts_every_round_whatever_its_trees():
+    """The default controller drafts every round, the length-cut last round and root-only trees included."""
     from treespec.drafters.oracle import OracleConfig, OracleDrafter
 
     decoder = SpeculativeDecoder(tiny_target("qwen3"), OracleDrafter(OracleConfig(depth=4)), DDTree(budget=8))
     for _ in range(3):
         decoder.generate(torch.tensor([4, 8, 1]), max_new_tokens=1)
     out = decoder.generate(torch.tensor([4, 8, 1]), max_new_tokens=20)
-    assert all("draft" in r.times for r in out.stats.rounds) and decoder.gate.skip == 0
+    assert all(r.drafted and "draft" in r.times for r in out.stats.rounds)
 
 
-def test_the_draft_gate_backs_off_after_its_patience_and_doubles_up_to_its_cap():
-    """Drafted rounds that do not pay: after ``patience`` of them in a row the gate skips 1, then 2, 4, ...
-    rounds up to ``max_backoff``; a round that pays ends the back-off and the count; ``max_backoff`` 0
-    drafts every round."""
-    def skipped_between_drafts(gate: DraftGate, verdicts: list[bool]) -> list[int]:
-        out = []
-        for paid in verdicts:
-            gate.record(paid)
-            skipped = 0
-            while not gate.drafts_now():
-                skipped += 1
-            out.append(skipped)
-        return out
+class _Scripted(DraftController):
+    """A controller that replays a list of decisions (then AR steps) and records what it was told."""
 
-    assert skipped_between_drafts(DraftGate(8, patience=1), [False] * 5) == [1, 2, 4, 8, 8]
-    assert DraftGate(8).patience == DRAFT_PATIENCE == 3
-    assert skipped_between_drafts(DraftGate(8, patience=3), [False] * 5) == [0, 0, 1, 2, 4]
-    assert skipped_between_drafts(DraftGate(8, patience=3), [False, False, True, False, False, False]) == [
-        0, 0, 0, 0, 0, 1]
-    assert skipped_between_drafts(DraftGate(0, patience=3), [False] * 4) == [0, 0, 0, 0]
-    gate = DraftGate(8, patience=2)
-    skipped_between_drafts(gate, [False, False])
-    gate.reset()
-    assert skipped_between_drafts(gate, [False]) == [0]  # a new conversation counts afresh
+    def __init__(self, decisions, *, drafts=True):
+        self.decisions, self.drafts, self.reports, self.generations = list(decisions), drafts, [], 0
+
+    def start_generation(self):
+        self.generations += 1
+        return self.drafts
+
+    def decide(self):
+        return self.decisions.pop(0) if self.decisions else Decision(draft=False)
+
+    def observe(self, report):
+        self.reports.append(report)
+
+
+class _ScriptedPolicy(DDTree):
+    def draft_controller(self):
+        return self.script
+
+
+def _scripted_decoder(script, target, drafter=None):
+    from treespec.drafters.oracle import OracleConfig, OracleDrafter
+
+    policy = _ScriptedPolicy(budget=8)
+    object.__setattr__(policy, "script", script)
+    return SpeculativeDecoder(target, drafter or OracleDrafter(OracleConfig(depth=4)), policy)
+
+
+def test_the_loop_does_what_its_controller_decides_and_tells_it_every_round(qwen):
+    """Each round drafts as decided (an exploration is marked), the controller hears every round, a round
+    that drops the taps ends drafting for the generation (and the target is asked without taps), and
+    the output is AR's whatever was decided."""
+    target = qwen
+    prompt = torch.tensor([4, 8, 1, 6])
+    ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=24).tokens.tolist()
+    script = _Scripted([Decision(), Decision(draft=False), Decision(explore=True), Decision(draft=False, taps=False),
+                        Decision(), Decision()])
+    decoder = _scripted_decoder(script, target, _block_drafter(False))
+    taps_asked = []
+    forward = target.forward_tree
+    target.forward_tree = lambda tree, taps=(): taps_asked.append(tuple(taps)) or forward(tree, taps)
+    out = decoder.generate(prompt, max_new_tokens=24)
+    target.forward_tree = forward
+    rounds = out.stats.rounds
+    assert out.tokens.tolist() == ar
+    assert [r.drafted for r in rounds[:6]] == [True, False, True, False, False, False]
+    assert [r.explored for r in rounds[:3]] == [False, False, True]
+    assert not any(r.drafted for r in rounds[3:]) and len(script.decisions) == 2  # never asked again
+    assert taps_asked[3:] == [()] * (len(taps_asked) - 3) and all(taps_asked[:3])
+    assert len(script.reports) == len(rounds) and [r.drafted for r in script.reports] == [r.drafted for r in rounds]
+
+
+def test_a_generation_the_controller_declines_is_plain_ar():
+    target = tiny_target("qwen3")
+    script = _Scripted([Decision()] * 10, drafts=False)
+    out = _scripted_decoder(script, target).generate(torch.tensor([4, 8, 1, 6]), max_new_tokens=12)
+    assert out.stats.undrafted and not any(r.drafted for r in out.stats.rounds)
+    assert len(script.decisions) == 10 and len(script.reports) == len(out.stats.rounds)  # told, never asked
+
+
+def test_a_decision_to_draft_without_taps_is_refused():
+    with pytest.raises(ValueError, match="taps"):
+        Decision(draft=True, taps=False)

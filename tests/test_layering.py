@@ -172,7 +172,7 @@ def policy_probes(source: str) -> list[str]:
 @pytest.mark.parametrize("module", KERNEL)
 def test_the_kernel_finds_nothing_on_a_policy_by_getattr(module):
     """The decoding loop reaches a policy through the methods `TreePolicy` declares (``build``,
-    ``plan_round``, ``observe_round``, ...), never by probing it for attributes."""
+    ``draft_controller``, ``priced``, ``observe_round``, ...), never by probing it for attributes."""
     assert policy_probes((ROOT / module).read_text()) == []
 
 

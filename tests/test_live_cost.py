@@ -1,5 +1,5 @@
-"""The live cost model: converging to injected round times, following a step change, exploring, and
-driving a cost-aware policy between full and root-only trees on a fake clock."""
+"""The live cost model: converging to injected round times, following a step change, and pricing a
+cost-aware policy's controller between full trees and AR steps on a fake clock."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from treespec import registry
 from treespec.decoding import SpeculativeDecoder
 from treespec.drafters.oracle import ORACLE_PRESETS, OracleConfig, OracleDrafter
 from treespec.pricing.calibration import Calibration, LiveCalibration, LiveCalibrationSettings
+from treespec.pricing.control import ControlSettings
 from treespec.pricing.cost import ConvexCost, LinearCost
 from treespec.pricing.live_cost import LiveCost, LiveSettings, Observation, ordinary, shifted, trimmed_mean
 
@@ -38,7 +39,6 @@ def test_the_estimate_converges_to_the_injected_curve():
     live = LiveCost(prior)
     for i in range(64):
         n = SIZES[i % len(SIZES)]
-        live.begin_round()
         live.observe(n, 300, truth(n), 0.02 if n > 1 else None)
     for n in SIZES:
         assert at(live, n) == pytest.approx(truth(n), rel=0.12), n  # within the prior's pull (2 of 18)
@@ -56,7 +56,6 @@ def test_an_unobserved_size_borrows_the_observed_sizes_correction_by_what_each_r
     live = LiveCost(prior, s)
     for n, ratio, rounds in ((5, 1.2, 16), (9, 1.4, 2)):
         for _ in range(rounds):
-            live.begin_round()
             live.observe(n, 300, ratio * at(prior, n), 0.02)
     assert live.support().get(17, 0) == 0
     pooled = (16 * 1.2 + 2 * 1.4) / 18
@@ -66,7 +65,6 @@ def test_an_unobserved_size_borrows_the_observed_sizes_correction_by_what_each_r
     assert at(live, 9) / at(prior, 9) == pytest.approx((prior_weight + 2 * shrunk) / (prior_weight + 2), rel=0.02)
     unpooled = LiveCost(prior, attrs.evolve(s, pool_weight=0))
     for obs in live.observations:
-        unpooled.begin_round()
         unpooled.observe(obs.n, obs.ctx, obs.verify, obs.draft)
     assert at(unpooled, 9) / at(prior, 9) == pytest.approx((prior_weight + 2 * 1.4) / (prior_weight + 2), rel=0.02)
 
@@ -110,60 +108,6 @@ def test_the_one_token_step_and_trees_are_corrected_apart():
     assert at(live, 9) == pytest.approx(3 * at(profile(), 9), rel=1e-6)  # the trees' own correction
 
 
-def test_exploration_comes_after_explore_every_rounds_without_a_large_tree_and_prices_a_step():
-    live = LiveCost(profile(), LiveSettings(explore_every=4, explore_share=1.0))  # cheap enough to come every 4
-    assert not live.begin_round()
-    live.observe(17, 300, 0.2, 0.02)  # a large tree
-    flags = []
-    for _ in range(12):
-        flags.append(live.begin_round())
-        if flags[-1]:
-            assert at(live, 33) == pytest.approx(at(live, 1))  # priced as if a tree cost an AR step
-            live.observe(17, 300, 0.2, 0.02)
-        else:
-            live.observe(1, 300, 0.05)
-    assert flags == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 2
-    assert not LiveCost(profile(), LiveSettings(explore_every=0)).begin_round()
-
-
-def test_a_dear_tree_is_explored_less_often_so_exploring_costs_a_bounded_share():
-    """On a compute-bound engine (a 17-token verify at 4 AR steps here) exploring every 32 rounds would
-    cost 10 % of the AR steps' time; the period grows until one exploration costs ``explore_share`` of
-    the steps between two."""
-    live = LiveCost(profile(), LiveSettings(explore_every=32, explore_share=0.025))
-    assert live.explore_period() == 32  # nothing explored yet: the size it would build is unknown
-    live.begin_round()
-    for _ in range(16):  # a window of large trees at 4 AR steps of 0.05 s (with their drafts), and AR steps
-        live.observe(17, 300, 0.2, 0.02)
-        live.observe(1, 300, 0.05)
-    excess = live.draft_cost + live.verify_seconds(17, 300) - live.verify_seconds(1, 300)
-    assert live.explore_period() == max(32, math.ceil(excess / (0.025 * live.verify_seconds(1, 300)))) > 100
-    flags = []
-    for _ in range(live.explore_period() + 1):
-        flags.append(live.begin_round())
-        live.observe(17 if flags[-1] else 1, 300, 0.2 if flags[-1] else 0.05, 0.02 if flags[-1] else None)
-    assert flags.count(True) == 1 and flags.index(True) >= 100  # once, long after explore_every
-
-
-def test_drafting_that_yields_less_than_ar_steps_stops_for_a_few_generations_then_is_measured_again():
-    from treespec.pricing.feedback import drafting_pays
-
-    live = LiveCost(profile(step=0.05, per_token=0.0005), LiveSettings(value_rounds=4, reprobe_every=3))
-    assert live.drafting_verdict() is None and drafting_pays(live)  # nothing measured: draft
-    for _ in range(4):  # rounds of 2 tokens that took 0.12 s with their draft: AR makes 2 in 0.1 s
-        live.observe(9, 300, 0.1, 0.02, tokens=2)
-    assert live.drafting_verdict() is None  # 0.83 of AR's speed: short of 1, not yet 1 - 1/sqrt(4) = 0.5
-    for _ in range(4):  # rounds of 1 token in 0.12 s: 0.42 of AR's speed
-        live.observe(9, 300, 0.1, 0.02, tokens=1)
-    assert live.drafting_verdict() is False
-    assert [drafting_pays(live) for _ in range(4)] == [False, False, False, True]  # the third skip forgets
-    for _ in range(4):  # now 3 tokens in 0.12 s: better than AR's 0.15
-        live.observe(9, 300, 0.1, 0.02, tokens=3)
-    assert live.drafting_verdict() is True and drafting_pays(live)
-    live.observe(1, 300, 0.05)  # AR steps (no draft) do not count
-    assert len(live._yields) == 4
-
-
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(SIZES), st.integers(0, 900), st.floats(0.01, 1.0),
                           st.one_of(st.none(), st.floats(0.0, 0.2))), min_size=1, max_size=40))
@@ -172,7 +116,6 @@ def test_the_model_is_rebuilt_from_its_observations_and_prices_every_tree(rows):
     finite positive price (the curve keeps each size's own value, so it need not be monotone)."""
     live = LiveCost(profile())
     for n, ctx, verify, draft in rows:
-        live.begin_round()
         live.observe(n, ctx, verify, draft)
     again = LiveCost.restore(profile(), [o.to_list() for o in live.observations])
     assert again.to_dict() == live.to_dict() and again.support() == live.support()
@@ -189,7 +132,6 @@ def test_a_prior_measured_at_every_size_keeps_its_slow_sizes():
     live = LiveCost(prior)
     for _ in range(40):
         for n in (3, 4, 17):
-            live.begin_round()
             live.observe(n, 128, 1.5 * measured[n], 0.004)
     assert at(live, 3, 128) > at(live, 4, 128)
     assert at(live, 4, 128) == pytest.approx(1.5 * measured[4], rel=1e-6)
@@ -232,47 +174,46 @@ def clocked(target, drafter, clock: FakeClock, verify_cost):
     target.forward_tree, drafter.draft = timed_forward, timed_draft
 
 
-def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_root_only_and_back():
+def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_ar_and_back():
     target = tiny_target("qwen3")
     drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))
     clock, phase = FakeClock(), {"verify": "cheap"}
     costs = {"cheap": lambda n: 0.05 + 0.0005 * n, "dear": lambda n: 0.05 if n == 1 else 0.4}
     clocked(target, drafter, clock, lambda n: costs[phase["verify"]](n))
-    # only the trees' price moves here (a real load slows the AR steps too, and their change of regime
-    # explores at once); exploring every 8 rounds whatever a tree costs (explore_share 1), and every
-    # generation drafting whatever the last one's drafted rounds yielded (a verdict never reached)
-    live = LiveCost(profile(step=0.05, per_token=0.0005),
-                    LiveSettings(explore_every=8, explore_share=1.0, value_rounds=10**6))
+    # only the trees' price moves here (a real load slows the AR steps too); the controller forgets drafted
+    # rounds after 24 rounds and may spend a fifth of the time exploring, so the way back is short
+    live = LiveCost(profile(step=0.05, per_token=0.0005))
     policy = registry.create("policy", "caddtree", budget=16, cost_model=live)
-    assert policy.plan_round().priced_with is live.priced()  # the loop reaches it through the declared hook
     decoder = SpeculativeDecoder(target, drafter, policy, clock=clock)
+    decoder.controller.settings = ControlSettings(forget_after=24, explore_share=0.2)
+    assert decoder.controller.decide().price is live.snapshot()  # the round is priced at the live curve
     prompt = torch.tensor([5, 9, 2, 7])
 
-    def rounds(new_tokens: int) -> list[tuple[int, bool]]:
+    def rounds(new_tokens: int) -> list[tuple[int, bool, bool]]:
         out = decoder.generate(prompt, max_new_tokens=new_tokens)
         assert out.tokens.tolist() == hf_greedy(target.model, prompt, new_tokens)  # lossless whatever it prices
-        return [(r.tree_size, r.explored) for r in out.stats.rounds][:-4]  # the last ones are cut to what is left
+        return [(r.tree_size, r.drafted, r.explored) for r in out.stats.rounds][:-4]  # the last: cut to what is left
 
     cheap = rounds(60)
-    assert all(n >= 9 for n, _ in cheap)  # trees pay: the policy builds large ones
+    assert all(n >= 9 and drafted for n, drafted, explored in cheap if not explored)  # trees pay: large ones
     phase["verify"] = "dear"
-    dear = rounds(80)
-    switched = next(i for i, (n, _) in enumerate(dear) if n == 1)
-    assert switched <= LiveSettings().drift_rounds  # root-only trees (AR steps) within the drift rounds
-    assert all(n == 1 for n, explored in dear[switched:] if not explored)
-    assert 2 <= sum(explored for _, explored in dear) <= len(dear) // 8  # exploring, every 8 rounds at most
+    dear = rounds(120)
+    switched = next(i for i, (n, _, _) in enumerate(dear) if n == 1)
+    assert switched <= LiveSettings().drift_rounds  # root-only trees or AR steps within the drift rounds
+    late = dear[len(dear) // 2:]
+    assert sum(not drafted for _, drafted, _ in late) > 0.8 * len(late)  # then AR steps, drafting left
     assert at(live, 17) == pytest.approx(0.4, rel=0.15)
     phase["verify"] = "cheap"
-    back = rounds(80)
-    first = next(i for i, (_, explored) in enumerate(back) if explored)
-    assert first <= 8  # one exploring round saw cheap trees again; the next round measures the AR step
-    assert back[first + 1][0] == 1 and all(n >= 9 for n, _ in back[first + 2:])  # then full trees
+    back = rounds(160)
+    again = next(i for i, (n, drafted, explored) in enumerate(back) if drafted and n >= 9 and not explored)
+    assert again <= 60  # once the dear rounds are forgotten, an exploration finds trees cheap again
+    assert all(drafted for _, drafted, explored in back[again:] if not explored)  # and trees lead
 
 
 def test_a_live_calibration_stops_trusting_a_drafter_the_target_does_not_follow():
     """A drafter that looks as sure as a good one and is rarely right (top-1 one time in ten): priced by
-    its own promises, trees of 8 and 9 nodes seem to pay every round; calibrated live, the policy learns within
-    a few hundred nodes that they do not, builds smaller trees and drafts less.  The output is the
+    its own promises, trees of 8 and 9 nodes seem to pay every round it drafts; calibrated live, the policy
+    learns within a few hundred nodes that they do not and builds smaller trees, and its controller drafts less.  The output is the
     target's either way."""
     prompt, new_tokens = torch.tensor([5, 9, 2, 7]), 90
     results = {}
@@ -284,13 +225,15 @@ def test_a_live_calibration_stops_trusting_a_drafter_the_target_does_not_follow(
         calibration = LiveCalibration(settings=LiveCalibrationSettings(min_nodes=64, refit_every=2))
         policy = registry.create("policy", "caddtree", budget=16, cost_model=profile(step=0.05, per_token=0.0005),
                                  **({"calibration": calibration} if name == "live" else {}))
-        assert (policy.plan_round().calibrated_with is calibration.current) == (name == "live")
-        out = SpeculativeDecoder(target, drafter, policy, clock=clock).generate(prompt, max_new_tokens=new_tokens)
+        decoder = SpeculativeDecoder(target, drafter, policy, clock=clock)
+        assert (decoder.controller.decide().calibration is calibration.current) == (name == "live")
+        out = decoder.generate(prompt, max_new_tokens=new_tokens)
         assert out.tokens.tolist() == hf_greedy(target.model, prompt, new_tokens)
         results[name] = out.stats.rounds
-    assert all(r.drafted and r.tree_size >= 8 and r.calibrated_with is None for r in results["as drafted"][:-8])
+    drafted = [r for r in results["as drafted"][:-8] if r.drafted]  # the controller counts the tokens either way
+    assert len(drafted) >= 4 and all(r.tree_size >= 8 and r.calibrated_with is None for r in drafted)
     late = results["live"][len(results["live"]) // 2:]
-    assert sum(not r.drafted for r in late) > len(late) // 2  # the back-off drafts less ...
+    assert sum(not r.drafted for r in late) > len(late) // 2  # the controller drafts less ...
     assert max(r.tree_size for r in late) < 9  # ... and what is drafted builds smaller trees
     drafted = [r.calibrated_with for r in results["live"] if r.drafted]
     assert drafted[0] == Calibration()  # the prior first, then what was learned: a third of the promise or less
@@ -308,9 +251,9 @@ def test_a_change_of_regime_seen_on_trees_rescales_the_ar_step_until_it_is_obser
         live.observe(17, 300, 0.25, 0.02)  # a hog on the other core: trees only are observed
     assert at(live, 17) == pytest.approx(0.25, rel=0.05)
     assert at(live, 1) == pytest.approx(0.125, rel=0.1)  # the AR step scaled by about the same 2.5 ...
-    assert live.wants_ar_step and not live.begin_round()  # ... until the next round, an AR step, measures it
+    assert live.step_unmeasured  # ... until a round of it measures it (the draft controller asks for one)
     live.observe(1, 300, 0.05)  # the AR step was not slower after all (only trees were)
-    assert not live.wants_ar_step
+    assert not live.step_unmeasured
     for _ in range(8):
         live.observe(17, 300, 0.25, 0.02)
     assert at(live, 1) == pytest.approx(0.05, rel=0.05)  # its own measurement, not the scaled estimate
@@ -321,7 +264,6 @@ def test_a_persistent_tail_counts_as_throughput_pays_it_while_outliers_do_not():
     tail (a median would ignore it) and lies nearer the mean a run pays than the typical round."""
     live = LiveCost(profile(step=0.05))
     for i in range(64):
-        live.begin_round()
         live.observe(1, 300, 0.15 if i % 4 == 0 else 0.05)
     mean = 0.075
     assert abs(at(live, 1) - mean) < abs(0.05 - mean) / 2
@@ -345,7 +287,6 @@ def test_a_busy_machines_tail_is_not_a_change_of_regime(seed):
     changes, prices = 0, []
     for i in range(400):
         n = 1 if i % 2 else 17
-        live.begin_round()
         changes += live.observe(n, 300, busy(rng, 0.05 if n == 1 else 0.08), None if n == 1 else 0.01)
         if i >= 100:
             prices.append(at(live, 17) / at(live, 1))
@@ -389,6 +330,6 @@ def test_a_scaled_kind_that_its_rounds_confirm_is_not_a_change_of_regime_again()
         live.observe(1, 300, noisy(0.05))
         live.observe(17, 300, noisy(0.1), 0.02)
     assert any(live.observe(17, 300, noisy(0.25), 0.02) for _ in range(s.drift_rounds))
-    assert live.wants_ar_step
+    assert live.step_unmeasured
     assert not any(live.observe(1, 300, noisy(0.125)) for _ in range(3 * s.drift_rounds))
     assert at(live, 1) == pytest.approx(0.125, rel=0.1) and at(live, 17) == pytest.approx(0.25, rel=0.1)

@@ -59,7 +59,6 @@ def test_bench_and_replay_run_the_new_drafter():
         decoder = SpeculativeDecoder(target, drafter, build_policy(parsed))
         live = []
         for i, prompt in enumerate(prompts):
-            decoder.gate.reset()
             out = decoder.generate(prompt, max_new_tokens=12)
             assert out.tokens.tolist() == trace.sequences[i][prompt.numel():][:out.tokens.numel()].tolist()
             live.append(tuple(out.stats.taus))

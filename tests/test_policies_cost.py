@@ -89,12 +89,11 @@ def cost_models(draw):
 def test_caddtree_stops_at_the_brute_force_argmax(cost, depth, vocab, budget, scale, quantum, position, seed):
     draft = draft_at(position, depth, vocab, seed, scale, quantum)
     order = DDTree(budget=budget).with_backend("networkx").build(draft)
-    expected, paid = brute_force_best_size(order.scores[1:].tolist(), cost, position)
+    expected, _ = brute_force_best_size(order.scores[1:].tolist(), cost, position)
     policy = CaDDTree(budget=budget, cost_model=cost)
     for tree in (policy.build(draft), policy.with_backend("networkx").build(draft)):
         assert tree.budget == expected
         assert tree.equal(DDTree(budget=max(expected, 1)).build(draft)) or expected == 0
-        assert policy.pays_for_draft(draft, tree) == paid
 
 
 def test_stop_rule_reaches_interior_optima():
@@ -117,16 +116,13 @@ def test_cost_aware_policies_choose_the_root_only_tree_when_no_tree_pays():
 
 def test_a_spent_draft_is_still_verified_when_a_tree_gains_over_an_ar_step():
     """A drafter dearer than the trees it makes are worth: no tree pays for its draft, but once the
-    draft is made a cheap verify still gains, so the tree is kept and the round says it did not pay."""
+    draft is made a cheap verify still gains, so the tree is kept (whether the next rounds draft is the
+    controller's, which counts what such rounds yield)."""
     draft = draft_at(300, 8, 200, 0, 4.0)
     dear = LinearCost(draft=1.0, base=0.07, per_token=1e-4)
     for policy in (CaDDTree(budget=64, cost_model=dear),
                    CaDDTree(budget=64, cost_model=dear, convention="published")):
-        tree = policy.build(draft)
-        assert len(tree) > 1
-        assert policy.pays_for_draft(draft, tree) == (policy.convention == "published")
-    cheap = CaDDTree(budget=64, cost_model=LinearCost(draft=0.001, base=0.07, per_token=1e-4))
-    assert cheap.pays_for_draft(draft, cheap.build(draft))
+        assert len(policy.build(draft)) > 1
 
 
 def published_caddtree_sizes(logprobs: torch.Tensor, cost, ctx: int, max_budget: int) -> list[tuple]:
@@ -365,31 +361,32 @@ def test_a_power_below_one_lifts_the_small_promises_and_the_backends_still_agree
     assert grew > 0
 
 
-def test_the_decoder_backs_off_after_a_verified_tree_that_did_not_pay_for_its_draft():
-    """The gate follows the policy's verdict, not the tree's size: with a drafter dearer than its trees
-    are worth, each drafted round still verifies a tree (the draft is made), and after the gate's
-    patience (three such rounds in a row) the next rounds are AR steps, the back-off doubling; with a
-    cheap drafter every round drafts."""
+def test_the_controller_leaves_drafting_that_yields_less_than_ar_steps():
+    """With a drafter dearer than its trees are worth (a 16-node tree pays only if nearly all of it is
+    accepted), each drafted round still verifies a tree (the draft is made), and once the drafted rounds'
+    yield is below 1 beyond doubt the rounds are AR steps, the taps dropped; with a cheap drafter every
+    round drafts."""
     from test_target import hf_greedy, tiny_target
 
-    from treespec.decoding import DRAFT_PATIENCE, SpeculativeDecoder
+    from treespec.decoding import SpeculativeDecoder
     from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
 
     target = tiny_target("qwen3")
     drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))
     prompt = torch.tensor([5, 9, 2, 7])
-    for draft_cost, pays in ((0.3, False), (0.001, True)):  # 0.3: a 16-node tree pays only if nearly all accepted
+    for draft_cost, pays in ((0.3, False), (0.001, True)):
         policy = CaDDTree(budget=16, cost_model=LinearCost(draft=draft_cost, base=0.05, per_token=1e-4))
-        out = SpeculativeDecoder(target, drafter, policy).generate(prompt, max_new_tokens=40)
+        decoder = SpeculativeDecoder(target, drafter, policy)
+        out = decoder.generate(prompt, max_new_tokens=40)
         assert out.tokens.tolist() == hf_greedy(target.model, prompt, 40)
         rounds = out.stats.rounds[:-3]  # the last ones are cut to what is left
         drafted = [i for i, r in enumerate(rounds) if r.drafted]
         assert all(rounds[i].tree_size > 1 for i in drafted)  # a made draft is verified when a tree gains
         if pays:
-            assert len(drafted) == len(rounds)
+            assert len(drafted) == len(rounds) and decoder.controller.trees_lead
         else:
-            gaps = [b - a - 1 for a, b in zip(drafted, drafted[1:])]  # AR steps between drafts
-            assert gaps[:5] == [0] * (DRAFT_PATIENCE - 1) + [1, 2, 4]
+            assert drafted == list(range(len(drafted))) and 2 <= len(drafted) <= 6  # the first rounds only
+            assert not decoder.controller.trees_lead and not decoder.controller.start_generation()
 
 
 def test_where_no_tree_could_pay_the_decoder_does_not_draft_at_all():
@@ -400,22 +397,22 @@ def test_where_no_tree_could_pay_the_decoder_does_not_draft_at_all():
 
     from treespec.decoding import SpeculativeDecoder
     from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
-    from treespec.policies.engine.cost import tree_can_pay
+    from treespec.pricing.control import best_case_yield
 
     target = tiny_target("qwen3")
     prompt = torch.tensor([5, 9, 2, 7])
     dear = LinearCost(draft=1.0, base=0.05, per_token=1e-4)
     compute_bound = LinearCost(draft=0.01, base=0.0, per_token=0.05)  # n tokens cost n steps: never pays
-    assert not tree_can_pay(dear, 16) and not tree_can_pay(compute_bound, 16)
-    assert tree_can_pay(LinearCost(draft=0.3, base=0.05, per_token=1e-4), 16)
+    assert all(best_case_yield(cost, 16, ctx) <= 1 for cost in (dear, compute_bound) for ctx in (0, 512, 4096))
+    assert best_case_yield(LinearCost(draft=0.3, base=0.05, per_token=1e-4), 16, 0) > 1
     for cost in (dear, compute_bound):
         drafter = OracleDrafter(ORACLE_PRESETS["typical"], tap_layers=(0, 2))
         calls = []
         drafter.draft = lambda ctx, calls=calls: calls.append(ctx)  # never asked
         policy = CaDDTree(budget=16, cost_model=cost)
-        assert not policy.can_pay()
+        assert not policy.draft_controller().start_generation()
         out = SpeculativeDecoder(target, drafter, policy).generate(prompt, max_new_tokens=24)
         assert out.tokens.tolist() == hf_greedy(target.model, prompt, 24)
         assert out.stats.undrafted and not calls and all(r.tree_size == 1 and not r.drafted for r in out.stats.rounds)
     published = CaDDTree(budget=16, cost_model=dear, convention="published")
-    assert published.can_pay()  # the released rule never compares with AR: it drafts
+    assert published.draft_controller().start_generation()  # the released rule never compares with AR: it drafts

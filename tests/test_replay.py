@@ -39,7 +39,8 @@ from treespec.decoding import SpeculativeDecoder
 from treespec.drafters.dflash import DFlashDrafter
 from treespec.drafters.domino import DominoDrafter
 from treespec.drafters.toy import ToyConditionalDrafter, ToyConfig
-from treespec.interfaces import DraftOutput, RoundPlan, RoundReport, TreePolicy
+from treespec.interfaces import DraftOutput, RoundReport, TreePolicy
+from treespec.pricing.control import ControlSettings
 from treespec.pricing.cost import COST_PRESETS, LinearCost, cost_model_from_dict
 from treespec.target import TargetModel
 from treespec.tree import DraftTree
@@ -65,18 +66,23 @@ class Capturing(TreePolicy):
         self.trees.append((draft.position, tree))
         return tree
 
-    def pays_for_draft(self, draft: DraftOutput, tree: DraftTree) -> bool:
-        return self.inner.pays_for_draft(draft, tree)
-
     def start_generation(self) -> None:
         self.inner.start_generation()
 
-    def plan_round(self) -> RoundPlan:
-        return self.inner.plan_round()
+    def draft_controller(self):
+        return self.inner.draft_controller()
 
-    def observe_round(self, report: RoundReport) -> bool:
-        """The inner policy's hook, so that the loop feeds a live model it prices with."""
-        return self.inner.observe_round(report)
+    def priced(self, price, calibration) -> TreePolicy:
+        """The inner policy at the round's price, still capturing into these trees."""
+        inner = self.inner.priced(price, calibration)
+        if inner is self.inner:
+            return self
+        view = Capturing(inner)
+        view.trees = self.trees
+        return view
+
+    def observe_round(self, report: RoundReport) -> None:
+        self.inner.observe_round(report)
 
 
 class World:
@@ -103,10 +109,9 @@ class World:
         parsed = parse_method(method)
         taus, trees = [], []
         policy = Capturing(build_policy(parsed, COST))
-        decoder = SpeculativeDecoder(self.target, self.drafters[parsed.drafter], policy)  # one, as replay's gate
+        decoder = SpeculativeDecoder(self.target, self.drafters[parsed.drafter], policy)  # one, as replay's
         for i, prompt in enumerate(self.prompts):
             policy.trees = []
-            decoder.gate.reset()  # each prompt on its own, as the bench and replay measure them
             out = decoder.generate(prompt, max_new_tokens=self.trace.max_new_tokens, **kwargs)
             assert out.tokens.tolist() == self.trace.sequences[i][prompt.numel():][:out.tokens.numel()].tolist()
             taus.append(tuple(out.stats.taus))
@@ -181,16 +186,16 @@ def test_autoregressive_replay_is_one_token_per_round(small):
 @pytest.mark.parametrize("method", ["ddtree@8", "caddtree@48"])
 def test_replayed_rounds_are_the_live_rounds(small, method):
     """Each replayed round's tau, verified tree size and whether it drafted are the live loop's, the
-    back-off's AR steps included (caddtree@48 priced with a drafter dearer than its trees are worth)."""
+    controller's AR steps included (caddtree@48 priced with a drafter dearer than its trees are worth):
+    one controller over the prompts in order, live and replayed."""
     parsed = parse_method(method)
     dear = attrs.evolve(COST, draft=3 * float(COST.verify_costs(1, COST.contexts[0])[1]))
     decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], build_policy(parsed, dear))
     drafts, policy = ReplayDrafts.of(small.trace, parsed.drafter), build_policy(parsed, dear)
-    skipped = 0
+    controller, skipped = policy.draft_controller(), 0
     for i, prompt in enumerate(small.prompts):
-        decoder.gate.reset()
         live = decoder.generate(prompt, max_new_tokens=small.trace.max_new_tokens).stats.rounds
-        replayed = replay_rounds(small.trace, drafts, policy, i)
+        replayed = replay_rounds(small.trace, drafts, policy, i, controller=controller)
         assert [(r.tau, r.tree_size, r.drafted) for r in replayed] == [(r.tau, r.tree_size, r.drafted) for r in live]
         skipped += sum(not r.drafted for r in replayed)
     assert (skipped > 0) == (method == "caddtree@48")
@@ -392,7 +397,7 @@ def test_parts_of_other_settings_are_refused(compressed, tmp_path):
 @pytest.mark.parametrize("method", ["caddtree@16", "cost-aware-dominotree@16"])
 def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
     """Round by round with the curve and calibration its record names, a run whose costs and
-    calibration were learned live (on a clock that makes trees dear, then cheap, so the policy switches
+    calibration were learned live (on a clock that makes trees cheap, dear, then cheap, so the controller switches
     and explores; the calibration re-fitted every other round) builds the same trees."""
     from treespec.apps.bench.records import BenchRecord, cost_schedule
     from treespec.apps.replay import replay_priced
@@ -400,25 +405,25 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
     from treespec.pricing.live_cost import LiveCost, LiveSettings
 
     parsed = parse_method(method)
-    live = LiveCost(COST, LiveSettings(explore_every=3))
+    live = LiveCost(COST, LiveSettings())
     calibration = LiveCalibration(settings=LiveCalibrationSettings(min_nodes=50, refit_every=2))
     policy = Capturing(build_policy(parsed, live, calibration))
     now = {"t": 0.0, "rounds": 0}
     decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], policy, clock=lambda: now["t"])
+    decoder.controller.settings = ControlSettings(size_every=3, explore_share=0.5)  # flat-priced rounds often
     forward = small.target.forward_tree
 
-    def timed(tree, *args, **kwargs):  # trees dear in the first 10 forwards, cheap after
+    def timed(tree, *args, **kwargs):  # trees dear in forwards 6 to 14, cheap before and after
         now["rounds"] += 1
-        now["t"] += 0.02 if len(tree) == 1 else (0.3 if now["rounds"] <= 10 else 0.021)
+        now["t"] += 0.02 if len(tree) == 1 else (0.3 if 6 <= now["rounds"] <= 14 else 0.021)
         return forward(tree, *args, **kwargs)
 
     small.target.forward_tree = timed
     try:
         drafts = ReplayDrafts.of(small.trace, parsed.drafter)
-        sizes, curves, calibrations = [], set(), set()
+        sizes, curves, calibrations, drafted = [], set(), set(), []
         for i, prompt in enumerate(small.prompts):
             policy.trees = []
-            decoder.gate.reset()
             out = decoder.generate(prompt, max_new_tokens=small.trace.max_new_tokens)
             models, rounds = cost_schedule(out.stats.rounds)
             record = BenchRecord(method, parsed.policy, 16, 0.0, "d", str(i), 0, 0, out.tokens.tolist(),
@@ -426,6 +431,7 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
             taus = replay_priced(small.trace, drafts, parsed, i, record.priced_rounds())
             assert taus == out.stats.taus, f"prompt {i}"
             sizes += [len(t) for _, t in policy.trees]
+            drafted += [r.drafted for r in out.stats.rounds]
             curves |= {json.dumps(m, sort_keys=True) for m in models}
             start = prompt.numel() - 1
             for (position, tree), priced in zip(policy.trees, [dict(p) for p in record.priced_rounds() if p]):
@@ -435,9 +441,9 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
                 draft = drafts.draft(small.trace.anchor_index(i, position - start), int(small.trace.sequences[i][position]),
                                      position)
                 assert rebuilt.build(draft).equal(tree)
-        assert 1 in sizes and max(sizes) > 1  # the policy switched between root-only and larger trees
-        assert len(curves) >= 3  # priced with several curves: re-fits and exploring rounds
-        assert len(calibrations) >= 3  # and calibrated by several fits
+        assert max(sizes) > 1 and not all(drafted)  # the controller switched between trees and AR steps
+        assert len(curves) >= 2  # priced with several curves: the live one and an exploring round's flat one
+        assert len(calibrations) >= 2  # and calibrated by the prior and a fit
     finally:
         small.target.forward_tree = forward
 
@@ -451,7 +457,6 @@ def test_a_policy_that_can_pay_for_no_tree_replays_as_the_live_loop_runs_it(smal
     decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], build_policy(parsed, bound))
     drafts = ReplayDrafts.of(small.trace, parsed.drafter)
     for i, prompt in enumerate(small.prompts):
-        decoder.gate.reset()
         out = decoder.generate(prompt, max_new_tokens=small.trace.max_new_tokens)
         replayed = replay_rounds(small.trace, drafts, build_policy(parsed, bound), i)
         assert out.stats.undrafted and not any(r.drafted for r in out.stats.rounds)

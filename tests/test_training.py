@@ -312,7 +312,7 @@ def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
     drafter = trainer.drafter
     drafter.model.double().eval()
     policy = build_policy(parse_method(method))
-    live = SpeculativeDecoder(TargetModel(model, max_positions=256), drafter, policy, draft_backoff=0)
+    live = SpeculativeDecoder(TargetModel(model, max_positions=256), drafter, policy)
     spec = TeacherSpec(drafter.config.target_layer_ids, top_k=4, max_seq_len=256)
     ar = SpeculativeDecoder(TargetModel(model, max_positions=256))
     records, expected = [], []

@@ -17,7 +17,7 @@ from test_replay import Capturing, World
 from treespec import registry
 from treespec.apps.replay import RecordConfig, ReplayDrafts
 from treespec.apps.replay.evaluate import replay_rounds
-from treespec.decoding import DraftGate, SpeculativeDecoder
+from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext, RoundReport, VerifyResult
 from treespec.policies.confident import ConfidentDominoTree, LearnedFloor, isotonic
 from treespec.policies.ddtree import DDTree
@@ -132,13 +132,13 @@ def test_the_router_probes_each_arm_then_keeps_the_best():
     chosen = []
     router.start_generation()
     for _ in range(7):
-        router.plan_round()
+        router.begin_round()
         chosen.append(router.choice.current)
         result = VerifyResult(torch.arange(taus[router.choice.current]), 0)
         router.observe_round(RoundReport(DraftTree.root_only(1), result, 0, {}, True))
     assert chosen == [0, 1, 0, 1, 1, 1, 1]
     router.start_generation()
-    router.plan_round()
+    router.begin_round()
     assert router.choice.current == 0  # a new request probes again
     with pytest.raises(ValueError, match="arms must name"):
         Router(arms="router")
@@ -159,14 +159,14 @@ def world():
 ])
 def test_learning_policies_replay_as_they_run_live(world, make, drafter, learned):
     """One policy across the prompts, learning from every round: replay feeds it the same reports as
-    the live loop (start, plan, observe), so it builds the same trees and accepts the same tokens."""
+    the live loop (start, begin, observe), so it builds the same trees and accepts the same tokens."""
     live_policy, replay_policy = Capturing(make()), make()
     decoder = SpeculativeDecoder(world.target, world.drafters[drafter], live_policy)
     drafts_of = ReplayDrafts.of(world.trace, drafter)
+    controller = replay_policy.draft_controller()
     for i, prompt in enumerate(world.prompts):
-        decoder.gate.reset()
         live = decoder.generate(prompt, max_new_tokens=world.trace.max_new_tokens).stats.taus
-        replayed = [r.tau for r in replay_rounds(world.trace, drafts_of, replay_policy, i, gate=DraftGate(32))]
+        replayed = [r.tau for r in replay_rounds(world.trace, drafts_of, replay_policy, i, controller=controller)]
         assert replayed == live, f"prompt {i}"
     assert learned(replay_policy) and learned(live_policy.inner)  # they did learn on the way
 

@@ -36,26 +36,33 @@ kind's rounds over their count).  With no drafted round yet, Y is the best case 
    exploration is due.
 3. An *exploration* measures what the leader alone would not: a tree priced flat
    (`LiveCost.flat_curve`: the full budget, which also measures the curve's large end) while AR leads
-   and Y's upper bound is above 1; an AR step while trees lead and the live model has observed fewer
-   than ``ar_rounds`` one-token steps (Y is priced in that step); a flat-priced tree every
-   ``size_every`` drafted rounds while trees lead (sizes the policy's own trees may never reach).  An
+   and Y's upper bound is above 1 (or the trees' prices were only scaled from the AR step's change of
+   regime); an AR step while trees lead and the live model has observed fewer than ``ar_rounds``
+   one-token steps (Y is priced in that step); a
+   flat-priced tree every ``size_every`` drafted rounds while trees lead, or when their prices were
+   only scaled from the AR step's change (sizes the policy's own trees may never reach).  An
    exploration is taken only when the exploring rounds' losses so far plus its predicted loss stay
    within ``explore_share`` of the seconds of every round observed.  A round's *loss* is its seconds
    less what the leading option would have taken for its tokens (negative for one that pays); an
-   exploring tree's is predicted with one token.
+   exploring tree's is predicted with one token.  Seconds here are the curve's price of each round
+   (C_d for a drafted one, plus C_v(n; ctx)) when it was observed: time reaches the controller through
+   the cost model only, so the same rounds decide the same way in a live run and in its replay.
+   One exploration is taken whatever the share: an AR step as soon as the live model scaled the step
+   from the trees' change of regime (until a round measures it, Y would be priced in a guess).
 4. Taps: a generation reads the drafter's taps while trees lead or Y's upper bound is above 1 (a
    later round may still draft); a round that leaves trees behind for the generation drops them.
 
 **Guarantees** (tested on `treespec.pricing.simulate`'s recorded rounds and curves, on a deterministic
-clock): exploring rounds lose at most ``explore_share`` of the seconds observed, plus one round's
-misprediction; where B <= 1 no round drafts; on a stable machine the leader changes only when Y's
+clock): exploring rounds lose at most ``explore_share`` of the rounds' seconds (as the curve prices
+them; with a live curve, as measured up to its error), plus one round's misprediction; where B <= 1 no round drafts; on a stable machine the leader changes only when Y's
 bound excludes 1, so once m rounds make z s smaller than |Y - 1| every round goes to the better
 option; after a change of the machine's speed the prices are the new regime's within the live
 model's ``drift_rounds`` rounds of the changed kind, and every kept round is re-priced then.
 Everything is deterministic in the rounds observed.
 
-Rounds verified in a batch (``report.batch_rows > 1``) and replayed rounds (no stage times) teach it
-nothing about time; their nodes still teach a live calibration.  The published convention never
+Rounds verified in a batch (``report.batch_rows > 1``) count for nothing (their times are the batch's)
+but their nodes still teach a live calibration; replayed rounds (no stage times) count as live ones,
+the live curve left as it is.  The published convention never
 compares with AR (``versus_ar=False``): every round drafts at the live price.
 """
 
@@ -197,6 +204,8 @@ class PricedController(DraftController):
             return
         if len(self._kept) < 2:
             return  # one round is no evidence
+        if self.live is not None and self.live.step_unmeasured:
+            return  # the AR step is only scaled from the trees' change of regime: the next round measures it
         _, lo, hi = self.trees_yield()
         if self._trees_lead and hi < 1.0:
             self._trees_lead = False
@@ -224,16 +233,23 @@ class PricedController(DraftController):
         y, _, hi = self.trees_yield()
         if self._trees_lead:
             return self._while_trees_lead(max(y, 1.0))
-        if hi > 1.0 and self._affordable(self._flat_loss(1.0)):
+        if self.live is not None and self.live.step_unmeasured:
+            return self._ar(taps=True)  # the AR step was scaled from the trees' change: this round measures it
+        unmeasured = self.live is not None and self.live.trees_unmeasured  # scaled from the AR step's change
+        if (hi > 1.0 or unmeasured) and self._affordable(self._flat_loss(1.0)):
             return self._tree(explore=True, flat=True)
-        return self._ar(taps=hi > 1.0)
+        return self._ar(taps=hi > 1.0 or unmeasured)
 
     def _while_trees_lead(self, y: float) -> Decision:
         s = self.settings
-        ar_seen = self.live.support().get(1, 0) if self.live is not None else s.ar_rounds
-        if ar_seen < s.ar_rounds and self._affordable(self._step(self._context) * (1.0 - 1.0 / y)):
+        live = self.live
+        if live is not None and live.step_unmeasured:  # Y is priced in a step scaled from the trees' change
             return self._ar(taps=True, explore=True)
-        if s.size_every and self._since_flat >= s.size_every and self._affordable(self._flat_loss(y)):
+        unseen = live is not None and live.support().get(1, 0) < s.ar_rounds
+        if unseen and self._affordable(self._step(self._context) * (1.0 - 1.0 / y)):
+            return self._ar(taps=True, explore=True)
+        due = s.size_every and self._since_flat >= s.size_every
+        if (due or (live is not None and live.trees_unmeasured)) and self._affordable(self._flat_loss(y)):
             return self._tree(explore=True, flat=True)
         return self._tree(explore=False)
 
@@ -261,29 +277,34 @@ class PricedController(DraftController):
     def observe(self, report: RoundReport) -> None:
         if isinstance(self.calibration, LiveCalibration) and report.drafted:
             self.calibration.observe(*node_outcomes(report.tree, report.result))
-        seconds = report.seconds
-        if report.batch_rows != 1 or "verify" not in report.times or seconds <= 0:
-            return  # a batch's seconds, or a replayed round: nothing about this tree's time
-        self._context = report.context
+        if report.batch_rows != 1:
+            return  # a batch's round: its seconds are the batch's, its tree's share unknown
+        size, ctx, tau = len(report.tree), report.context, report.result.tau
+        seconds = self._priced(size, ctx, report.drafted)  # what the round cost, as the curve prices it
+        self._context = ctx
         if report.explored:  # what the leading option would have taken for the round's tokens
             lead = max(self.trees_yield()[0], 1.0) if self._trees_lead else 1.0
-            self._lost += seconds - report.result.tau * self._step(report.context) / lead
+            self._lost += seconds - tau * self._step(ctx) / lead
             self.explorations += 1
         index = self._rounds
         self._rounds += 1
         self._seconds += seconds
         if report.drafted:
             self._since_flat = 0 if report.explored else self._since_flat + 1
-            self._keep(_Round(index, report.result.tau, self._promise(report), len(report.tree), report.context))
+            self._keep(_Round(index, tau, self._promise(report), size, ctx))
         while self._kept and self._kept[0].index <= index - self.settings.forget_after:
             self._kept.popleft()
             if self._priced_by is not None:
                 self._terms.popleft()
-        if self.live is not None:
-            self.live.observe(len(report.tree), report.context, report.times["verify"], report.drafting_seconds,
-                              report.explored)
+        verify = report.times.get("verify", 0.0)
+        if self.live is not None and verify > 0:  # a replayed round has no times: the curve learns nothing
+            self.live.observe(size, ctx, verify, report.drafting_seconds, report.explored)
         if self.versus_ar:
             self._judge()
+
+    def _priced(self, size: int, ctx: int, drafted: bool) -> float:
+        """Seconds of a round of ``size`` tree tokens at ``ctx`` at the current curve."""
+        return (self.cost.draft_cost if drafted else 0.0) + self.cost.verify_seconds(size, ctx)
 
     def _keep(self, r: _Round) -> None:
         self._kept.append(r)

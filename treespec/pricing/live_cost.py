@@ -187,15 +187,17 @@ class LiveCost(CostModel):
         return drifted or cheaper
 
     def price_spread(self) -> float:
-        """The relative standard error of the curve's price of a tree against an AR step: from each kind's
-        kept errors log(measured / predicted), their variance over their count (a kind with fewer than two
-        rounds counts ``drift`` as its spread), summed over the two kinds, square-rooted."""
-        total = 0.0
-        for kind in (0, 1):
-            errors = self._kind_errors(kind)
-            var = statistics.variance(errors) if len(errors) >= 2 else self.settings.drift ** 2
-            total += var / max(len(errors), 1)
-        return math.sqrt(total)
+        """The relative standard error of the curve's price of a tree against an AR step: the square root of
+        the two kinds' `kind_spread` summed."""
+        return math.sqrt(self.kind_spread(0) + self.kind_spread(1))
+
+    def kind_spread(self, kind: int) -> float:
+        """One kind's (0: the one-token step, 1: trees) share of `price_spread`: the variance of its kept
+        errors log(measured / predicted) over their count (``drift`` squared as the spread of a kind with
+        fewer than two rounds)."""
+        errors = self._kind_errors(kind)
+        var = statistics.variance(errors) if len(errors) >= 2 else self.settings.drift ** 2
+        return var / max(len(errors), 1)
 
     def _kind_errors(self, kind: int) -> list[float]:
         """The kept errors log(measured / predicted) of one kind's rounds, oldest first."""
@@ -245,6 +247,17 @@ class LiveCost(CostModel):
     def _windows(self, kind: int) -> list[deque]:
         """The ratio windows of one kind's buckets (0: the one-token step, 1: trees)."""
         return [w for w, k in zip(self._ratios, self.knots, strict=True) if int(k > 1) == kind]
+
+    @property
+    def step_unmeasured(self) -> bool:
+        """Whether the one-token step is only an estimate scaled from the trees' change of regime (a round of
+        it measures it)."""
+        return self._stale == 0
+
+    @property
+    def trees_unmeasured(self) -> bool:
+        """Whether the trees' prices are only estimates scaled from the one-token step's change of regime."""
+        return self._stale == 1
 
     # ------------------------------------------------------------------ the estimator
     def _bucket(self, n: int) -> int:

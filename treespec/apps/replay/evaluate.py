@@ -68,10 +68,10 @@ class ReplayRound:
 def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
                   stop_token_ids: Iterable[int] = (), controller: DraftController | None = None) -> list[ReplayRound]:
     """The rounds of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop runs
-    them: its draft controller (``controller``, default a fresh one from the policy, as the bench
-    starts each conversation; pass one across prompts to mirror a decoder used for several
-    generations) decides each round and hears its report, without stage times (replay measures none:
-    a priced controller then decides from its cost model alone), and the policy hears
+    them: its draft controller (``controller``, default a fresh one from the policy; pass one across
+    prompts to mirror a decoder used for several generations, as `evaluate` and the bench do) decides
+    each round and hears its report, without stage times (a priced controller counts rounds at its
+    curve's prices, so it decides as live; a live curve learns nothing here), and the policy hears
     ``start_generation``, ``begin_round`` and ``observe_round`` as in the live loop."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
@@ -223,9 +223,10 @@ def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, stop_token_id
     results = []
     for method in parsed:
         drafts, policy = policy_for(trace, method, cache, cost_model)
-        start = time.perf_counter()  # each prompt with a fresh controller, as the bench measures conversations
+        controller = policy.draft_controller() if policy is not None else None  # one over the prompts, as live
+        start = time.perf_counter()
         with naming(method):
-            taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, stop_token_ids=stops))
+            taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, stop_token_ids=stops, controller=controller))
                          for i in chosen)
         results.append(ReplayResult(method.name, taus, time.perf_counter() - start))
     return results
