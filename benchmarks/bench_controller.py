@@ -5,7 +5,7 @@
     python benchmarks/bench_controller.py --curves NAME=PROFILE.json ...
 
 The first form drives `treespec.pricing.control.PricedController` (a live cost model over the
-regime's prior) through `treespec.pricing.simulate` for every regime and prints, per regime, its
+regime's prior) through `treespec.apps.replay.simulate` for every regime and prints, per regime, its
 tokens per second against each fixed choice (AR, the full 16-node tree every round, the cost rule at
 the true curve every round), its regret against the best of them, and its drafted, AR and exploring
 rounds; ``--prior-error`` tells every controller a profile that many times off.  No model is run:
@@ -79,7 +79,7 @@ def curves(named: list[str]) -> None:
 def regret(seeds: int, prior_error: float) -> None:
     from treespec.pricing.control import PricedController
     from treespec.pricing.live_cost import LiveCost
-    from treespec.pricing.simulate import FIXED_CHOICES, fixed_rate, recorded_calibration, regimes, simulate, summary
+    from treespec.apps.replay.simulate import FIXED_CHOICES, fixed_rate, recorded_calibration, regimes, simulate, summary
 
     print(f"{'regime':<20}{'controller':>11}" + "".join(f"{c:>9}" for c in FIXED_CHOICES)
           + f"{'regret':>9}{'drafted':>9}{'AR':>7}{'explored':>9}")

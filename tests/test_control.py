@@ -1,4 +1,4 @@
-"""The draft controller on recorded rounds and curves (treespec.pricing.simulate): the guarantees its
+"""The draft controller on recorded rounds and curves (treespec.apps.replay.simulate): the guarantees its
 module docstring states, on a deterministic clock, with no model run."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from treespec.control import Decision, EveryRound
 from treespec.pricing.control import ControlSettings, PricedController, best_case_yield
 from treespec.pricing.cost import ConvexCost
 from treespec.pricing.live_cost import LiveCost
-from treespec.pricing.simulate import (
+from treespec.apps.replay.simulate import (
     Regime,
     fixed_rate,
     recorded_calibration,

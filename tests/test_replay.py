@@ -72,6 +72,9 @@ class Capturing(TreePolicy):
     def draft_controller(self):
         return self.inner.draft_controller()
 
+    def begin_round(self) -> None:
+        self.inner.begin_round()
+
     def priced(self, price, calibration) -> TreePolicy:
         """The inner policy at the round's price, still capturing into these trees."""
         inner = self.inner.priced(price, calibration)

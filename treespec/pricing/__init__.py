@@ -9,8 +9,7 @@ learn through it.
 * `cost` -- cost models C_d, C_v(n; ctx) (the convex fit of a profile, presets, files);
 * `live_cost` -- a cost model corrected by the round times measured while decoding;
 * `calibration` -- how far a drafter's path probabilities can be trusted, fitted and learned live;
-* `control` -- the draft controller: whether each round drafts and at what price, learned from the rounds;
-* `simulate` -- recorded rounds and cost curves that drive a controller on a deterministic clock.
+* `control` -- the draft controller: whether each round drafts and at what price, learned from the rounds.
 
 Beside the prices, the conditions every measurement here runs under:
 

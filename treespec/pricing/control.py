@@ -52,13 +52,14 @@ kind's rounds over their count).  With no drafted round yet, Y is the best case 
 4. Taps: a generation reads the drafter's taps while trees lead or Y's upper bound is above 1 (a
    later round may still draft); a round that leaves trees behind for the generation drops them.
 
-**Guarantees** (tested on `treespec.pricing.simulate`'s recorded rounds and curves, on a deterministic
-clock): exploring rounds lose at most ``explore_share`` of the rounds' seconds (as the curve prices
-them; with a live curve, as measured up to its error), plus one round's misprediction; where B <= 1 no round drafts; on a stable machine the leader changes only when Y's
-bound excludes 1, so once m rounds make z s smaller than |Y - 1| every round goes to the better
-option; after a change of the machine's speed the prices are the new regime's within the live
-model's ``drift_rounds`` rounds of the changed kind, and every kept round is re-priced then.
-Everything is deterministic in the rounds observed.
+**Guarantees** (tested on recorded rounds and curves, treespec/apps/replay/simulate.py, on a
+deterministic clock): exploring rounds lose at most ``explore_share`` of the rounds' seconds (as the
+curve prices them; with a live curve, as measured up to its error), plus one round's misprediction;
+where B <= 1 no round drafts; on a stable machine the leader changes only when Y's bound excludes 1,
+so once m rounds make z s smaller than |Y - 1| every round goes to the better option; after a change
+of the machine's speed the prices are the new regime's within the live model's ``drift_rounds``
+rounds of the changed kind, and every kept round is re-priced then. Everything is deterministic in
+the rounds observed.
 
 Rounds verified in a batch (``report.batch_rows > 1``) count for nothing (their times are the batch's)
 but their nodes still teach a live calibration; replayed rounds (no stage times) count as live ones,

@@ -1,11 +1,12 @@
 """Offline trace replay: record what the drafters produce along the target's greedy trajectory once,
 then measure any tree policy's T = 0 acceptance lengths from the recording, without the target.
 
-Five modules, one job each: `trace` (the file format and joining traces), `record` (recording),
+Six modules, one job each: `trace` (the file format and joining traces), `record` (recording),
 `rebuild` (a recorded anchor's `DraftOutput`), `evaluate` (replaying policies; `replay_priced`
 replays a cost-aware run whose costs were corrected live, round by round with the curves its bench
 record names), `compare` (sweeps, per-prompt tau and paired intervals against a baseline, or against
-the same methods replayed from another trace of the same answers).  Replay knows a path-dependent
+the same methods replayed from another trace of the same answers), `simulate` (a draft controller
+driven by recorded rounds priced by recorded cost curves on a deterministic clock).  Replay knows a path-dependent
 scorer only through `treespec.interfaces.RecordableScorer` and the registry.
 
 Exactness.  A rebuilt draft gives the live draft's tree bit for bit for best-first policies over

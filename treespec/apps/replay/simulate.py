@@ -6,8 +6,8 @@ Contract
 run verified them (treespec/assets/controller/rounds.json, written by ``benchmarks/bench_controller.py
 --record``): per round the 16 candidates' path log-probabilities in pop order and which of them the
 target accepted.  Any prefix of the pop order is a tree (best-first adds a node after its parent), so
-a round replays at every size: the cost rule (`CostAwareStop`) keeps the first j candidates under a
-price, and the round commits 1 + (accepted among them) tokens.
+a round replays at every size: CaDDTree's cost rule (the registry's policy's stop rule) keeps the
+first j candidates under a price, and the round commits 1 + (accepted among them) tokens.
 
 `regimes()` are the machines the controller is tested on (treespec/assets/controller/curves.json:
 each a `ConvexCost` recorded by a profile, its source named there): ``torch-bf16`` (memory-bound:
@@ -39,6 +39,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from treespec import registry
 from treespec.control import DraftController
 from treespec.interfaces import DraftOutput, RoundReport, VerifyResult
 from treespec.pricing.calibration import Calibration, fit_calibration
@@ -108,7 +109,7 @@ class SimRound:
     step: float  # the true one-token step at the round's context and time (what AR would have paid)
 
 
-_DATA = Path(__file__).resolve().parents[1] / "assets" / "controller"
+_DATA = Path(__file__).resolve().parents[2] / "assets" / "controller"
 
 
 def _data(name: str) -> dict:
@@ -159,12 +160,23 @@ def _stub(ctx: int) -> DraftOutput:
     return DraftOutput(torch.zeros(1, 2), 0, position=ctx)
 
 
-def _kept(price: CostModel, scores: Sequence[float], ctx: int, budget: int) -> int:
-    """Candidates the cost rule keeps at ``price`` (the treespec convention's trim, calibrated as recorded)."""
-    from treespec.policies.engine.cost import CostAwareStop
+@functools.lru_cache(maxsize=64)
+def _rule(curve: CostModel, budget: int):
+    """The cost rule of CaDDTree (the registry's, the treespec convention) at ``curve``, calibrated as recorded."""
+    policy = registry.create("policy", "caddtree", budget=budget, cost_model=curve, calibration=recorded_calibration())
+    return policy.stop
 
-    stop = CostAwareStop(price, calibration=recorded_calibration())
-    return stop.trim(_stub(ctx), torch.tensor(scores[:budget], dtype=torch.float32))
+
+def _kept(curve: CostModel, scores: Sequence[float], ctx: int, budget: int) -> int:
+    """Candidates the cost rule keeps at ``curve`` among the recorded ones (pop order: its trim)."""
+    return _rule(curve, budget).trim(_stub(ctx), torch.tensor(scores[:budget], dtype=torch.float32))
+
+
+def _tree(scores: Sequence[float]) -> DraftTree:
+    """A verified tree of the kept candidates, their recorded path log-probs as its scores (a chain: the
+    controller reads its size and its scores, never its shape)."""
+    steps = [scores[0], *(b - a for a, b in zip(scores, scores[1:]))] if scores else []
+    return DraftTree.chain(0, list(range(1, len(scores) + 1)), steps)
 
 
 def simulate(controller: DraftController, regime: Regime, *, generations: int = 12, tokens: int = 64,
@@ -182,7 +194,7 @@ def simulate(controller: DraftController, regime: Regime, *, generations: int = 
             tau = min(record.tau(kept), tokens - done)
             verify, draft = regime.seconds(total, kept + 1, ctx, drafted, rng)
             times = {"draft": draft * 0.8, "build": draft * 0.2, "verify": verify} if drafted else {"verify": verify}
-            tree = DraftTree.chain(0, list(range(1, kept + 1)), list(record.scores[:kept]))
+            tree = _tree(record.scores[:kept])
             report = RoundReport(tree, VerifyResult(torch.arange(tau), 0), ctx, times, drafted,
                                  bool(decision is not None and decision.explore))
             controller.observe(report)
