@@ -50,6 +50,7 @@ from treespec.decoding import (
     checked_parts,
     generator_for,
 )
+from treespec.control import DraftController
 from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult
@@ -77,13 +78,14 @@ class BatchDecoder:
     """Batched AR and speculative decoding over one target (see the module docstring)."""
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
-                 verifier: Verifier | None = None) -> None:
+                 verifier: Verifier | None = None, *, controller: DraftController | None = None) -> None:
         if not target.batches:
             raise ValueError(f"the {target.engine} engine decodes one sequence at a time here: decode the prompts one "
                              "by one, or batch them on the torch engine")
         self.target, self.drafter, self.policy = target, drafter, policy
         self.verifier = checked_parts(drafter, policy, verifier)
-        self.controller = policy.draft_controller() if policy is not None else None  # kept across generate calls
+        # whether and at what price rows draft (default: the policy's; kept across generate calls)
+        self.controller = controller if controller is not None or policy is None else policy.draft_controller()
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)

@@ -317,6 +317,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None,
                  on_round: Callable[[DraftTree, VerifyResult], None] | None = None, *,
+                 controller: DraftController | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.target = target
         self.drafter = drafter
@@ -324,8 +325,8 @@ class SpeculativeDecoder:
         self.verifier = checked_parts(drafter, policy, verifier)
         self.on_round = on_round  # optional observer of each verified tree (drawing, debugging)
         self.clock = clock  # seconds; stage times are differences of it (a test may inject a fake one)
-        # whether and at what price rounds draft (kept across generations: the machine does not change with them)
-        self.controller = policy.draft_controller() if policy is not None else None
+        # whether and at what price rounds draft (default: the policy's; kept across generations)
+        self.controller = controller if controller is not None or policy is None else policy.draft_controller()
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)

@@ -27,8 +27,8 @@ class RoundStats:
     tau: int  # accepted draft tokens + 1
     tree_size: int  # nodes in the verified tree, root included
     times: dict[str, float]  # seconds per stage, keys from STAGES
-    explored: bool = False  # a live cost model priced this round for exploration (`treespec.interfaces.RoundPlan`)
-    drafted: bool = True  # the drafter was asked (False: an AR round of the back-off, or AR decoding)
+    explored: bool = False  # the draft controller took this round to explore (`treespec.control.Decision`)
+    drafted: bool = True  # the drafter was asked (False: an AR round its controller decided, or AR decoding)
     priced_with: PricedCurve | None = None  # the curve the policy's cost model priced this round's tree with
     calibrated_with: CalibrationMap | None = None  # the map a live calibration gave this round (None: none live)
     tree_seed: int | None = None  # a sampled tree's noise seed (`Proposals.seed`); None: built deterministically
@@ -42,7 +42,7 @@ class GenerationStats:
     prefill_time: float = 0.0  # seconds spent on the prompt (excluded from decode speed)
     decode_time: float = 0.0  # seconds from the first round to the last commit
     new_tokens: int = 0  # tokens emitted (after truncation to max_new_tokens / stop)
-    undrafted: bool = False  # the policy's cost model showed no tree could pay: decoded without drafting
+    undrafted: bool = False  # the draft controller declined the generation: decoded without drafting
 
     @property
     def taus(self) -> list[int]:

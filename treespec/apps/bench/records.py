@@ -98,8 +98,8 @@ class BenchRecord:
 
 def decisions_of(stats) -> dict:
     """What a generation's decoder chose, from its `GenerationStats`: rounds that drafted, AR rounds (no
-    draft: the back-off's, or a generation decoded without drafting), explorations, the tree tokens
-    verified over the drafted rounds, and whether the policy judged that no tree could pay."""
+    draft: the controller's, or a generation decoded without drafting), explorations, the tree tokens
+    verified over the drafted rounds, and whether the controller declined the generation."""
     drafted = [r for r in stats.rounds if r.drafted]
     return {"drafted": len(drafted), "ar": len(stats.rounds) - len(drafted),
             "explored": sum(r.explored for r in stats.rounds), "tree_tokens": sum(r.tree_size for r in drafted),

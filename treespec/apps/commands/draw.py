@@ -70,10 +70,12 @@ class _Enough(Exception):
 def live_round(target, drafter, policy, input_ids, round_index: int) -> tuple[DraftTree, VerifyResult]:
     """The tree and verification of round ``round_index`` (1-based) of greedy speculative decoding.
 
-    Every round drafts (no back-off), and decoding stops right after the asked-for round."""
+    Every round drafts (`treespec.control.EveryRound`, whatever the policy's own controller would
+    decide), and decoding stops right after the asked-for round."""
     import torch
     from tqdm import tqdm
 
+    from treespec.control import EveryRound
     from treespec.decoding import SpeculativeDecoder
 
     if round_index < 1:
@@ -87,7 +89,7 @@ def live_round(target, drafter, policy, input_ids, round_index: int) -> tuple[Dr
         if len(rounds) == round_index:
             raise _Enough
 
-    decoder = SpeculativeDecoder(target, drafter, policy, on_round=observe)
+    decoder = SpeculativeDecoder(target, drafter, policy, on_round=observe, controller=EveryRound())
     room = target.max_positions - int(torch.as_tensor(input_ids).numel())
     try:
         decoder.generate(input_ids, max_new_tokens=min(room, (drafter_depth(drafter) + 1) * round_index),
