@@ -146,6 +146,6 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="budget"):
         PricedController(REGIMES["busy"].prior, None, 0)
     with pytest.raises(ValueError):
-        ControlSettings(min_rounds=1)
+        ControlSettings(min_spread=-0.1)
     with pytest.raises(ValueError):
         ControlSettings(explore_share=-0.1)

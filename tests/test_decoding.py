@@ -13,6 +13,7 @@ from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 import treespec
 from treespec.apps.cli import main
 from treespec.control import Decision, DraftController
+from treespec import decoding
 from treespec.decoding import SpeculativeDecoder, limit_depth
 from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
 from treespec.interfaces import Drafter, DraftOutput, TreePolicy
@@ -370,25 +371,27 @@ def _scripted_decoder(script, target, drafter=None):
 
 def test_the_loop_does_what_its_controller_decides_and_tells_it_every_round(qwen):
     """Each round drafts as decided (an exploration is marked), the controller hears every round, a round
-    that drops the taps ends drafting for the generation (and the target is asked without taps), and
-    the output is AR's whatever was decided."""
+    that drops the taps ends drafting for the generation (the decoder keeps no more taps), and the
+    output is AR's whatever was decided."""
     target = qwen
     prompt = torch.tensor([4, 8, 1, 6])
     ar = SpeculativeDecoder(target).generate(prompt, max_new_tokens=24).tokens.tolist()
     script = _Scripted([Decision(), Decision(draft=False), Decision(explore=True), Decision(draft=False, taps=False),
                         Decision(), Decision()])
     decoder = _scripted_decoder(script, target, _block_drafter(False))
-    taps_asked = []
-    forward = target.forward_tree
-    target.forward_tree = lambda tree, taps=(): taps_asked.append(tuple(taps)) or forward(tree, taps)
-    out = decoder.generate(prompt, max_new_tokens=24)
-    target.forward_tree = forward
+    kept = []
+    commit = decoding.commit_round
+    decoding.commit_round = lambda seq, *args: kept.append(args[2] is not None) or commit(seq, *args)
+    try:
+        out = decoder.generate(prompt, max_new_tokens=24)
+    finally:
+        decoding.commit_round = commit
     rounds = out.stats.rounds
     assert out.tokens.tolist() == ar
     assert [r.drafted for r in rounds[:6]] == [True, False, True, False, False, False]
     assert [r.explored for r in rounds[:3]] == [False, False, True]
     assert not any(r.drafted for r in rounds[3:]) and len(script.decisions) == 2  # never asked again
-    assert taps_asked[3:] == [()] * (len(taps_asked) - 3) and all(taps_asked[:3])
+    assert kept[:3] == [True] * 3 and not any(kept[3:])
     assert len(script.reports) == len(rounds) and [r.drafted for r in script.reports] == [r.drafted for r in rounds]
 
 

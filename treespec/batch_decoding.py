@@ -66,9 +66,8 @@ class BatchSide:
     def __init__(self, batch: BatchTarget, taps: tuple[int, ...]) -> None:
         self.batch, self.taps = batch, taps
 
-    def forward(self, trees: Sequence[DraftTree], tapping: Sequence[bool]) -> list[TargetOutput]:
-        """The trees' forward, with the drafter's taps while any row still reads them."""
-        return self.batch.forward_trees(TreeBatch(list(trees)), self.taps if any(tapping) else ())
+    def forward(self, trees: Sequence[DraftTree]) -> list[TargetOutput]:
+        return self.batch.forward_trees(TreeBatch(list(trees)), self.taps)
 
     def commit(self, accepted: Sequence[torch.Tensor]) -> None:
         self.batch.commit(list(accepted))

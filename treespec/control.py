@@ -5,9 +5,10 @@ Contract
 A decoder asks one `DraftController` (its policy's, `TreePolicy.draft_controller`) and nothing else
 whether to draft.  Before a generation, ``start_generation()`` says whether the generation may draft
 at all (False: the target is run without the drafter's taps, so the generation is plain AR
-decoding).  Before every round, ``decide()`` returns a `Decision`: draft or not, keep reading taps
-or not (once a round drops them, the generation drafts no more: the drafter would miss the taps of
-the tokens committed meanwhile), and the price the round's tree is built at (the cost curve and
+decoding).  Before every round, ``decide()`` returns a `Decision`: draft or not, keep the drafter's
+taps or not (once a round drops them, the generation drafts no more and the decoder stops keeping
+them: the drafter would miss the taps of the tokens committed meanwhile; an engine that fixes its
+taps at the prefill still computes them), and the price the round's tree is built at (the cost curve and
 calibration a priced policy builds with, `TreePolicy.priced`; None: the policy's own fields).
 After every round, ``observe(report)`` receives the round as measured (`RoundReport`: its tree,
 accepted path, context, stage seconds, whether it drafted and explored, how many sequences one

@@ -160,7 +160,7 @@ class Row:
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: GenerationStats = attrs.field(factory=GenerationStats)
-    tapping: bool = True  # the target still gives the drafter's taps (a row that dropped them drafts no more)
+    tapping: bool = True  # the drafter's taps are still kept (a row that dropped them drafts no more this generation)
     decision: Decision = AR_ROUND  # this round's decision
     draft: DraftOutput | None = None  # this round's draft (None: an AR round for this sequence)
     tree: DraftTree | None = None  # this round's tree, cut to the depth the sequence can use
@@ -173,9 +173,9 @@ class OneTarget:
     def __init__(self, target: TargetModel, taps: tuple[int, ...]) -> None:
         self.target, self.taps = target, taps
 
-    def forward(self, trees: Sequence[DraftTree], tapping: Sequence[bool]) -> list[TargetOutput]:
-        (tree,), (taps,) = trees, tapping
-        return [self.target.forward_tree(tree, self.taps if taps else ())]
+    def forward(self, trees: Sequence[DraftTree]) -> list[TargetOutput]:
+        (tree,) = trees
+        return [self.target.forward_tree(tree, self.taps)]
 
     def commit(self, accepted: Sequence[torch.Tensor]) -> None:
         (nodes,) = accepted
@@ -219,8 +219,7 @@ class RoundRunner:
         """``first_token="prefill"``: every row's anchor in one forward of root-only trees; commit the
         target's token after it (argmax, or a draw at T > 0) as each row's first new token."""
         device = self.target.device
-        outputs = self.side.forward([DraftTree.root_only(r.seq.anchor, device=device) for r in rows],
-                                    [r.tapping for r in rows])
+        outputs = self.side.forward([DraftTree.root_only(r.seq.anchor, device=device) for r in rows])
         self.side.commit([torch.zeros(1, dtype=torch.int64, device=device) for _ in rows])
         for row, out in zip(rows, outputs, strict=True):
             commit_first_token(row.seq, out.logits, out.features, row.sampling, row.generator)
@@ -247,7 +246,7 @@ class RoundRunner:
             row.proposals = cut_proposals(proposals, tree, row.tree)
 
     def _verify(self, rows: list[Row]) -> tuple[list[VerifyResult], list[TargetOutput]]:
-        outputs = self.side.forward([r.tree for r in rows], [r.tapping for r in rows])
+        outputs = self.side.forward([r.tree for r in rows])
         results = [self.verifier.verify(r.tree, out.logits, sampling=r.sampling, generator=r.generator,
                                         position=r.seq.anchor_position + 1, draft=r.draft, proposals=r.proposals)
                    for r, out in zip(rows, outputs, strict=True)]
@@ -257,7 +256,8 @@ class RoundRunner:
         self.side.commit([res.accepted.to(r.tree.device) for r, res in zip(rows, results, strict=True)])
         for row, result, out in zip(rows, results, outputs, strict=True):
             drafted = row.draft is not None
-            path_tokens = commit_round(row.seq, row.tree, result, out.features, drafted, row.drafter is None)
+            features = out.features if row.tapping else None  # a row that drafts no more keeps no taps
+            path_tokens = commit_round(row.seq, row.tree, result, features, drafted, row.drafter is None)
             if drafted:
                 row.drafter.observe(path_tokens)
 

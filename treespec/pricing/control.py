@@ -19,12 +19,11 @@ exceeds 1: the AR steps their tokens would have taken over what the rounds cost,
 current curve (t_i tokens committed, n_i tree tokens, c_i the context; the rounds of the last
 ``forget_after``).  Time enters through the curve only, so a busy machine's slow rounds, which slow
 an AR step as much, do not count against trees twice, and a change of regime the live model finds
-re-prices every kept round at once.  Before ``min_rounds`` drafted rounds t_i is what the round's
-tree promised (1 + its nodes' calibrated acceptance chances), after it what the target accepted.
-Its bounds are Y -+ z s, s the ratio estimator's standard error (at least Y ``min_spread`` / sqrt(m)
-over m rounds) combined with the live curve's own (`LiveCost.price_spread`: the time noise of each
-kind's rounds over their count).  With no drafted round yet, Y is the best case B = max over n <= budget of
-(n + 1) C_v(1) / (C_d + C_v(n + 1)) (every node accepted), with bounds (0, B).
+re-prices every kept round at once.  Its bounds are Y -+ z s, s the ratio estimator's standard
+error (at least Y ``min_spread`` / sqrt(m) over m rounds) combined with the live curve's own
+(`LiveCost.price_spread`: the time noise of each kind's rounds over their count).  With no drafted
+round yet, Y is the best case B = max over n <= budget of (n + 1) C_v(1) / (C_d + C_v(n + 1))
+(every node accepted), with bounds (0, B).
 
 **The rule**, before each round:
 
@@ -76,7 +75,7 @@ import attrs
 
 from treespec.control import Decision, DraftController
 from treespec.interfaces import RoundReport
-from treespec.pricing.calibration import Calibration, LiveCalibration, node_outcomes
+from treespec.pricing.calibration import LiveCalibration, node_outcomes
 from treespec.pricing.cost import CostModel
 from treespec.pricing.live_cost import LiveCost
 
@@ -87,8 +86,6 @@ __all__ = ["ControlSettings", "PricedController", "best_case_yield"]
 class ControlSettings:
     """How the priced controller weighs and explores (module docstring)."""
 
-    # drafted rounds measured before Y counts the tokens they committed (their trees' promise till then)
-    min_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(2))
     # the least relative spread of one round's yield (a tree's tokens vary from round to round)
     min_spread: float = attrs.field(default=0.3, validator=attrs.validators.ge(0))
     # width of the confidence bound, in standard errors
@@ -109,7 +106,6 @@ class _Round:
 
     index: int  # the round's number among every round observed
     tokens: int  # tokens committed
-    promised: float  # tokens its tree promised: 1 + the calibrated acceptance chances of its nodes
     size: int  # tree tokens verified, root included
     context: int  # tokens cached under the tree
 
@@ -132,7 +128,7 @@ class PricedController(DraftController):
         self.settings = settings or ControlSettings()
         self.live = cost if isinstance(cost, LiveCost) else None
         self._kept: deque[_Round] = deque()  # the drafted rounds Y is made of
-        self._terms: deque[tuple[float, float, float]] = deque()  # theirs at `_priced_by`: (t C_v(1), promised C_v(1), C_d + C_v(n))
+        self._terms: deque[tuple[float, float]] = deque()  # theirs at `_priced_by`: (t C_v(1), C_d + C_v(n))
         self._priced_by: CostModel | None = None
         self._best: tuple[object, int, float] | None = None  # (curve, context, B) last computed
         self._trees_lead = versus_ar  # which option leads (rule 2)
@@ -161,7 +157,7 @@ class PricedController(DraftController):
             self._best = (curve, self._context, best_case_yield(curve, self.budget, self._context))
         return self._best[2]
 
-    def _terms_now(self) -> deque[tuple[float, float, float]]:
+    def _terms_now(self) -> deque[tuple[float, float]]:
         """Every kept round's terms at the current curve (re-priced when the curve changed)."""
         curve = self._curve()
         if self._priced_by is not curve:
@@ -170,9 +166,8 @@ class PricedController(DraftController):
         return self._terms
 
     @staticmethod
-    def _price(r: _Round, curve: CostModel) -> tuple[float, float, float]:
-        step = curve.verify_seconds(1, r.context)
-        return r.tokens * step, r.promised * step, curve.draft_cost + curve.verify_seconds(r.size, r.context)
+    def _price(r: _Round, curve: CostModel) -> tuple[float, float]:
+        return r.tokens * curve.verify_seconds(1, r.context), curve.draft_cost + curve.verify_seconds(r.size, r.context)
 
     def trees_yield(self) -> tuple[float, float, float]:
         """(Y, its lower bound, its upper bound) (module docstring)."""
@@ -181,9 +176,8 @@ class PricedController(DraftController):
         if m == 0:
             best = self.best_case()
             return best, 0.0, best
-        column = 1 if m < s.min_rounds else 0  # the promise before min_rounds, the tokens after
-        gained = [t[column] for t in terms]
-        prices = [t[2] for t in terms]
+        gained = [t[0] for t in terms]  # AR's seconds for the rounds' tokens
+        prices = [t[1] for t in terms]
         y = sum(gained) / sum(prices)
         se = y * s.min_spread / math.sqrt(m)
         if m >= 2:  # the ratio estimator's standard error
@@ -292,7 +286,7 @@ class PricedController(DraftController):
         self._seconds += seconds
         if report.drafted:
             self._since_flat = 0 if report.explored else self._since_flat + 1
-            self._keep(_Round(index, tau, self._promise(report), size, ctx))
+            self._keep(_Round(index, tau, size, ctx))
         while self._kept and self._kept[0].index <= index - self.settings.forget_after:
             self._kept.popleft()
             if self._priced_by is not None:
@@ -311,11 +305,3 @@ class PricedController(DraftController):
         self._kept.append(r)
         if self._priced_by is not None:
             self._terms.append(self._price(r, self._priced_by))
-
-    def _promise(self, report: RoundReport) -> float:
-        """1 + Σ δ' over the verified tree's nodes: the tokens the drafter promised, calibrated."""
-        scores = report.tree.scores[1:].detach().cpu()
-        if scores.numel() == 0:
-            return 1.0
-        calibration = self.calibration if self.calibration is not None else Calibration()
-        return 1.0 + float(calibration.deltas(scores).sum())
