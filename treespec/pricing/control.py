@@ -48,8 +48,9 @@ round yet, Y is the best case B = max over n <= budget of (n + 1) C_v(1) / (C_d 
    the cost model only, so the same rounds decide the same way in a live run and in its replay.
    One exploration is taken whatever the share: an AR step as soon as the live model scaled the step
    from the trees' change of regime (until a round measures it, Y would be priced in a guess).
-4. Taps: a generation reads the drafter's taps while trees lead or Y's upper bound is above 1 (a
-   later round may still draft); a round that leaves trees behind for the generation drops them.
+4. Taps: a generation reads the drafter's taps while trees lead or a tree exploration is due at its
+   start; a round where AR leads and none is due drops them, and the rest of the generation is
+   plain AR decoding (keeping taps costs a forward time on some engines).
 
 **Guarantees** (tested on recorded rounds and curves, treespec/apps/replay/simulate.py, on a
 deterministic clock): exploring rounds lose at most ``explore_share`` of the rounds' seconds (as the
@@ -151,10 +152,11 @@ class PricedController(DraftController):
         return self.cost.verify_seconds(1, ctx)
 
     def best_case(self) -> float:
-        """B at the last round's context under the current curve (module docstring)."""
-        curve = self._curve()
-        if self._best is None or self._best[0] is not curve or self._best[1] != self._context:
-            self._best = (curve, self._context, best_case_yield(curve, self.budget, self._context))
+        """B near the last round's context under the current curve (module docstring): computed at the
+        start of its 64-token span of contexts, once per curve."""
+        curve, span = self._curve(), self._context - self._context % 64
+        if self._best is None or self._best[0] is not curve or self._best[1] != span:
+            self._best = (curve, span, best_case_yield(curve, self.budget, span))
         return self._best[2]
 
     def _terms_now(self) -> deque[tuple[float, float]]:
@@ -213,10 +215,16 @@ class PricedController(DraftController):
         return self._tapping
 
     def _may_draft(self) -> bool:
-        """Whether trees may still win: they lead, or Y's upper bound is above 1 (and B is)."""
+        """Whether this generation may draft: trees lead, or an exploration of them is due (B > 1)."""
         if self.best_case() <= 1.0:
             return False
-        return self._trees_lead or self.trees_yield()[2] > 1.0
+        return self._trees_lead or self._tree_exploration_due()
+
+    def _tree_exploration_due(self) -> bool:
+        """While AR leads: whether trees may still win (Y's upper bound above 1, or their prices only scaled
+        from the AR step's change) and a flat-priced tree fits the share now."""
+        unmeasured = self.live is not None and self.live.trees_unmeasured
+        return (self.trees_yield()[2] > 1.0 or unmeasured) and self._affordable(self._flat_loss(1.0))
 
     def decide(self) -> Decision:
         if not self.versus_ar:
@@ -225,15 +233,13 @@ class PricedController(DraftController):
             return Decision(draft=False, taps=False)
         if self.best_case() <= 1.0:
             return self._ar(taps=False)
-        y, _, hi = self.trees_yield()
         if self._trees_lead:
-            return self._while_trees_lead(max(y, 1.0))
+            return self._while_trees_lead(max(self.trees_yield()[0], 1.0))
         if self.live is not None and self.live.step_unmeasured:
             return self._ar(taps=True)  # the AR step was scaled from the trees' change: this round measures it
-        unmeasured = self.live is not None and self.live.trees_unmeasured  # scaled from the AR step's change
-        if (hi > 1.0 or unmeasured) and self._affordable(self._flat_loss(1.0)):
+        if self._tree_exploration_due():
             return self._tree(explore=True, flat=True)
-        return self._ar(taps=hi > 1.0 or unmeasured)
+        return self._ar(taps=False)  # the generation drafts no more: the next one may explore
 
     def _while_trees_lead(self, y: float) -> Decision:
         s = self.settings

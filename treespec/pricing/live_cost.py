@@ -127,6 +127,9 @@ class LiveCost(CostModel):
     def verify_cost(self, n: torch.Tensor, ctx: int) -> torch.Tensor:
         return self._current.verify_cost(n, ctx)
 
+    def verify_seconds(self, n: float, ctx: int) -> float:
+        return self._current.verify_seconds(n, ctx)  # the current curve's scalar path (no tensors)
+
     def to_dict(self) -> dict:
         """The current curve (a plain convex cost model: what a saved file or a record replays with)."""
         return self._current.to_dict()
