@@ -212,7 +212,8 @@ class RoundRunner:
         clock.run("commit", self._commit, rows, results, outputs)
         for row, result, ctx in zip(rows, results, contexts, strict=True):
             self._observe(row, RoundReport(row.tree, result, ctx, clock.times, row.draft is not None,
-                                           row.decision.explore, batch_rows=len(rows)))
+                                           row.decision.explore, batch_rows=len(rows),
+                                           tapped=row.drafter is not None))
             row.stats.rounds.append(_round_stats(row, result, dict(clock.times)))
 
     def first_tokens(self, rows: list[Row]) -> None:

@@ -411,6 +411,7 @@ class RoundReport:
     drafted: bool  # the drafter was asked this round (False: an AR step)
     explored: bool = False  # the round explored (`treespec.control.Decision.explore`)
     batch_rows: int = 1  # sequences whose trees one forward verified together: > 1, the times are the batch's
+    tapped: bool = False  # the forward computed the drafter's taps (a generation that may draft)
 
     @property
     def seconds(self) -> float:

@@ -43,7 +43,9 @@ round yet, Y is the best case B = max over n <= budget of (n + 1) C_v(1) / (C_d 
    exploration is taken only when the exploring rounds' losses so far plus its predicted loss stay
    within ``explore_share`` of the seconds of every round observed.  A round's *loss* is its seconds
    less what the leading option would have taken for its tokens (negative for one that pays); an
-   exploring tree's is predicted with one token.  Seconds here are the curve's price of each round
+   exploring tree's is predicted with one token, and a generation kept tapped for it adds the taps'
+   measured cost (`tap_cost`: AR rounds with and without taps, apart) over as many rounds as the
+   last generation had.  Seconds here are the curve's price of each round
    (C_d for a drafted one, plus C_v(n; ctx)) when it was observed: time reaches the controller through
    the cost model only, so the same rounds decide the same way in a live run and in its replay.
    One exploration is taken whatever the share: an AR step as soon as the live model scaled the step
@@ -78,7 +80,7 @@ from treespec.control import Decision, DraftController
 from treespec.interfaces import RoundReport
 from treespec.pricing.calibration import LiveCalibration, node_outcomes
 from treespec.pricing.cost import CostModel
-from treespec.pricing.live_cost import LiveCost
+from treespec.pricing.live_cost import LiveCost, trimmed_mean
 
 __all__ = ["ControlSettings", "PricedController", "best_case_yield"]
 
@@ -141,6 +143,9 @@ class PricedController(DraftController):
         self._context = contexts[0] if contexts else 0  # the last round's context (where the next one is priced)
         self._tapping = True  # this generation reads taps
         self.explorations = 0  # exploring rounds observed
+        # AR rounds' measured verify over the curve's step, with the drafter's taps computed and without
+        self._steps: dict[bool, deque[float]] = {True: deque(maxlen=32), False: deque(maxlen=32)}
+        self._generation_rounds = [0, 0]  # rounds of the generation under way, and of the last one
 
     # ------------------------------------------------------------------ estimates
     def _curve(self) -> CostModel:
@@ -211,8 +216,18 @@ class PricedController(DraftController):
 
     # ------------------------------------------------------------------ the decoder's side
     def start_generation(self) -> bool:
+        self._generation_rounds = [0, self._generation_rounds[0] or self._generation_rounds[1]]
         self._tapping = not self.versus_ar or self._may_draft()
         return self._tapping
+
+    def tap_cost(self) -> float:
+        """Seconds an AR round pays for the drafter's taps (an engine computes them for the whole generation
+        once its prefill asked for them): the trimmed means of AR rounds' verify over the curve's step,
+        with taps and without, apart, times the step; 0 until both were measured."""
+        if not self._steps[True] or not self._steps[False]:
+            return 0.0
+        extra = trimmed_mean(list(self._steps[True])) - trimmed_mean(list(self._steps[False]))
+        return max(0.0, extra) * self._step(self._context)
 
     def _may_draft(self) -> bool:
         """Whether this generation may draft: trees lead, or an exploration of them is due (B > 1)."""
@@ -224,7 +239,8 @@ class PricedController(DraftController):
         """While AR leads: whether trees may still win (Y's upper bound above 1, or their prices only scaled
         from the AR step's change) and a flat-priced tree fits the share now."""
         unmeasured = self.live is not None and self.live.trees_unmeasured
-        return (self.trees_yield()[2] > 1.0 or unmeasured) and self._affordable(self._flat_loss(1.0))
+        taps = self.tap_cost() * self._generation_rounds[1]  # the taps of a generation as long as the last
+        return (self.trees_yield()[2] > 1.0 or unmeasured) and self._affordable(self._flat_loss(1.0) + taps)
 
     def decide(self) -> Decision:
         if not self.versus_ar:
@@ -283,6 +299,12 @@ class PricedController(DraftController):
         size, ctx, tau = len(report.tree), report.context, report.result.tau
         seconds = self._priced(size, ctx, report.drafted)  # what the round cost, as the curve prices it
         self._context = ctx
+        self._generation_rounds[0] += 1
+        verify = report.times.get("verify", 0.0)
+        if size == 1 and not report.drafted and verify > 0:
+            self._steps[report.tapped].append(verify / self._step(ctx))
+            if report.tapped and not self._trees_lead:  # taps kept for an exploration: part of what it costs
+                self._lost += self.tap_cost()
         if report.explored:  # what the leading option would have taken for the round's tokens
             lead = max(self.trees_yield()[0], 1.0) if self._trees_lead else 1.0
             self._lost += seconds - tau * self._step(ctx) / lead
@@ -297,7 +319,6 @@ class PricedController(DraftController):
             self._kept.popleft()
             if self._priced_by is not None:
                 self._terms.popleft()
-        verify = report.times.get("verify", 0.0)
         if self.live is not None and verify > 0:  # a replayed round has no times: the curve learns nothing
             self.live.observe(size, ctx, verify, report.drafting_seconds, report.explored)
         if self.versus_ar:
