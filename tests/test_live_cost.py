@@ -212,9 +212,9 @@ def test_a_cost_aware_policy_follows_the_machine_from_full_trees_to_ar_and_back(
 
 def test_a_live_calibration_stops_trusting_a_drafter_the_target_does_not_follow():
     """A drafter that looks as sure as a good one and is rarely right (top-1 one time in ten): priced by
-    its own promises, trees of 8 and 9 nodes seem to pay every round it drafts; calibrated live, the policy
-    learns within a few hundred nodes that they do not and builds smaller trees, and its controller drafts less.  The output is the
-    target's either way."""
+    its own promises, trees of 8 and 9 nodes seem to pay every round it drafts; calibrated live, the
+    policy learns within a few hundred nodes that they do not and builds smaller trees, and its
+    controller drafts less.  The output is the target's either way."""
     prompt, new_tokens = torch.tensor([5, 9, 2, 7]), 90
     results = {}
     for name in ("as drafted", "live"):

@@ -16,8 +16,7 @@ The rules (docs/decoding.md, "Live cost model", has the reasons and the measurem
   step (n = 1, another kernel) is a kind of its own, trees (n >= 2) the other.
 * **Per bucket** a correction: the `trimmed_mean` of seconds / prior over its last ``window``
   observations, pooled with its kind's (``pool_weight`` rounds' worth); a bucket never observed takes
-  its kind's, a kind with none observed takes the other kind's (the machine changed speed, not one
-  kernel), else 1.
+  its kind's, trees with none observed take the one-token step's, else 1.
 * **The curve**, per profiled context: each knot's prior value and corrected value, weighted by a
   pseudo-count of the prior and the bucket's observations, fitted by `fit_verify_curve` as the
   profile is; C_d the trimmed mean of draft + build seconds, weighted alike.
@@ -277,7 +276,7 @@ class LiveCost(CostModel):
         seen = [j for j in range(len(self.knots)) if own[j] is not None]
 
         def pooled(trees: bool) -> float | None:  # the kind's observed corrections, each weighed by its rounds
-            kin = [j for j in seen if (self.knots[j] >= 2) == trees] or seen
+            kin = [j for j in seen if (self.knots[j] >= 2) == trees] or (seen if trees else [])
             counts = [len(self._ratios[j]) for j in kin]
             return sum(own[j] * m for j, m in zip(kin, counts)) / sum(counts) if kin else None
 
