@@ -41,8 +41,7 @@ from typing import ClassVar
 import attrs
 import numpy as np
 
-from treespec.control import DraftController
-from treespec.interfaces import DraftOutput, TreePolicy, backend_field
+from treespec.interfaces import DraftController, DraftOutput, TreePolicy, backend_field
 from treespec.policies.engine.best_first import budget_field
 from treespec.policies.engine.cost import check_cost_model, require_cost_model
 from treespec.policies.static import Static

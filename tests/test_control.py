@@ -7,10 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treespec.control import Decision, EveryRound
-from treespec.pricing.control import ControlSettings, PricedController, best_case_yield
-from treespec.pricing.cost import ConvexCost
-from treespec.pricing.live_cost import LiveCost
 from treespec.apps.replay.simulate import (
     Regime,
     fixed_rate,
@@ -20,6 +16,10 @@ from treespec.apps.replay.simulate import (
     simulate,
     summary,
 )
+from treespec.interfaces import Decision, EveryRound
+from treespec.pricing.control import ControlSettings, PricedController, best_case_yield
+from treespec.pricing.cost import ConvexCost
+from treespec.pricing.live_cost import LiveCost
 
 REGIMES = regimes()
 QUIET = ("torch-bf16", "llama.cpp-q4_1", "torch-bf16-icelake")

@@ -11,12 +11,11 @@ import torch
 from test_target import hf_greedy, random_prompts, tiny_model, tiny_target
 
 import treespec
-from treespec.apps.cli import main
-from treespec.control import Decision, DraftController
 from treespec import decoding
+from treespec.apps.cli import main
 from treespec.decoding import SpeculativeDecoder, limit_depth
 from treespec.drafters.oracle import ORACLE_PRESETS, OracleDrafter
-from treespec.interfaces import Drafter, DraftOutput, TreePolicy
+from treespec.interfaces import Decision, DraftController, Drafter, DraftOutput, TreePolicy
 from treespec.policies.ddtree import DDTree
 from treespec.target import ContextOverflowError
 from treespec.tree import DraftTree

@@ -50,8 +50,7 @@ from treespec.decoding import (
     checked_parts,
     generator_for,
 )
-from treespec.control import DraftController
-from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
+from treespec.interfaces import DraftController, Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult
 from treespec.target import TargetModel, TargetOutput

@@ -15,13 +15,13 @@ its previous draft, so ``feature_start + len(features) == anchor position`` alwa
 taps (all but the anchor) in the first round, the accepted nodes' taps (root first) afterwards.
 
 Whether and how much a round drafts is decided by one object, the policy's draft controller
-(`TreePolicy.draft_controller`, `treespec.control`), which a decoder asks for once and keeps across
-its ``generate`` calls: before a generation whether it may draft at all (if not: no draft, no taps,
+(`TreePolicy.draft_controller`, `treespec.interfaces.DraftController`), which a decoder asks for
+once and keeps across its ``generate`` calls: before a generation whether it may draft at all (if not: no draft, no taps,
 the target's AR steps, said in the stats as ``undrafted``), before each round a `Decision` (draft
 or run an AR step; keep the taps or drop them for the rest of the generation; the price a priced
 policy builds at, `TreePolicy.priced`), and after each round the `RoundReport` (the verified tree,
 its accepted path, the cached context, the stage times).  Fixed-size policies draft every round
-(`treespec.control.EveryRound`); cost-aware ones learn the machine (treespec/pricing/control.py).
+(`treespec.interfaces.EveryRound`); cost-aware ones learn the machine (treespec/pricing/control.py).
 The policy itself hears ``begin_round`` before a round and the report after it (``observe_round``),
 for a policy that learns from acceptance.  AR rounds commit what the target chooses: the output is
 unchanged, and the drafter receives the taps of the tokens committed meanwhile at its next draft.
@@ -47,9 +47,10 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.control import Decision, DraftController
 from treespec.interfaces import (
+    Decision,
     DraftContext,
+    DraftController,
     Drafter,
     DraftOutput,
     Proposals,

@@ -15,11 +15,20 @@ One decoding round is ``draft -> build -> verify -> commit``:
    with the root) and the new bonus token, which becomes the next round's root.
 4. The decoder commits the accepted path and calls ``Drafter.observe``.
 5. The round's feedback: the decoder hands a `RoundReport` (the verified tree, its accepted path,
-   the cached context, the stage times) to the policy's draft controller (`treespec.control`:
+   the cached context, the stage times) to the policy's draft controller (`DraftController`:
    whether and at what price the next round drafts; ``TreePolicy.draft_controller``) and to
    ``TreePolicy.observe_round`` (a policy that learns from acceptance).  Before the round it calls
    ``TreePolicy.begin_round``.  The hooks are no-ops by default; the decoder finds nothing on a
    policy but these declared methods.
+
+The draft controller: a decoder asks one `DraftController` (its policy's) and nothing else whether
+to draft.  ``start_generation()`` says whether a generation may draft at all (False: no draft, no
+taps: plain AR decoding); before each round ``decide()`` returns a `Decision` (draft or an AR step;
+keep the drafter's taps or drop them for the rest of the generation, which then drafts no more; the
+price and calibration a priced policy builds at, `TreePolicy.priced`; whether the round explores);
+after it ``observe(report)`` hears the `RoundReport`.  The tokens committed never depend on a
+decision: every tree is verified losslessly.  `EveryRound` (the default) drafts every round at the
+policy's own price, as the published loops do; treespec/pricing/control.py learns the machine.
 
 A policy declaring ``samples_from_draft`` also implements ``TreePolicy.sample``: at T > 0 the
 decoder asks it for a tree whose children are *drawn* from the draft, given a seed it draws from
@@ -51,12 +60,11 @@ import torch
 from treespec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from treespec.control import DraftController
     from treespec.target import TargetModel
 
 __all__ = [
     "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "Proposals", "RecordableScorer",
-    "CalibrationMap", "PricedCurve", "RoundReport", "SamplingParams",
+    "CalibrationMap", "Decision", "DraftController", "EveryRound", "PricedCurve", "RoundReport", "SamplingParams",
     "TreePolicy", "Verifier", "VerifyResult", "backend_field", "check_backend", "check_single_batch", "BACKENDS",
 ]
 
@@ -343,15 +351,13 @@ class TreePolicy(ABC):
         return [self.build(draft) for draft in drafts]
 
     def draft_controller(self) -> DraftController:
-        """A fresh controller of whether and at what price this policy's rounds draft (`treespec.control`);
+        """A fresh controller of whether and at what price this policy's rounds draft (`DraftController`);
         a decoder asks once and keeps it across its generations.  Default: draft every round at the
         policy's own price; a policy that prices its trees returns one that learns the machine."""
-        from treespec.control import EveryRound
-
         return EveryRound()
 
     def priced(self, price: PricedCurve | None, calibration: CalibrationMap | None) -> TreePolicy:
-        """This policy building at ``price`` and ``calibration`` (a controller's `treespec.control.Decision`;
+        """This policy building at ``price`` and ``calibration`` (a controller's `Decision`;
         None keeps the policy's own).  Default: the policy itself (it prices nothing)."""
         return self
 
@@ -401,7 +407,7 @@ class CalibrationMap(Protocol):
 
 @attrs.frozen(eq=False)
 class RoundReport:
-    """One verified round as the decoder measured it (`treespec.control.DraftController.observe`,
+    """One verified round as the decoder measured it (`DraftController.observe`,
     `TreePolicy.observe_round`)."""
 
     tree: DraftTree  # the tree the target verified (root-only for an AR step)
@@ -409,7 +415,7 @@ class RoundReport:
     context: int  # tokens in the target's cache under the tree (the anchor's position)
     times: Mapping[str, float]  # seconds per stage: draft, build, verify, commit
     drafted: bool  # the drafter was asked this round (False: an AR step)
-    explored: bool = False  # the round explored (`treespec.control.Decision.explore`)
+    explored: bool = False  # the round explored (`Decision.explore`)
     batch_rows: int = 1  # sequences whose trees one forward verified together: > 1, the times are the batch's
     tapped: bool = False  # the forward computed the drafter's taps (a generation that may draft)
 
@@ -422,6 +428,46 @@ class RoundReport:
     def drafting_seconds(self) -> float | None:
         """Draft + build seconds of a drafted round (what a tree round pays and an AR step does not)."""
         return self.times["draft"] + self.times["build"] if self.drafted else None
+
+
+# ---------------------------------------------------------------------------- the draft controller
+@attrs.frozen(eq=False)
+class Decision:
+    """What the next round does (module docstring)."""
+
+    draft: bool = True  # ask the drafter this round (False: an AR step)
+    taps: bool = True  # keep reading the drafter's taps (False: this generation drafts no more)
+    price: PricedCurve | None = None  # the cost curve a priced policy builds this round's tree at (None: its own)
+    calibration: CalibrationMap | None = None  # the calibration it builds at (None: its own)
+    explore: bool = False  # the round measures what the controller does not favour (its reports count them)
+
+    def __attrs_post_init__(self) -> None:
+        if self.draft and not self.taps:
+            raise ValueError("a round that drafts keeps the drafter's taps")
+
+
+class DraftController(ABC):
+    """Decides before each round whether and how much to draft, and learns from each round."""
+
+    def start_generation(self) -> bool:
+        """A new generation starts: whether it may draft (read the drafter's taps).  Default: True."""
+        return True
+
+    @abstractmethod
+    def decide(self) -> Decision:
+        """The next round's `Decision`."""
+
+    def observe(self, report: RoundReport) -> None:
+        """The round just verified, as measured.  Default: learns nothing."""
+
+
+class EveryRound(DraftController):
+    """Draft every round at the policy's own price (the published loops' rule)."""
+
+    _always = Decision()
+
+    def decide(self) -> Decision:
+        return self._always
 
 
 # ---------------------------------------------------------------------------- verification

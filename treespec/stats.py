@@ -27,7 +27,7 @@ class RoundStats:
     tau: int  # accepted draft tokens + 1
     tree_size: int  # nodes in the verified tree, root included
     times: dict[str, float]  # seconds per stage, keys from STAGES
-    explored: bool = False  # the draft controller took this round to explore (`treespec.control.Decision`)
+    explored: bool = False  # the draft controller took this round to explore (`treespec.interfaces.Decision`)
     drafted: bool = True  # the drafter was asked (False: an AR round its controller decided, or AR decoding)
     priced_with: PricedCurve | None = None  # the curve the policy's cost model priced this round's tree with
     calibrated_with: CalibrationMap | None = None  # the map a live calibration gave this round (None: none live)

@@ -49,8 +49,7 @@ from typing import ClassVar, Literal
 import attrs
 import torch
 
-from treespec.control import DraftController
-from treespec.interfaces import DraftOutput
+from treespec.interfaces import DraftController, DraftOutput
 from treespec.policies.engine.stop import StopRule
 from treespec.pricing.calibration import Calibration, to_calibration
 from treespec.pricing.control import PricedController

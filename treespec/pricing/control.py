@@ -2,7 +2,7 @@
 
 Contract
 --------
-`PricedController(cost, calibration, budget)` is a `treespec.control.DraftController` for a policy
+`PricedController(cost, calibration, budget)` is a `treespec.interfaces.DraftController` for a policy
 that prices its trees (CaDDTree, the cost-aware DominoTree, the hardware-aware Sequoia).  It is the
 one place that decides whether a round drafts and at what price its tree is built.  It learns with
 the policy's cost model: every round verified alone goes to a `treespec.pricing.live_cost.LiveCost`
@@ -76,8 +76,7 @@ from collections import deque
 
 import attrs
 
-from treespec.control import Decision, DraftController
-from treespec.interfaces import RoundReport
+from treespec.interfaces import Decision, DraftController, RoundReport
 from treespec.pricing.calibration import LiveCalibration, node_outcomes
 from treespec.pricing.cost import CostModel
 from treespec.pricing.live_cost import LiveCost, trimmed_mean

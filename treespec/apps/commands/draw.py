@@ -70,12 +70,12 @@ class _Enough(Exception):
 def live_round(target, drafter, policy, input_ids, round_index: int) -> tuple[DraftTree, VerifyResult]:
     """The tree and verification of round ``round_index`` (1-based) of greedy speculative decoding.
 
-    Every round drafts (`treespec.control.EveryRound`, whatever the policy's own controller would
+    Every round drafts (`treespec.interfaces.EveryRound`, whatever the policy's own controller would
     decide), and decoding stops right after the asked-for round."""
     import torch
     from tqdm import tqdm
 
-    from treespec.control import EveryRound
+    from treespec.interfaces import EveryRound
     from treespec.decoding import SpeculativeDecoder
 
     if round_index < 1:

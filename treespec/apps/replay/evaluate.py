@@ -24,9 +24,8 @@ from treespec.analysis import accepted_length, accepted_path
 from treespec.apps.assembly.methods import MethodSpec, build_policy, naming, parse_method
 from treespec.apps.replay.rebuild import ReplayDrafts
 from treespec.apps.replay.trace import Trace, TraceError
-from treespec.control import DraftController
 from treespec.decoding import built_tree, limit_depth
-from treespec.interfaces import RoundReport, TreePolicy, VerifyResult
+from treespec.interfaces import DraftController, RoundReport, TreePolicy, VerifyResult
 from treespec.pricing.calibration import Calibration
 from treespec.pricing.cost import CostModel, cost_model_from_dict
 from treespec.tree import DraftTree

@@ -40,8 +40,7 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.control import DraftController
-from treespec.interfaces import DraftOutput, RoundReport, VerifyResult
+from treespec.interfaces import DraftController, DraftOutput, RoundReport, VerifyResult
 from treespec.pricing.calibration import Calibration, fit_calibration
 from treespec.pricing.cost import ConvexCost, CostModel, cost_model_from_dict
 from treespec.tree import DraftTree
