@@ -34,22 +34,22 @@ round yet, Y is the best case B = max over n <= budget of (n + 1) C_v(1) / (C_d 
    bound falls below 1, AR when Y's lower bound rises above 1.  The leader runs every round unless an
    exploration is due.
 3. An *exploration* measures what the leader alone would not: a tree priced flat
-   (`LiveCost.flat_curve`: the full budget, which also measures the curve's large end) while AR leads
-   and Y's upper bound is above 1 (or the trees' prices were only scaled from the AR step's change of
-   regime); an AR step while trees lead and the live model has observed fewer than ``ar_rounds``
-   one-token steps (Y is priced in that step); a
-   flat-priced tree every ``size_every`` drafted rounds while trees lead, or when their prices were
-   only scaled from the AR step's change (sizes the policy's own trees may never reach).  An
-   exploration is taken only when the exploring rounds' losses so far plus its predicted loss stay
-   within ``explore_share`` of the seconds of every round observed.  A round's *loss* is its seconds
-   less what the leading option would have taken for its tokens (negative for one that pays); an
-   exploring tree's is predicted with one token, and a generation kept tapped for it adds the taps'
-   measured cost (`tap_cost`: AR rounds with and without taps, apart) over as many rounds as the
-   last generation had.  Seconds here are the curve's price of each round
-   (C_d for a drafted one, plus C_v(n; ctx)) when it was observed: time reaches the controller through
-   the cost model only, so the same rounds decide the same way in a live run and in its replay.
-   One exploration is taken whatever the share: an AR step as soon as the live model scaled the step
-   from the trees' change of regime (until a round measures it, Y would be priced in a guess).
+   (`LiveCost.flat_curve`: the full budget, which also measures the curve's large end) while AR
+   leads and Y's upper bound is above 1 (or the trees' prices were only scaled from the AR step's
+   change of regime); an AR step while trees lead and the live model has observed fewer than
+   ``ar_rounds`` one-token steps (Y is priced in that step); a flat-priced tree every ``size_every``
+   drafted rounds while trees lead, or when their prices were only scaled from the AR step's change
+   (sizes the policy's own trees may never reach). An exploration is taken only when the exploring
+   rounds' losses so far plus its predicted loss stay within ``explore_share`` of the seconds of
+   every round observed. A round's *loss* is its seconds less what the leading option would have
+   taken for its tokens (negative for one that pays); an exploring tree's is predicted with one
+   token, and a generation kept tapped for it adds the taps' measured cost (`tap_cost`: AR rounds
+   with and without taps, apart) over as many rounds as the last generation had. Seconds here are
+   the curve's price of each round (C_d for a drafted one, plus C_v(n; ctx)) when it was observed:
+   time reaches the controller through the cost model only, so the same rounds decide the same way
+   in a live run and in its replay. One exploration is taken whatever the share: an AR step as soon
+   as the live model scaled the step from the trees' change of regime (until a round measures it, Y
+   would be priced in a guess).
 4. Taps: a generation reads the drafter's taps while trees lead or a tree exploration is due at its
    start; a round where AR leads and none is due drops them, and the rest of the generation is
    plain AR decoding (keeping taps costs a forward time on some engines).
@@ -63,10 +63,10 @@ of the machine's speed the prices are the new regime's within the live model's `
 rounds of the changed kind, and every kept round is re-priced then. Everything is deterministic in
 the rounds observed.
 
-Rounds verified in a batch (``report.batch_rows > 1``) count for nothing (their times are the batch's)
-but their nodes still teach a live calibration; replayed rounds (no stage times) count as live ones,
-the live curve left as it is.  The published convention never
-compares with AR (``versus_ar=False``): every round drafts at the live price.
+Rounds verified in a batch (``report.batch_rows > 1``) count for nothing (their times are the
+batch's) but their nodes still teach a live calibration; replayed rounds (no stage times) count as
+live ones, the live curve left as it is. The published convention never compares with AR
+(``versus_ar=False``): every round drafts at the live price.
 """
 
 from __future__ import annotations
