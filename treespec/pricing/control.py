@@ -119,6 +119,11 @@ def best_case_yield(cost: CostModel, budget: int, ctx: int) -> float:
     return max((n + 1) * step / (cost.draft_cost + cost.verify_seconds(n + 1, ctx)) for n in range(1, budget + 1))
 
 
+def _seconds(curve: CostModel, size: int, ctx: int, drafted: bool) -> float:
+    """Seconds ``curve`` prices a round of ``size`` tree tokens at ``ctx`` at: C_d if it drafted, plus C_v."""
+    return (curve.draft_cost if drafted else 0.0) + curve.verify_seconds(size, ctx)
+
+
 class PricedController(DraftController):
     """Draft where trees pay, AR where none does, exploring within a stated share (module docstring)."""
 
@@ -141,7 +146,7 @@ class PricedController(DraftController):
         contexts = getattr(cost, "contexts", None)
         self._context = contexts[0] if contexts else 0  # the last round's context (where the next one is priced)
         self._tapping = True  # this generation reads taps
-        self.explorations = 0  # exploring rounds observed
+        self._yield: tuple[tuple, tuple[float, float, float]] | None = None  # (what it rests on, `trees_yield`)
         # AR rounds' measured verify over the curve's step, with the drafter's taps computed and without
         self._steps: dict[bool, deque[float]] = {True: deque(maxlen=32), False: deque(maxlen=32)}
         self._generation_rounds = [0, 0]  # rounds of the generation under way, and of the last one
@@ -173,10 +178,17 @@ class PricedController(DraftController):
 
     @staticmethod
     def _price(r: _Round, curve: CostModel) -> tuple[float, float]:
-        return r.tokens * curve.verify_seconds(1, r.context), curve.draft_cost + curve.verify_seconds(r.size, r.context)
+        return r.tokens * curve.verify_seconds(1, r.context), _seconds(curve, r.size, r.context, True)
 
     def trees_yield(self) -> tuple[float, float, float]:
-        """(Y, its lower bound, its upper bound) (module docstring)."""
+        """(Y, its lower bound, its upper bound) (module docstring); computed once per round observed."""
+        resting_on = (self._curve(), self.settings, self._rounds)  # the live model observes in `observe` only
+        if self._yield is None or any(a is not b for a, b in zip(self._yield[0][:2], resting_on[:2], strict=True)) \
+                or self._yield[0][2] != resting_on[2]:
+            self._yield = (resting_on, self._compute_yield())
+        return self._yield[1]
+
+    def _compute_yield(self) -> tuple[float, float, float]:
         terms, s = self._terms_now(), self.settings
         m = len(terms)
         if m == 0:
@@ -296,7 +308,7 @@ class PricedController(DraftController):
         if report.batch_rows != 1:
             return  # a batch's round: its seconds are the batch's, its tree's share unknown
         size, ctx, tau = len(report.tree), report.context, report.result.tau
-        seconds = self._priced(size, ctx, report.drafted)  # what the round cost, as the curve prices it
+        seconds = _seconds(self.cost, size, ctx, report.drafted)  # what the round cost, as the curve prices it
         self._context = ctx
         self._generation_rounds[0] += 1
         verify = report.times.get("verify", 0.0)
@@ -307,7 +319,6 @@ class PricedController(DraftController):
         if report.explored:  # what the leading option would have taken for the round's tokens
             lead = max(self.trees_yield()[0], 1.0) if self._trees_lead else 1.0
             self._lost += seconds - tau * self._step(ctx) / lead
-            self.explorations += 1
         index = self._rounds
         self._rounds += 1
         self._seconds += seconds
@@ -322,10 +333,6 @@ class PricedController(DraftController):
             self.live.observe(size, ctx, verify, report.drafting_seconds, report.explored)
         if self.versus_ar:
             self._judge()
-
-    def _priced(self, size: int, ctx: int, drafted: bool) -> float:
-        """Seconds of a round of ``size`` tree tokens at ``ctx`` at the current curve."""
-        return (self.cost.draft_cost if drafted else 0.0) + self.cost.verify_seconds(size, ctx)
 
     def _keep(self, r: _Round) -> None:
         self._kept.append(r)

@@ -189,17 +189,15 @@ class LiveCost(CostModel):
         return drifted or cheaper
 
     def price_spread(self) -> float:
-        """The relative standard error of the curve's price of a tree against an AR step: the square root of
-        the two kinds' `kind_spread` summed."""
-        return math.sqrt(self.kind_spread(0) + self.kind_spread(1))
-
-    def kind_spread(self, kind: int) -> float:
-        """One kind's (0: the one-token step, 1: trees) share of `price_spread`: the variance of its kept
-        errors log(measured / predicted) over their count (``drift`` squared as the spread of a kind with
-        fewer than two rounds)."""
-        errors = self._kind_errors(kind)
-        var = statistics.variance(errors) if len(errors) >= 2 else self.settings.drift ** 2
-        return var / max(len(errors), 1)
+        """The relative standard error of the curve's price of a tree against an AR step: per kind (the
+        one-token step, trees) the variance of its kept errors log(measured / predicted) over their count
+        (``drift`` squared as the spread of a kind with fewer than two rounds), summed, square-rooted."""
+        total = 0.0
+        for kind in (0, 1):
+            errors = self._kind_errors(kind)
+            var = statistics.variance(errors) if len(errors) >= 2 else self.settings.drift ** 2
+            total += var / max(len(errors), 1)
+        return math.sqrt(total)
 
     def _kind_errors(self, kind: int) -> list[float]:
         """The kept errors log(measured / predicted) of one kind's rounds, oldest first."""
