@@ -563,3 +563,52 @@ def test_bf16_autocast_keeps_float32_masters_and_a_fixed_batchs_loss_within_two_
     assert abs(losses[True] - losses[False]) <= 0.02 * abs(losses[False])
     assert trainer.autocast and trainer.train_step([(0, record)]) is not None
     assert {p.dtype for p in trainer.params} == {torch.float32}
+
+
+class _StepClock:
+    """A clock on which every training step takes ``per_step`` seconds and every evaluation ``per_eval``."""
+
+    def __init__(self, trainer, per_step: float, per_eval: float = 0.0) -> None:
+        self.trainer, self.per_step, self.per_eval, self.evals = trainer, per_step, per_eval, 0
+        evaluate = trainer.evaluate
+
+        def counted(heldout):
+            self.evals += 1
+            return evaluate(heldout)
+
+        trainer.evaluate = counted
+
+    def __call__(self) -> float:
+        return self.trainer.step * self.per_step + self.evals * self.per_eval
+
+
+def test_a_time_box_fits_the_steps_to_the_budget(target, tmp_path):
+    from treespec.apps.training.trainer import TimeBox
+
+    trainer = make(target, tmp_path, steps=1000, save_every=1000)
+    clock = _StepClock(trainer, per_step=0.5)
+    trainer.train(sequences(2), progress=False, box=TimeBox(30.0, probe_steps=5, margin=0.0, clock=clock))
+    assert trainer.cfg.steps == trainer.step == 60  # 30 s at 0.5 s a step, the schedule's length fitted
+    state = json.loads((trainer.out_dir / "trainer_state.json").read_text())
+    assert state["time_box"]["step_seconds"] == pytest.approx(0.5) and state["time_box"]["fitted_steps"] == 60
+    assert trainer.learning_rate(59) == pytest.approx(trainer.cfg.lr * 0.1, rel=0.01)  # the cosine ends at the box
+
+
+def test_a_time_box_counts_evaluations_and_stops_at_its_deadline(target, tmp_path):
+    from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache
+    from treespec.apps.training.trainer import TimeBox
+
+    build_teacher_cache(target, _distill_dir(target, tmp_path), tmp_path / "held", TeacherSpec((0, 1, 2, 3), top_k=4),
+                        _ID, progress=False)
+    trainer = make(target, tmp_path, steps=1000, save_every=1000, eval_every=10, eval_methods=("dflash",))
+    clock = _StepClock(trainer, per_step=0.5, per_eval=5.0)  # an evaluation every 10 steps: 1 s a step in all
+    trainer.train(sequences(2), progress=False, heldout=TeacherCache(tmp_path / "held"),
+                  box=TimeBox(40.0, probe_steps=5, margin=0.0, clock=clock))
+    # fitted at 0.5 s a step to 80 steps, then refitted at step 10 to 1 s a step: 40 steps in the 40 s
+    assert clock() <= 40.0 and trainer.step == trainer.cfg.steps == 40
+    slow = make(target, tmp_path / "slow", steps=1000, save_every=1000)
+    clock = _StepClock(slow, per_step=2.0)
+    slow.train(sequences(2), progress=False, box=TimeBox(10.0, probe_steps=100, margin=0.0, clock=clock))
+    assert slow.step == 5 and slow.cfg.steps == 1000  # no fit (the probe had not ended): stopped at 10 s
+    again = make(target, tmp_path / "slow", steps=1000, save_every=1000)
+    assert again.resume() and again.step == 5  # a run the deadline stopped resumes where it stopped

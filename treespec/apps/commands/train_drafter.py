@@ -11,6 +11,10 @@ moments and data order).  The final drafter is ``OUT/drafter/`` in the released 
 Data-parallel: ``torchrun --nproc-per-node N "$(which treespec)" train-drafter ... --set batch_sequences=K``
 runs N ranks (gloo on CPUs, NCCL with ``--device cuda``, one GPU per rank), each taking K / N of every
 step's K sequences (`treespec.apps.training.trainer`); rank 0 writes the run directory and prints.
+
+``--minutes M`` fits the run to M minutes of wall time from its first step (the trainer's time box):
+``steps`` becomes what the budget holds at the measured rate, and the run stops and saves at the
+deadline; the minutes do not count loading the target and the caches.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None, help="mask token (default: the tokenizer's unk/pad/eos)")
     parser.add_argument("--target-dtype", choices=CPU_DTYPES, default="auto", help="dtype of the frozen target")
     parser.add_argument("--until", type=int, default=None, help="stop at this step (the schedule stays that of the full run)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="fit the run to this wall-clock budget: after a short timed probe, steps becomes what "
+                             "the budget holds (evaluations counted), and the run stops and saves at the deadline")
     add_threads_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the target and the drafter train")
     parser.add_argument("--export", type=Path, default=None,
@@ -221,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, world: int) -> int:
     from treespec.apps.assembly.loading import load_frozen_model
-    from treespec.apps.training.trainer import DrafterTrainer
+    from treespec.apps.training.trainer import DrafterTrainer, TimeBox
 
     start_threads(args, ranks=world)
     recipe = _recipe(args.recipe)
@@ -229,6 +236,8 @@ def _train(args: argparse.Namespace, world: int) -> int:
     if args.init is not None:
         cfg = recipe.warm_config(cfg)
     _check_data(args.data, args.teacher)
+    if args.minutes is not None and not args.minutes > 0:
+        raise SystemExit(f"treespec train-drafter: --minutes {args.minutes:g}: give a positive budget")
     try:
         target, tokenizer, identity = load_frozen_model(args.target, args.target_dtype, args.device,
                                                         tokenizer=args.mask_token_id is None)
@@ -256,7 +265,10 @@ def _train(args: argparse.Namespace, world: int) -> int:
         raise SystemExit(f"treespec train-drafter: {exc}") from None
     if resumed:
         print(f"resumed at step {trainer.step}")
-    trainer.train(data, until=args.until, heldout=heldout, progress=trainer.rank == 0)
+    box = None if args.minutes is None else TimeBox(args.minutes * 60)
+    trainer.train(data, until=args.until, heldout=heldout, progress=trainer.rank == 0, box=box)
+    if box is not None and trainer.rank == 0:
+        print(f"time box of {args.minutes:g} min: {trainer.step} of {trainer.cfg.steps} steps")
     if trainer.rank:
         return 0  # rank 0 writes and exports
     print(f"drafter written to {args.out / 'drafter'}")

@@ -34,6 +34,12 @@ holding a drafter, a frozen target and a config) ``batch_sequences`` sequences p
   or trained with another config is refused, except for the fields of `RESUMABLE`: a finished run
   resumed with more ``steps`` goes on from its weights and moments, the schedule stretched to the
   new length (the rate at the resumed step is the stretched schedule's there).
+* **A time box** (`TimeBox`, ``train(..., box=)``): the run's length is fitted to a wall-clock
+  budget.  After a few untimed steps and a timed probe, ``steps`` becomes what the rest of the budget
+  holds at the measured seconds per step and per evaluation (fitted again once, when the first
+  evaluation's cost is known); the warm-up and the cosine follow the fitted length as they follow a
+  resumed run's stretched one.  Whatever the estimate, the run stops and saves at the deadline.  Rank
+  0's clock decides for every rank.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from treespec.apps.training.curve import draw_tau_curve
 from treespec.apps.training.teacher import TeacherCache, TeacherSpec, live_record
 from treespec.training import TeacherRecord, TrainingRecipe
 
-__all__ = ["RESUMABLE", "DrafterTrainer", "use_autocast"]
+__all__ = ["RESUMABLE", "DrafterTrainer", "TimeBox", "use_autocast"]
 
 RESUMABLE = frozenset({"steps", "eval_every", "save_every"})  # config fields a resumed run may change
 
@@ -89,6 +95,40 @@ def _summed(learned: int, positions: int, total: float, world: int) -> tuple[int
     counts = torch.tensor([learned, positions, total], dtype=torch.float64)
     dist.all_reduce(counts)
     return int(counts[0]), int(counts[1]), float(counts[2])
+
+
+def _from_rank0(value: float, world: int) -> float:
+    """Rank 0's ``value`` on every rank (itself in one process)."""
+    if world == 1:
+        return value
+    import torch.distributed as dist
+
+    box = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(box, 0)
+    return float(box[0])
+
+
+@attrs.frozen
+class TimeBox:
+    """A wall-clock budget for one `DrafterTrainer.train` call (module docstring)."""
+
+    seconds: float = attrs.field(validator=attrs.validators.gt(0))  # the budget, from the call's start
+    settle_steps: int = 2  # first steps left untimed (allocation, autocast and kernel warm-up)
+    probe_steps: int = 20  # steps timed before the length is fitted
+    margin: float = 0.03  # share of the budget kept for the last save and the export
+    clock: Any = time.perf_counter  # seconds; a test passes its own
+
+
+@attrs.define
+class _BoxState:
+    """What a time box has measured in one `train` call."""
+
+    deadline: float
+    origin: int  # the step the call started at
+    probe_start: tuple[int, float, int] | None = None  # (step, clock, evaluations so far) where the probe began
+    step_seconds: float | None = None
+    eval_seconds: list[float] = attrs.Factory(list)
+    fitted_with_evals: bool = False
 
 
 def _no_sync(model: torch.nn.Module, sync: bool):
@@ -282,28 +322,32 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ the run
     def train(self, sequences: Sequence, *, until: int | None = None, progress: bool = True,
-              heldout: TeacherCache | None = None) -> list[dict[str, float]]:
+              heldout: TeacherCache | None = None, box: TimeBox | None = None) -> list[dict[str, float]]:
         """Run to step ``until`` (default ``cfg.steps``), one sequence per step in a seeded order.
 
         ``sequences``: a `TeacherCache`, or (tokens, response_start) pairs taught live.
         ``heldout``: a teacher cache of held-out greedy answers, scored every ``eval_every`` steps (and,
         for a warm start, once before the first step, so ``best/`` is the start until a step beats it).
 
+        ``box``: fit the run's length to a wall-clock budget (`TimeBox`; module docstring).
+
         Checkpoints every ``save_every`` steps and at the end; stopping early keeps the schedule of
         the full run, so a later call (after `resume`) continues it exactly.
         """
         from tqdm import tqdm
 
-        stop = min(self.cfg.steps, until if until is not None else self.cfg.steps)
         if not sequences:
             raise ValueError("no training sequences")
         order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(self.cfg.seed)).tolist()
         history: list[dict[str, float]] = []
-        bar = tqdm(total=stop, initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
+        timer = None if box is None else _BoxState(box.clock() + box.seconds * (1 - box.margin), self.step)
+        bar = tqdm(total=self._stop(until), initial=self.step, disable=not progress, desc=f"train {self.cfg.kind}")
         start, positions = time.perf_counter(), 0
         if self.step == 0 and self.init is not None:  # a warm start's score: the bar to beat, best/ until beaten
-            self._maybe_evaluate(heldout, history)
-        while self.step < stop:
+            self._timed_evaluate(heldout, history, box, timer)
+        while self.step < self._stop(until):
+            if timer is not None and self._boxed(box, timer, heldout):
+                break
             done = self.train_step([(j, self.record(sequences, i)) for j, i in self.batch_indices(order, self.step)])
             if done is None:
                 continue
@@ -312,18 +356,59 @@ class DrafterTrainer:
             positions += labelled
             bar.set_postfix(loss=f"{logs['loss']:.3f}", acc1=f"{logs.get('acc1', 0):.2f}",
                             tok_s=f"{positions / (time.perf_counter() - start):.0f}", refresh=False)
+            bar.total = self._stop(until)
             bar.update(1)
-            self._maybe_evaluate(heldout, history)
+            self._timed_evaluate(heldout, history, box, timer)
             if self.step % self.cfg.save_every == 0:
                 self.save(history)
-        self.save(history)
+        self.save(history, box=timer)
         bar.close()
         return history
 
+    def _stop(self, until: int | None) -> int:
+        return min(self.cfg.steps, until if until is not None else self.cfg.steps)
+
+    # ------------------------------------------------------------------ the time box
+    def _timed_evaluate(self, heldout, history, box: TimeBox | None, timer: _BoxState | None) -> None:
+        """`_maybe_evaluate`, its seconds kept when a time box runs (an evaluation that ran adds a line)."""
+        before, lines = (box.clock() if box else 0.0), len(history)
+        self._maybe_evaluate(heldout, history)
+        if timer is not None and len(history) > lines:
+            timer.eval_seconds.append(box.clock() - before)
+
+    def _boxed(self, box: TimeBox, timer: _BoxState, heldout) -> bool:
+        """Before a step: True when the deadline has passed (rank 0's clock); else time the probe and
+        fit ``steps`` to the budget once the probe, and later the first evaluation, are measured."""
+        now = box.clock()
+        if _from_rank0(float(now >= timer.deadline), self.world):
+            return True
+        if timer.probe_start is None:
+            if self.step >= timer.origin + box.settle_steps:
+                timer.probe_start = (self.step, now, len(timer.eval_seconds))
+            return False
+        step0, t0, evals0 = timer.probe_start
+        evaluates = heldout is not None and self.cfg.eval_every > 0
+        probed = self.step - step0 >= box.probe_steps
+        if probed and (timer.step_seconds is None or (evaluates and timer.eval_seconds and not timer.fitted_with_evals)):
+            if timer.step_seconds is None:
+                timer.step_seconds = (now - t0 - sum(timer.eval_seconds[evals0:])) / (self.step - step0)
+            self._fit(timer, now, evaluates)
+        return False
+
+    def _fit(self, timer: _BoxState, now: float, evaluates: bool) -> None:
+        """``steps`` := this step + what the time left holds (rank 0's estimate, on every rank)."""
+        per_step = timer.step_seconds
+        if evaluates and timer.eval_seconds:
+            per_step += sum(timer.eval_seconds) / len(timer.eval_seconds) / self.cfg.eval_every
+            timer.fitted_with_evals = True
+        steps = self.step + max(0, int((timer.deadline - now) / max(per_step, 1e-9)))
+        steps = int(_from_rank0(float(steps), self.world))
+        self.recipe.config = attrs.evolve(self.cfg, steps=max(steps, self.step))
+
     # ------------------------------------------------------------------ checkpoints
-    def save(self, history: Sequence[dict[str, float]] = ()) -> Path:
+    def save(self, history: Sequence[dict[str, float]] = (), *, box: _BoxState | None = None) -> Path:
         """Write ``drafter/`` (released layout), optimizer moments and the trainer state (rank 0 alone:
-        every rank holds the same weights and moments)."""
+        every rank holds the same weights and moments); with a time box, what it measured."""
         if self.rank:
             return self.out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -337,6 +422,9 @@ class DrafterTrainer:
         state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast, "init": self.init,
                  "best_tau": self.best_tau if self.best_tau > float("-inf") else None,
                  "recent": list(history[-50:])}
+        if box is not None:
+            state["time_box"] = {"step_seconds": box.step_seconds, "eval_seconds": box.eval_seconds,
+                                 "fitted_steps": self.cfg.steps if box.step_seconds is not None else None}
         (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
         return self.out_dir
 
