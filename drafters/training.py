@@ -52,7 +52,7 @@ from treespec.drafters.domino import DominoDrafter
 from treespec.target import spread_layers
 from treespec.training import StepLoss, TeacherRecord, TrainingRecipe, draft_vocabulary
 
-__all__ = ["TRAIN_PRESETS", "BlockRecipe", "TrainConfig", "decay_weights", "draft_config_for", "grow_layers",
+__all__ = ["TRAIN_PRESETS", "BlockRecipe", "SoftLabels", "TrainConfig", "decay_weights", "draft_config_for", "grow_layers",
            "init_from_target", "new_drafter", "warm_start"]
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -165,6 +165,26 @@ class Batch:
     top_logp: torch.Tensor  # [T, K] float32 their log-probs
 
 
+@attrs.frozen
+class SoftLabels:
+    """The teacher's top-K probabilities on the draft vocabulary, sparse: position (j, d)'s label is
+    ``probs[j, d, k]`` at draft id ``ids[j, d, k]`` (distinct ids; -1 and probability 0 where the
+    teacher's token is outside the draft vocabulary), zero at every other draft id."""
+
+    ids: torch.Tensor  # [n, L, K] int64 draft ids, -1 outside the draft vocabulary
+    probs: torch.Tensor  # [n, L, K] float32 teacher probabilities, 0 where ids is -1
+
+    def at(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """[n, L, M] the label's probability at each of ``draft_ids`` [n, L, M]."""
+        match = draft_ids[..., :, None] == self.ids[..., None, :]  # [n, L, M, K]
+        return (match * self.probs[..., None, :]).sum(-1)
+
+    def dense(self, size: int) -> torch.Tensor:
+        """[n, L, size] the labels over the whole draft vocabulary of ``size`` tokens."""
+        out = self.probs.new_zeros(*self.ids.shape[:-1], size)
+        return out.scatter_add_(-1, self.ids.clamp(min=0), self.probs)
+
+
 class BlockRecipe(TrainingRecipe):
     """The recipe of the module docstring for `DFlashDrafter` and `DominoDrafter` (``cfg.kind``)."""
 
@@ -272,11 +292,11 @@ class BlockRecipe(TrainingRecipe):
     def dtype(self) -> torch.dtype:
         return self.drafter.model.fc.weight.dtype
 
-    def labels(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hard labels [n, L] (target ids), soft labels [n, L, N] and validity [n, L] of every drafted depth.
+    def labels(self, batch: Batch) -> tuple[torch.Tensor, SoftLabels, torch.Tensor]:
+        """Hard labels [n, L] (target ids), soft labels (the teacher's top K on the draft vocabulary,
+        kept sparse) and validity [n, L] of every drafted depth.
 
-        The soft labels are the teacher's top-K probabilities on the draft vocabulary (zero
-        elsewhere); the teacher mass they lack is the "rest" class of `position_loss`.
+        The teacher mass the soft labels lack is the "rest" class of `position_loss`.
         """
         depth = torch.arange(1, self.drafter.config.num_drafted + 1, device=batch.anchors.device)
         pos = batch.anchors[:, None] + depth[None, :]  # [n, L] position of the predicted token
@@ -284,24 +304,25 @@ class BlockRecipe(TrainingRecipe):
         pos = pos.clamp(max=batch.tokens.numel() - 1)
         top = self.to_draft[batch.top_ids[pos - 1]]  # [n, L, K] draft ids of the teacher's top-K (-1: outside)
         probs = batch.top_logp[pos - 1].exp() * (top >= 0)  # [n, L, K]
-        soft = probs.new_zeros(*pos.shape, self.draft_ids.numel())  # [n, L, N]
-        soft.scatter_add_(-1, top.clamp(min=0), probs)
-        return batch.tokens[pos], soft, valid
+        return batch.tokens[pos], SoftLabels(top, probs), valid
 
-    def position_loss(self, logits: torch.Tensor, hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    def position_loss(self, logits: torch.Tensor, hard: torch.Tensor, soft: SoftLabels) -> torch.Tensor:
         """[n, L] per-position (1 - s) CE(hard) + s CE(soft) over the draft vocabulary.
 
-        ``logits`` [n, L, N] are over draft ids, ``hard`` [n, L] target ids, ``soft`` [n, L, N].
-        CE(soft) = -sum_v p_v log q_v - p_rest log q_rest, with p_rest = 1 - sum_v p_v and
-        q_rest = 1 - sum_{v: p_v > 0} q_v (the drafter's mass outside the teacher's kept tokens).
+        ``logits`` [n, L, N] are over draft ids, ``hard`` [n, L] target ids.  With p_k the teacher's
+        kept probabilities (at most K per position, at distinct draft ids):
+        CE(soft) = -sum_k p_k log q_k - p_rest log q_rest, p_rest = 1 - sum_k p_k and
+        q_rest = 1 - sum_{k: p_k > 0} q_k (the drafter's mass outside the teacher's kept tokens);
+        only the label's and the K kept columns of log q are formed, never an [n, L, N] label tensor.
         """
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [n, L, N]
         label = self.to_draft[hard]  # [n, L]; -1: outside the draft vocabulary
-        ce_hard = -logp.gather(-1, label.clamp(min=0)[..., None])[..., 0] * (label >= 0)
-        kept = soft > 0
-        p_rest = (1 - soft.sum(-1)).clamp(min=0)  # [n, L]
-        q_rest = (1 - (logp.exp() * kept).sum(-1)).clamp(min=1e-6)
-        ce_soft = -(soft * logp).sum(-1) - p_rest * q_rest.log()
+        columns = torch.cat([label.clamp(min=0)[..., None], soft.ids.clamp(min=0)], dim=-1)  # [n, L, 1 + K]
+        logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, columns)  # [n, L, 1 + K]: one gather
+        ce_hard = -logq[..., 0] * (label >= 0)
+        logq, kept = logq[..., 1:], soft.probs > 0  # [n, L, K]
+        p_rest = (1 - soft.probs.sum(-1)).clamp(min=0)  # [n, L]
+        q_rest = (1 - (logq.exp() * kept).sum(-1)).clamp(min=1e-6)
+        ce_soft = -(soft.probs * logq).sum(-1) - p_rest * q_rest.log()
         s = self.config.soft_label_share
         return (1 - s) * ce_hard + s * ce_soft
 
@@ -309,26 +330,30 @@ class BlockRecipe(TrainingRecipe):
         """Weighted block loss at step ``step`` (Domino: mixed base / corrected) and per-depth top-1
         accuracy."""
         z = self.drafted_states(batch)  # [n, L, H]
-        base = (z.to(self.head_rows.dtype) @ self.head_rows.T).float()  # [n, L, N] over draft ids
+        # one [n L, H] x [H, N] matmul: z is a slice of the block, which matmul would broadcast the head over
+        flat = z.reshape(-1, z.shape[-1]).to(self.head_rows.dtype)  # [n L, H]
+        base = (flat @ self.head_rows.T).view(*z.shape[:2], -1).float()  # [n, L, N] over draft ids
         hard, soft, valid = self.labels(batch)
         weights = decay_weights(z.shape[1], self.config.gamma).to(z.device)[None] * valid  # [n, L]
         per_pos = self.position_loss(base, hard, soft)
-        pred = self.draft_ids[base.argmax(-1)]  # [n, L] target ids
         if self.drafter.config.is_domino:
-            corrected, pred = self.corrected_loss(z, base, hard, soft, batch)
+            corrected, pred = self.corrected_loss(z, base, hard, soft, batch, per_pos)
             lam = self.base_share(step)
             per_pos = lam * per_pos + (1 - lam) * corrected
+        else:
+            pred = self.draft_ids[base.argmax(-1)]  # [n, L] target ids
         loss = (per_pos * weights).sum() / weights.sum().clamp(min=1e-6)
         acc = ((pred == hard) & valid).float().sum(0) / valid.float().sum(0).clamp(min=1)
         return loss, {"loss": float(loss.detach()), **{f"acc{d + 1}": float(a) for d, a in enumerate(acc)}}
 
-    def corrected_loss(self, z: torch.Tensor, base: torch.Tensor, hard: torch.Tensor, soft: torch.Tensor,
-                       batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def corrected_loss(self, z: torch.Tensor, base: torch.Tensor, hard: torch.Tensor, soft: SoftLabels,
+                       batch: Batch, base_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Domino's per-position loss [n, L] and prediction [n, L] under the corrected distribution.
 
         As at inference, the correction is normalised over the top-M base candidates of each
-        position (M = ``top_m``); a label outside them costs the base loss instead.  Depths in the
-        pure-draft prefix use the base distribution.  The GRU is teacher-forced on the true path.
+        position (M = ``top_m``); a label outside them costs the base loss (``base_loss`` [n, L],
+        `position_loss` of the base logits) instead.  Depths in the pure-draft prefix use the base
+        distribution.  The GRU is teacher-forced on the true path.
         """
         model, cfg = self.drafter.model, self.drafter.config
         n, depth = z.shape[:2]
@@ -343,16 +368,15 @@ class BlockRecipe(TrainingRecipe):
         logp = torch.log_softmax(logits, dim=-1)
         found = cand_ids == hard[..., None]  # [n, L, M]
         ce_hard = -(logp * found).sum(-1)
-        target = soft.gather(-1, cand)
+        target = soft.at(cand)  # [n, L, M]
         ce_soft = -(target / target.sum(-1, keepdim=True).clamp(min=1e-12) * logp).sum(-1)
         s = self.config.soft_label_share
         corrected = (1 - s) * ce_hard + s * ce_soft
         pure = torch.arange(depth, device=z.device)[None, :] < cfg.domino.pure_draft_prefix_len  # [1, L]
-        fallback = self.position_loss(base, hard, soft)
         use_base = pure | ~found.any(-1)
-        pred = torch.where(pure, self.draft_ids[base.argmax(-1)],
+        pred = torch.where(pure, cand_ids[..., 0],  # topk's first: the base argmax
                            cand_ids.gather(-1, logits.argmax(-1, keepdim=True))[..., 0])
-        return torch.where(use_base, fallback, corrected), pred
+        return torch.where(use_base, base_loss, corrected), pred
 
 def new_drafter(target, cfg: TrainConfig, mask_token_id: int,
                 draft_vocab: torch.Tensor | None = None) -> DFlashDrafter:

@@ -64,7 +64,8 @@ def test_labels_are_the_tokens_after_the_anchor(target, tmp_path):
     teacher = torch.softmax(target(input_ids=tokens[None]).logits[0].float(), dim=-1)  # [T, V]
     expected = teacher[a:a + depth]  # row a + d - 1 predicts the token at depth d
     kept = expected >= expected.topk(trainer.cfg.teacher_top_k, dim=-1).values[:, -1:]
-    torch.testing.assert_close(soft[0], expected * kept, rtol=1e-5, atol=1e-6)  # the top K, zero elsewhere
+    dense = soft.dense(trainer.drafter.config.vocab_size)
+    torch.testing.assert_close(dense[0], expected * kept, rtol=1e-5, atol=1e-6)  # the top K, zero elsewhere
     assert bool(batch.anchors.min() >= start - 1) and valid.any()
 
 
@@ -612,3 +613,29 @@ def test_a_time_box_counts_evaluations_and_stops_at_its_deadline(target, tmp_pat
     assert slow.step == 5 and slow.cfg.steps == 1000  # no fit (the probe had not ended): stopped at 10 s
     again = make(target, tmp_path / "slow", steps=1000, save_every=1000)
     assert again.resume() and again.step == 5  # a run the deadline stopped resumes where it stopped
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_sparse_soft_label_loss_equals_the_dense_one(target, tmp_path, seed):
+    """`position_loss` reads K columns; the dense formula over all N draft ids gives the same loss."""
+    from treespec.drafters.training import SoftLabels
+
+    recipe = make(target, tmp_path, kind="domino").recipe
+    g = torch.Generator().manual_seed(seed)
+    n, depth, size, k = 5, 3, recipe.draft_ids.numel(), 6
+    logits = torch.randn(n, depth, size, generator=g) * 3
+    ids = torch.stack([torch.randperm(size, generator=g)[:k] for _ in range(n * depth)]).view(n, depth, k)
+    ids[0, 0, :2] = -1  # teacher tokens outside the draft vocabulary
+    probs = torch.softmax(torch.randn(n, depth, k, generator=g), -1) * 0.9 * (ids >= 0)
+    hard = recipe.draft_ids[torch.randint(size, (n, depth), generator=g)]
+    soft = SoftLabels(ids, probs)
+    dense = soft.dense(size)  # [n, L, N]
+    logp = torch.log_softmax(logits, -1)
+    p_rest = (1 - dense.sum(-1)).clamp(min=0)
+    q_rest = (1 - (logp.exp() * (dense > 0)).sum(-1)).clamp(min=1e-6)
+    ce_soft = -(dense * logp).sum(-1) - p_rest * q_rest.log()
+    ce_hard = -logp.gather(-1, recipe.to_draft[hard][..., None])[..., 0]
+    s = recipe.config.soft_label_share
+    torch.testing.assert_close(recipe.position_loss(logits, hard, soft), (1 - s) * ce_hard + s * ce_soft)
+    cand = logits.topk(8, dim=-1).indices
+    torch.testing.assert_close(soft.at(cand), dense.gather(-1, cand))

@@ -16,7 +16,7 @@ holding a drafter, a frozen target and a config) ``batch_sequences`` sequences p
   generator are those of one process (k must be a multiple of W).  The loss of a step is the mean
   over its k sequences in any world size; rank 0 alone writes checkpoints, evaluations and the
   curve, and a run resumes under another world size.
-* **Optimiser.** AdamW (``lr``, ``weight_decay``), the global gradient norm clipped at ``grad_clip``;
+* **Optimiser.** AdamW (``lr``, ``weight_decay``; PyTorch's fused kernel), the global gradient norm clipped at ``grad_clip``;
   the learning rate warms up linearly over ``warmup_steps`` and then decays by a cosine to 10 % of
   its peak at ``steps``; parameters the recipe names in ``lr_scales`` follow the schedule times
   their multiple (`TrainingRecipe.lr_scales`: a grown drafter's added layers).  bf16 autocast with
@@ -191,7 +191,8 @@ class DrafterTrainer:
         for p in self.params:
             p.requires_grad_(True)
         recipe.trainable.train()
-        self.optimizer = torch.optim.AdamW(_groups(self.params, lr_scales), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(_groups(self.params, lr_scales), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           fused=True)  # one kernel over every parameter (CPU and CUDA)
         self.autocast = use_autocast(cfg.autocast_bf16, self.params[0].device, recipe.target.config)
         self.step = 0
         self.best_tau = float("-inf")  # best held-out τ of the first eval method so far
@@ -456,7 +457,7 @@ class DrafterTrainer:
         moments = load_file(str(self.out_dir / "optimizer.safetensors"), device=str(self.params[0].device))
         for name, p in module.named_parameters():
             if f"{name}::exp_avg" in moments:
-                self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
+                self.optimizer.state[p] = {"step": torch.tensor(float(state["step"]), device=p.device),
                                            "exp_avg": moments[f"{name}::exp_avg"],
                                            "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
         self.step = int(state["step"])
