@@ -10,14 +10,26 @@ change in the machine's load hits all of them alike.  CPU time is the process's
 Also prints the draft forward time per round of the two heads at inference (one block of B rows
 through the drafter, its head and the log-softmax), median of ``--rounds`` rounds, side by side.
 
+``--against REF`` asks instead what a change to the training code bought: two arms on the teacher
+cache at ``--preset``, one trained by the recipe (``drafters/training.py``) and the loop
+(``treespec/apps/training/trainer.py``) of git commit REF (read with ``git show``; REF at or after
+the data-parallel loop, whose ``train_step`` takes a batch), one by the working tree's, from the same
+fresh weights, interleaved step by step; it prints each arm's labels per CPU-second, the ratio, and
+whether the two arms' losses agree step by step.
+
     python benchmarks/bench_training.py --data runs/data/greedy --cache runs/teacher/greedy
+    python benchmarks/bench_training.py --data runs/data/greedy --cache runs/teacher/greedy \
+        --preset smollm2-domino-v8k-l1 --against HEAD~1
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
+import types
 from pathlib import Path
 
 import attrs
@@ -59,7 +71,7 @@ def _trainers(args, target, pairs, cache, vocab, out: Path) -> dict[str, tuple[D
 def _step(trainer: DrafterTrainer, source, index: int) -> tuple[float, int]:
     """(CPU seconds, label positions) of one training step on sequence ``index``."""
     start = time.process_time()
-    done = trainer.train_step(trainer.record(source, index))
+    done = trainer.train_step([(0, trainer.record(source, index))])
     return time.process_time() - start, done[1] if done is not None else 0
 
 
@@ -94,7 +106,53 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mask-token-id", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-training"))
+    parser.add_argument("--against", metavar="REF", default=None,
+                        help="compare the working tree's training code with git commit REF's instead")
     return parser.parse_args()
+
+
+def _module_at(ref: str, path: str, name: str) -> types.ModuleType:
+    """The Python module at ``path`` as of git commit ``ref``, imported under ``name``."""
+    root = Path(__file__).resolve().parent.parent
+    shown = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, capture_output=True, text=True)
+    if shown.returncode:
+        raise SystemExit(f"--against {ref}: cannot read {path} there ({shown.stderr.strip()})")
+    module = types.ModuleType(name)
+    module.__file__ = f"{ref}:{path}"
+    sys.modules[name] = module  # attrs and dataclasses look their module up while the body runs
+    exec(compile(shown.stdout, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def against(args, target, cache, vocab) -> None:
+    """The working tree's recipe and loop against REF's: same fresh weights, interleaved steps."""
+    from treespec.drafters import training as recipe_now
+
+    arms = {}
+    for name, recipe, loop in ((args.against, _module_at(args.against, "drafters/training.py", "_recipe_at_ref"),
+                                _module_at(args.against, "treespec/apps/training/trainer.py", "_loop_at_ref")),
+                               ("working tree", recipe_now, sys.modules[DrafterTrainer.__module__])):
+        cfg = attrs.evolve(recipe.TRAIN_PRESETS[args.preset], steps=10_000, save_every=10**9)
+        drafter = recipe.new_drafter(target, cfg, args.mask_token_id, draft_vocab=vocab if cfg.draft_vocab_size else None)
+        arms[name] = loop.DrafterTrainer(recipe.BlockRecipe(target, drafter, cfg), out_dir=args.out / name.replace(" ", "-"))
+    seconds, labels, losses = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0), {name: [] for name in arms}
+    for step in range(args.warmup + args.steps):
+        for name, trainer in arms.items():
+            start = time.process_time()
+            logs, n = trainer.train_step([(0, trainer.record(cache, step % len(cache)))])
+            if step >= args.warmup:
+                seconds[name] += time.process_time() - start
+                labels[name] += n
+            losses[name].append(logs["loss"])
+    print(f"{torch.get_num_threads()} thread(s); {args.steps} timed steps per arm ({args.warmup} untimed first), "
+          f"preset {args.preset}, teacher cache {args.cache}")
+    print(f"{'arm':24s} {'labels/CPU-s':>12s} {'ms/step':>8s}")
+    for name in arms:
+        print(f"{name:24s} {labels[name] / seconds[name]:12.0f} {1000 * seconds[name] / args.steps:8.0f}")
+    old, now = arms
+    print(f"working tree / {old}: {seconds[old] / seconds[now] * labels[now] / labels[old]:.2f}x labels per CPU-second")
+    gap = max(abs(a - b) for a, b in zip(losses[old], losses[now]))
+    print(f"largest difference of a step's loss between the arms: {gap:.2e} over {len(losses[now])} steps")
 
 
 def main() -> None:
@@ -108,6 +166,9 @@ def main() -> None:
     cache = TeacherCache(args.cache)
     counts = response_token_counts(pairs, target.config.vocab_size)
     vocab = draft_vocabulary(counts, args.vocab)
+    if args.against is not None:
+        against(args, target, cache, draft_vocabulary(counts, TRAIN_PRESETS[args.preset].draft_vocab_size or args.vocab))
+        return
     trainers = _trainers(args, target, pairs, cache, vocab, args.out)
     seconds = {name: 0.0 for name in trainers}
     labels = dict.fromkeys(trainers, 0)

@@ -268,7 +268,7 @@ class DrafterTrainer:
             return None
         logs = {key: value / max(1, len(records)) for key, value in logs.items()}  # this rank's means
         logs["loss"] = total / learned  # the step's mean over every rank's sequences
-        logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True))
         self.optimizer.step()
         self.step += 1
         return logs, int(positions)
