@@ -22,7 +22,10 @@
 # continuous batch.  The trained drafters are exported to $RUNS/export/{dflash,domino}; ship
 # one by copying it over treespec/assets/smollm2-135m-instruct-KIND/.  For a quick check of the
 # pipeline: PROMPTS (training prompts per pass, default 4498) and TRAIN_SET (extra train-drafter
-# flags, e.g. "--set steps=20 --set eval_every=10").
+# flags, e.g. "--set steps=20 --set eval_every=10").  MINUTES fits each drafter's training run to that
+# many minutes of wall time (`train-drafter --minutes`).  The held-out answers are kept in the
+# repository too (drafters/embedded/heldout/SET): `heldout` restores a stored set instead of making
+# it, so every session scores on the same held-out answers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-runs}
@@ -33,7 +36,9 @@ train_set=${TRAIN_SET:-}
 device=${DEVICE:-cpu}
 batch=${BATCH:-48}
 init=${INIT:-}
+minutes=${MINUTES:-}
 store_dir=drafters/embedded/data
+heldout_store=drafters/embedded/heldout
 export OMP_NUM_THREADS=$threads
 heldout_sets="gsm8k humaneval mt-bench alpaca"
 
@@ -71,10 +76,15 @@ restore() {  # the committed answers of each pass and of the first turns it need
   done
 }
 
-store() {  # each pass's new shards into the repository's store
+store() {  # each pass's new shards, and the held-out answers, into the repository's store
   for pass in $passes; do
     if [ -d "$runs/data/$pass" ]; then
       treespec data-store save --data "$runs/data/$pass" --store "$store_dir/$pass"
+    fi
+  done
+  for set in $heldout_sets; do
+    if [ -d "$runs/data/heldout-$set" ]; then
+      treespec data-store save --data "$runs/data/heldout-$set" --store "$heldout_store/$set"
     fi
   done
 }
@@ -97,6 +107,10 @@ data() {  # the target's answers to all 4,498 Alpaca training prompts, one direc
 
 heldout() {  # greedy answers to 4 benchmark prompts of each set: scored during training, never trained on
   for set in $heldout_sets; do
+    if [ -f "$heldout_store/$set/manifest.json" ]; then  # the committed answers: no benchmark file needed
+      treespec data-store restore --store "$heldout_store/$set" --data "$runs/data/heldout-$set"
+      continue
+    fi
     treespec distill-data --threads "$threads" --device "$device" --dataset "$set" --split bench --num-prompts 4 \
       --max-new-tokens 128 --out "$runs/data/heldout-$set"
   done
@@ -116,7 +130,8 @@ train() {  # both drafters from the same caches and held-out set, best checkpoin
   for kind in domino dflash; do
     # shellcheck disable=SC2086  # word lists of flags
     treespec train-drafter $teachers $heldouts --preset "smollm2-$kind-v8k-l1" --threads "$threads" \
-      --device "$device" $(init_flag "$kind") $train_set --out "$runs/train/$kind" --export "$runs/export/$kind"
+      --device "$device" $(init_flag "$kind") ${minutes:+--minutes "$minutes"} $train_set --out "$runs/train/$kind" \
+      --export "$runs/export/$kind"
   done
 }
 

@@ -137,3 +137,27 @@ def test_the_committed_data_is_the_embedded_targets_answers_to_alpaca_training_p
         tensors = load(raw)
         assert tensors["offsets"].numel() == entry["rows"] + 1
         assert int(tensors["tokens"].max()) < 49152
+
+
+HELDOUT = STORE.parent / "heldout"
+
+
+def test_the_committed_held_out_answers_are_the_targets_greedy_answers_to_benchmark_prompts():
+    """drafters/embedded/heldout/SET: each set's stored answers name the pinned target, are greedy, and
+    answer only prompts of that benchmark's bench split (none of them in any training pass)."""
+    from treespec.apps.assembly.embedded import SMOLLM2_135M_INSTRUCT
+    from treespec.apps.data.datasets import load_prompts
+
+    sets = sorted(p.parent.name for p in HELDOUT.glob("*/manifest.json"))
+    assert sets == ["alpaca", "gsm8k", "humaneval", "mt-bench"]
+    trained = {p for d in _passes() for e in read_manifest(d)["shards"].values() for p in e["prompts"]}
+    for name in sets:
+        manifest = read_manifest(HELDOUT / name)
+        assert manifest["target"] == SMOLLM2_135M_INSTRUCT.identity
+        config = manifest["config"]
+        assert (config["dataset"], config["split"], config["temperature"]) == (name, "bench", 0.0)
+        bench = {p.id for p in load_prompts(name, split="bench")}
+        for shard, entry in manifest["shards"].items():
+            header = shard_metadata(stored_shard(HELDOUT / name, shard, entry))
+            assert json.loads(header["rows"]) == entry["prompts"]
+            assert set(entry["prompts"]) <= bench and not set(entry["prompts"]) & trained, (name, shard)

@@ -99,3 +99,44 @@ def test_two_cpu_ranks_train_as_one_process_with_the_same_global_batch(tmp_path)
     _torchrun(_train_args(tmp_path, "switched"))
     ends = [load_file(str(tmp_path / run / "drafter" / "model.safetensors")) for run in ("one", "switched")]
     assert max(float((ends[0][k] - ends[1][k]).abs().max()) for k in ends[0]) < 1e-4
+
+
+def _chain_data(tmp_path) -> None:
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    cfg = DistillConfig(num_prompts=8, max_new_tokens=24, batch_size=4, shard_size=4)
+    write_shards(target, prompts(8, 1), tmp_path / "data", cfg, stop_ids=[999], pad_id=0, progress=False)
+    assert main(["teacher-cache", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cache"), "--target",
+                 str(tmp_path / "target"), "--top-k", "8", "--dtype", "float32", "--threads", "1"]) == 0
+
+
+def test_train_drafter_fits_its_steps_to_minutes(tmp_path, capsys):
+    import pytest
+
+    _chain_data(tmp_path)
+    with pytest.raises(SystemExit, match="--minutes 0: give a positive budget"):
+        main(_train_args(tmp_path, "bad", "--minutes", "0"))
+    assert main(_train_args(tmp_path, "boxed", "--minutes", "0.05", "--set", "steps=1000000")) == 0
+    state = json.loads((tmp_path / "boxed" / "trainer_state.json").read_text())
+    box = state["time_box"]
+    assert box["step_seconds"] > 0 and box["fitted_steps"] == state["config"]["steps"] < 1_000_000
+    assert state["step"] <= state["config"]["steps"]  # fitted, or stopped at the deadline
+    assert f"time box of 0.05 min: {state['step']} of {state['config']['steps']} steps" in capsys.readouterr().out
+
+
+def test_the_gpu_training_script_refuses_before_any_work(tmp_path):
+    """drafters/train_on_gpu.sh: a folder holding files, or no CUDA device, is refused with a clear line."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "drafters" / "train_on_gpu.sh"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "kept").write_text("earlier results")
+    done = subprocess.run([str(script), str(tmp_path / "full")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "holds files already" in done.stderr
+    assert (tmp_path / "full" / "kept").read_text() == "earlier results"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "RUNS": str(tmp_path / "runs")}
+    done = subprocess.run([str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and "torch sees no CUDA device" in done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
