@@ -85,12 +85,7 @@ def test_two_cpu_ranks_train_as_one_process_with_the_same_global_batch(tmp_path)
     where the one-process run does."""
     from safetensors.torch import load_file
 
-    target = tiny_target()
-    target.save_pretrained(tmp_path / "target")
-    write_shards(target, prompts(8, 1), tmp_path / "data", DistillConfig(num_prompts=8, max_new_tokens=24,
-                 batch_size=4, shard_size=4), stop_ids=[999], pad_id=0, progress=False)
-    assert main(["teacher-cache", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cache"), "--target",
-                 str(tmp_path / "target"), "--top-k", "8", "--dtype", "float32", "--threads", "1"]) == 0
+    _chain_data(tmp_path)
     assert main(_train_args(tmp_path, "one")) == 0
     _torchrun(_train_args(tmp_path, "two"))
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
@@ -101,13 +96,16 @@ def test_two_cpu_ranks_train_as_one_process_with_the_same_global_batch(tmp_path)
     assert max(float((ends[0][k] - ends[1][k]).abs().max()) for k in ends[0]) < 1e-4
 
 
-def _chain_data(tmp_path) -> None:
+def _chain_data(tmp_path, heldout: bool = False) -> None:
+    """A tiny target, its answers' teacher cache (``cache``) and, if asked, a held-out one (``held``)."""
     target = tiny_target()
     target.save_pretrained(tmp_path / "target")
     cfg = DistillConfig(num_prompts=8, max_new_tokens=24, batch_size=4, shard_size=4)
-    write_shards(target, prompts(8, 1), tmp_path / "data", cfg, stop_ids=[999], pad_id=0, progress=False)
-    assert main(["teacher-cache", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cache"), "--target",
-                 str(tmp_path / "target"), "--top-k", "8", "--dtype", "float32", "--threads", "1"]) == 0
+    sets = (("data", "cache", prompts(8, 1)),) + ((("held-data", "held", prompts(4, 2)),) if heldout else ())
+    for data, cache, rows in sets:
+        write_shards(target, rows, tmp_path / data, cfg, stop_ids=[999], pad_id=0, progress=False)
+        assert main(["teacher-cache", "--data", str(tmp_path / data), "--out", str(tmp_path / cache), "--target",
+                     str(tmp_path / "target"), "--top-k", "8", "--dtype", "float32", "--threads", "1"]) == 0
 
 
 def test_train_drafter_fits_its_steps_to_minutes(tmp_path, capsys):
@@ -122,6 +120,20 @@ def test_train_drafter_fits_its_steps_to_minutes(tmp_path, capsys):
     assert box["step_seconds"] > 0 and box["fitted_steps"] == state["config"]["steps"] < 1_000_000
     assert state["step"] <= state["config"]["steps"]  # fitted, or stopped at the deadline
     assert f"time box of 0.05 min: {state['step']} of {state['config']['steps']} steps" in capsys.readouterr().out
+
+
+def test_a_time_box_over_two_ranks_takes_rank_0s_decisions(tmp_path):
+    """Only rank 0 evaluates, so only its clock knows an evaluation's cost: the refit after the first
+    evaluation and the deadline are its decisions on both ranks (a rank deciding alone would hang the
+    other in a collective; torchrun's timeout would fail the test)."""
+    _chain_data(tmp_path, heldout=True)
+    _torchrun(_train_args(tmp_path, "boxed", "--minutes", "0.2", "--heldout", str(tmp_path / "held"),
+                          "--set", "steps=1000000", "--set", "eval_every=5", "--set", "save_every=1000000"))
+    state = json.loads((tmp_path / "boxed" / "trainer_state.json").read_text())
+    box = state["time_box"]
+    assert box["eval_seconds"] and box["fitted_steps"] == state["config"]["steps"] < 1_000_000
+    evaluated = [json.loads(line)["step"] for line in (tmp_path / "boxed" / "eval.jsonl").read_text().splitlines()]
+    assert evaluated == list(range(5, state["step"] + 1, 5))
 
 
 def test_the_gpu_training_script_refuses_before_any_work(tmp_path):

@@ -97,15 +97,15 @@ def _summed(learned: int, positions: int, total: float, world: int) -> tuple[int
     return int(counts[0]), int(counts[1]), float(counts[2])
 
 
-def _from_rank0(value: float, world: int) -> float:
-    """Rank 0's ``value`` on every rank (itself in one process)."""
+def _from_rank0(values: Sequence[float], world: int) -> list[float]:
+    """Rank 0's ``values`` on every rank (themselves in one process)."""
     if world == 1:
-        return value
+        return list(values)
     import torch.distributed as dist
 
-    box = torch.tensor([value], dtype=torch.float64)
+    box = torch.tensor(list(values), dtype=torch.float64)
     dist.broadcast(box, 0)
-    return float(box[0])
+    return box.tolist()
 
 
 @attrs.frozen
@@ -378,32 +378,35 @@ class DrafterTrainer:
             timer.eval_seconds.append(box.clock() - before)
 
     def _boxed(self, box: TimeBox, timer: _BoxState, heldout) -> bool:
-        """Before a step: True when the deadline has passed (rank 0's clock); else time the probe and
-        fit ``steps`` to the budget once the probe, and later the first evaluation, are measured."""
+        """Before a step: True when the deadline has passed; else time the probe, and fit ``steps`` to
+        the budget once the probe and later the first evaluation are measured.  Both decisions are
+        rank 0's (only rank 0 evaluates), taken on every rank together."""
         now = box.clock()
-        if _from_rank0(float(now >= timer.deadline), self.world):
-            return True
-        if timer.probe_start is None:
-            if self.step >= timer.origin + box.settle_steps:
-                timer.probe_start = (self.step, now, len(timer.eval_seconds))
-            return False
-        step0, t0, evals0 = timer.probe_start
-        evaluates = heldout is not None and self.cfg.eval_every > 0
-        probed = self.step - step0 >= box.probe_steps
-        if probed and (timer.step_seconds is None or (evaluates and timer.eval_seconds and not timer.fitted_with_evals)):
+        if timer.probe_start is None and self.step >= timer.origin + box.settle_steps:
+            timer.probe_start = (self.step, now, len(timer.eval_seconds))
+        wants_fit = False
+        if timer.probe_start is not None and self.step - timer.probe_start[0] >= box.probe_steps:
+            step0, t0, evals0 = timer.probe_start
             if timer.step_seconds is None:
                 timer.step_seconds = (now - t0 - sum(timer.eval_seconds[evals0:])) / (self.step - step0)
-            self._fit(timer, now, evaluates)
+                wants_fit = True
+            evaluates = heldout is not None and self.cfg.eval_every > 0
+            wants_fit |= evaluates and bool(timer.eval_seconds) and not timer.fitted_with_evals
+        stop, fit = _from_rank0([float(now >= timer.deadline), float(wants_fit)], self.world)
+        if stop:
+            return True
+        if fit:
+            self._fit(timer, now)
         return False
 
-    def _fit(self, timer: _BoxState, now: float, evaluates: bool) -> None:
+    def _fit(self, timer: _BoxState, now: float) -> None:
         """``steps`` := this step + what the time left holds (rank 0's estimate, on every rank)."""
         per_step = timer.step_seconds
-        if evaluates and timer.eval_seconds:
-            per_step += sum(timer.eval_seconds) / len(timer.eval_seconds) / self.cfg.eval_every
+        if timer.eval_seconds:  # seconds of an evaluation, spread over the steps between two
+            per_step += sum(timer.eval_seconds) / len(timer.eval_seconds) / max(1, self.cfg.eval_every)
             timer.fitted_with_evals = True
         steps = self.step + max(0, int((timer.deadline - now) / max(per_step, 1e-9)))
-        steps = int(_from_rank0(float(steps), self.world))
+        steps = int(_from_rank0([float(steps)], self.world)[0])
         self.recipe.config = attrs.evolve(self.cfg, steps=max(steps, self.step))
 
     # ------------------------------------------------------------------ checkpoints
