@@ -219,11 +219,11 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     world = _distributed(args)
-    try:
-        return _train(args, world)
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    code = _train(args, world)
+    if world > 1 and dist.is_initialized():  # after a failure the ranks exit without it (a collective could hang)
+        dist.barrier()  # every rank past its last collective and rank 0 done writing: they tear down together
+        dist.destroy_process_group()
+    return code
 
 
 def _train(args: argparse.Namespace, world: int) -> int:
