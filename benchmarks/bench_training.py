@@ -68,11 +68,12 @@ def _trainers(args, target, pairs, cache, vocab, out: Path) -> dict[str, tuple[D
     return trainers
 
 
-def _step(trainer: DrafterTrainer, source, index: int) -> tuple[float, int]:
-    """(CPU seconds, label positions) of one training step on sequence ``index``."""
+def _step(trainer: DrafterTrainer, source, index: int) -> tuple[float, int, float | None]:
+    """(CPU seconds, label positions, loss) of one training step on sequence ``index``."""
     start = time.process_time()
     done = trainer.train_step([(0, trainer.record(source, index))])
-    return time.process_time() - start, done[1] if done is not None else 0
+    seconds = time.process_time() - start
+    return (seconds, 0, None) if done is None else (seconds, done[1], done[0]["loss"])
 
 
 @torch.no_grad()
@@ -114,7 +115,7 @@ def parse_args() -> argparse.Namespace:
 def _module_at(ref: str, path: str, name: str) -> types.ModuleType:
     """The Python module at ``path`` as of git commit ``ref``, imported under ``name``."""
     root = Path(__file__).resolve().parent.parent
-    shown = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, capture_output=True, text=True)
+    shown = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, capture_output=True, text=True, check=False)
     if shown.returncode:
         raise SystemExit(f"--against {ref}: cannot read {path} there ({shown.stderr.strip()})")
     module = types.ModuleType(name)
@@ -138,12 +139,11 @@ def against(args, target, cache, vocab) -> None:
     seconds, labels, losses = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0), {name: [] for name in arms}
     for step in range(args.warmup + args.steps):
         for name, trainer in arms.items():
-            start = time.process_time()
-            logs, n = trainer.train_step([(0, trainer.record(cache, step % len(cache)))])
+            cpu, n, loss = _step(trainer, cache, step % len(cache))
             if step >= args.warmup:
-                seconds[name] += time.process_time() - start
+                seconds[name] += cpu
                 labels[name] += n
-            losses[name].append(logs["loss"])
+            losses[name].append(loss)
     print(f"{torch.get_num_threads()} thread(s); {args.steps} timed steps per arm ({args.warmup} untimed first), "
           f"preset {args.preset}, teacher cache {args.cache}")
     print(f"{'arm':24s} {'labels/CPU-s':>12s} {'ms/step':>8s}")
@@ -174,7 +174,7 @@ def main() -> None:
     labels = dict.fromkeys(trainers, 0)
     for step in range(args.warmup + args.steps):
         for name, (trainer, source) in trainers.items():
-            cpu, n = _step(trainer, source, step % len(cache))
+            cpu, n, _ = _step(trainer, source, step % len(cache))
             if step >= args.warmup:
                 seconds[name] += cpu
                 labels[name] += n

@@ -347,7 +347,7 @@ class DrafterTrainer:
         if self.step == 0 and self.init is not None:  # a warm start's score: the bar to beat, best/ until beaten
             self._timed_evaluate(heldout, history, box, timer)
         while self.step < self._stop(until):
-            if timer is not None and self._boxed(box, timer, heldout):
+            if timer is not None and self._boxed(box, timer):
                 break
             done = self.train_step([(j, self.record(sequences, i)) for j, i in self.batch_indices(order, self.step)])
             if done is None:
@@ -377,7 +377,7 @@ class DrafterTrainer:
         if timer is not None and len(history) > lines:
             timer.eval_seconds.append(box.clock() - before)
 
-    def _boxed(self, box: TimeBox, timer: _BoxState, heldout) -> bool:
+    def _boxed(self, box: TimeBox, timer: _BoxState) -> bool:
         """Before a step: True when the deadline has passed; else time the probe, and fit ``steps`` to
         the budget once the probe and later the first evaluation are measured.  Both decisions are
         rank 0's (only rank 0 evaluates), taken on every rank together."""
@@ -390,8 +390,7 @@ class DrafterTrainer:
             if timer.step_seconds is None:
                 timer.step_seconds = (now - t0 - sum(timer.eval_seconds[evals0:])) / (self.step - step0)
                 wants_fit = True
-            evaluates = heldout is not None and self.cfg.eval_every > 0
-            wants_fit |= evaluates and bool(timer.eval_seconds) and not timer.fitted_with_evals
+            wants_fit |= bool(timer.eval_seconds) and not timer.fitted_with_evals  # the first evaluation timed
         stop, fit = _from_rank0([float(now >= timer.deadline), float(wants_fit)], self.world)
         if stop:
             return True
