@@ -6,7 +6,7 @@ warm-up batch per method; it prints generated tokens per second over the batches
 included), the speedup over AR at the same S, mean τ and the peak RSS, and checks that every
 method's tokens equal AR's.  ``--layouts`` times one verify forward of S trees over caches of
 different lengths in the two layouts `TreeBatch` offers: padded (one cache row per sequence, what
-`BatchTarget` runs) and ragged (every sequence's cache in one row, the trees' nodes in one
+`TorchBatch` runs) and ragged (every sequence's cache in one row, the trees' nodes in one
 block-diagonal mask).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_batch.py --threads 1
@@ -109,9 +109,7 @@ def table(results: list[dict]) -> str:
 # ---------------------------------------------------------------------------- the two layouts
 def layouts(args: argparse.Namespace) -> None:
     """One verify forward of four trees of 17 nodes over caches of 32..1800 tokens: padded vs ragged."""
-    from treespec.batch import TreeBatch
-    from treespec.batch_target import BatchTarget
-    from treespec.target import crop_cache
+    from treespec.engines.torch import TorchBatch, crop_cache
 
     target = load(args.dtype).target
     gen = torch.Generator().manual_seed(0)
@@ -119,12 +117,12 @@ def layouts(args: argparse.Namespace) -> None:
                     (256, 512, 1024, 1800)):
         prompts = [torch.randint(0, 1000, (n + 1,), generator=gen) for n in lengths]
         trees = [_bushy(int(p[-1]), gen) for p in prompts]
-        batch = BatchTarget(target)
+        batch = TorchBatch(target)
         batch.prefill(prompts)
         width = batch.width()
 
         def padded():
-            batch.forward_trees(TreeBatch(trees))
+            batch.forward_trees(trees)
             crop_cache(batch.cache, width)
 
         ragged_cache, ragged_call = _ragged(target, prompts, trees)
@@ -153,10 +151,10 @@ def _ragged(target, prompts, trees):
 
     heads = [p[:-1] for p in prompts]
     total = sum(h.numel() for h in heads)
-    cache = target._new_cache()
+    cache = target.new_cache()
     causal = torch.block_diag(*(torch.ones(h.numel(), h.numel()).tril() for h in heads)).bool()
     positions = torch.cat([torch.arange(h.numel()) for h in heads])[None]
-    target._call(torch.cat(heads)[None], additive_mask(causal, target.dtype)[None, None], positions, (),
+    target.run(torch.cat(heads)[None], additive_mask(causal, target.dtype)[None, None], positions, (),
                  logits_to_keep=1, cache=cache)
     batch = TreeBatch(trees)
     starts = torch.tensor([0] + [h.numel() for h in heads]).cumsum(0)
@@ -169,7 +167,7 @@ def _ragged(target, prompts, trees):
     mask = additive_mask(torch.cat([sees_prefix, batch.block_mask()], dim=1), target.dtype)[None, None]
     node_positions = torch.cat([t.depths + h.numel() for t, h in zip(trees, heads, strict=True)])[None]
     tokens = torch.cat([t.tokens for t in trees])[None]
-    return cache, lambda: target._call(tokens, mask, node_positions, (), cache=cache)
+    return cache, lambda: target.run(tokens, mask, node_positions, (), cache=cache)
 
 
 def _median_ms(fn, repeats: int = 7) -> float:

@@ -32,7 +32,7 @@ from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.apps.replay import RECORD_PRESETS, ReplayDrafts, Trace, evaluate, record_trace
 from treespec.decoding import SpeculativeDecoder
 from treespec.pricing.conditions import ThreadControl
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 METHODS = ["dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "static-corrected@16", "ddtree@64"]
 DATASETS = ["gsm8k", "mt-bench", "alpaca"]

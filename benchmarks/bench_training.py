@@ -79,7 +79,7 @@ def _step(trainer: DrafterTrainer, source, index: int) -> tuple[float, int, floa
 @torch.no_grad()
 def _draft_ms(trainer: DrafterTrainer, target, rounds: int) -> float:
     """Median ms of one inference round's block forward, head and log-softmax (context of 128)."""
-    from treespec.target import TargetModel
+    from treespec.engines.torch import TargetModel
 
     drafter = trainer.drafter
     drafter.model.eval()

@@ -121,7 +121,7 @@ def main() -> None:
     from treespec.apps.assembly.embedded import embedded_model_dir
     from treespec.apps.assembly.loading import embedded_drafter_dir
     from treespec.drafters.domino import DominoDrafter
-    from treespec.target import TargetModel
+    from treespec.engines.torch import TargetModel
 
     dtype = getattr(torch, args.dtype)
     target = TargetModel.from_local(embedded_model_dir(), dtype=dtype, float32_head=False)

@@ -176,7 +176,7 @@ def _random_target(device: str, dry: bool):
     """A random target of Qwen3-4B's shape (tiny in a dry run), made on ``device``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from treespec.target import TargetModel
+    from treespec.engines.torch import TargetModel
 
     sizes = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128) if dry else \

@@ -41,7 +41,7 @@ from treespec.apps.data.datasets import encode_chat, load_prompts
 from treespec.decoding import SequenceState, checked_draft, cut_proposals, fitted_tree, policy_tree
 from treespec.interfaces import SamplingParams
 from treespec.sampling import sampling_key, target_probs
-from treespec.target import crop_cache
+from treespec.engines.torch import crop_cache
 from treespec.tree import DraftTree
 
 METHODS = ["ddtree@16", "ddtree-sampled@16/recursive-rejection", "ddtree-sampled@16/traversal",

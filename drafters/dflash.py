@@ -44,7 +44,7 @@ from treespec.drafters.config import ConfigError, DFlashConfig, read_config
 from treespec.interfaces import ConditionalScorer, DraftContext, Drafter, DraftOutput
 
 if TYPE_CHECKING:
-    from treespec.target import TargetModel
+    from treespec.target import Target
 
 __all__ = ["DFlashDrafter", "DrafterMismatchError"]
 
@@ -117,7 +117,7 @@ class DFlashDrafter(Drafter):
         self.model.load_state_dict(state, strict=True, assign=True)
 
     # ------------------------------------------------------------------ Drafter hooks
-    def bind(self, target: TargetModel) -> None:
+    def bind(self, target: Target) -> None:
         _check_target(self.config, target, self.kind)
         self._target = target
         self.model.to(device=target.device, dtype=self._dtype or target.dtype)

@@ -58,7 +58,7 @@ from treespec.target import reduced_precision
 from treespec.topk import exact_topk, top_set
 
 if TYPE_CHECKING:
-    from treespec.target import TargetModel
+    from treespec.target import Target
 
 __all__ = ["DominoDrafter", "DominoModel", "DominoScorer", "DominoStack", "gru_step"]
 
@@ -517,7 +517,7 @@ class DominoDrafter(DFlashDrafter):
             raise ConfigError("not a Domino checkpoint: dflash_config.projector_type is absent; load it with "
                               "DFlashDrafter (registry name 'dflash'), not DominoDrafter")
 
-    def bind(self, target: TargetModel) -> None:
+    def bind(self, target: Target) -> None:
         super().bind(target)
         reduced = reduced_precision(self.dtype)  # the scorer then steps nn.GRU itself
         self._gru_table = self._build_gru_table() if self.gru_input_table and not reduced else None

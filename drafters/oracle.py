@@ -2,9 +2,9 @@
 
 Contract
 --------
-After ``bind(target)`` the oracle computes, with the target model itself (its own plain causal
-forwards and its own cache, never the decoder's), the greedy continuation g_1..g_L of the committed
-sequence.  Its draft for depth d is a random [V] logit row (scale ``sharpness``) in which g_d is
+After ``bind(target)`` the oracle computes, with the target itself (chain forwards on its
+`treespec.target.Target.sibling`: the same weights, a cache of its own, never the decoder's), the
+greedy continuation g_1..g_L of the committed sequence.  Its draft for depth d is a random [V] logit row (scale ``sharpness``) in which g_d is
 moved to a chosen rank: rank 0 with probability ``top1 * decay^(d-1)``, one of ranks
 1..``near_ranks`` with probability ``near * decay^(d-1)``, otherwise a uniformly random lower rank.
 The top-ranked token's logit then gets ``confidence`` more, so rows look as sure as a trained
@@ -29,8 +29,9 @@ import torch
 
 from treespec.interfaces import ConditionalScorer, DraftContext, Drafter, DraftOutput, Expansion
 from treespec.sampling import mix_seed
-from treespec.target import crop_cache
+from treespec.target import Target
 from treespec.topk import exact_topk, top_set
+from treespec.tree import DraftTree
 
 __all__ = ["ORACLE_PRESETS", "GreedyContinuations", "OracleConfig", "OracleDrafter", "OracleScorer"]
 
@@ -70,12 +71,12 @@ ORACLE_PRESETS: dict[str, OracleConfig] = {
 
 
 class _Line:
-    """A committed sequence followed by its greedy continuation, and a KV cache over a prefix of it."""
+    """A committed sequence followed by its greedy continuation, and a target caching a prefix of it."""
 
     def __init__(self) -> None:
         self.known: list[int] = []  # tokens; those past the first ``given`` are greedy
         self.given = 0  # length of the last sequence this line was asked about
-        self.cache = None  # transformers DynamicCache over known[:cached]
+        self.target: Target | None = None  # a sibling of the bound target, known[:cached] committed
         self.cached = 0
 
     def continues(self, sequence: list[int]) -> bool:
@@ -87,7 +88,7 @@ class _Line:
 
 
 class GreedyContinuations:
-    """The target's greedy continuations, computed with the target model itself (plain causal calls).
+    """The target's greedy continuations, computed with the target itself (chain forwards, own caches).
 
     Up to ``lines`` sequences are followed at once (least recently used first out), so alternating
     between prompts recomputes nothing; a context that branches off a line's previous context reuses
@@ -130,8 +131,8 @@ class GreedyContinuations:
     def _restart(line: _Line, sequence: list[int]) -> None:
         """Keep the line's cached rows of its common prefix with ``sequence``; drop the rest."""
         line.cached = min(line.cached, line.common_prefix(sequence), len(sequence) - 1)  # >= 1 token to feed
-        if line.cache is not None:
-            crop_cache(line.cache, line.cached)
+        if line.target is not None:
+            line.target.truncate(line.cached)
         line.known, line.given = list(sequence), len(sequence)
 
     def _extend(self, line: _Line, sequence: list[int], n: int) -> list[int]:
@@ -142,15 +143,16 @@ class GreedyContinuations:
         return line.known[k:k + n]
 
     def _step(self, line: _Line) -> None:
-        from transformers import DynamicCache
-
-        if line.cache is None:
-            line.cache, line.cached = DynamicCache(config=self.target.config), 0
-        ids = torch.tensor([line.known[line.cached:]], device=self.target.device)  # tokens not yet cached
-        cache = {self.target.cache_kwarg: line.cache}
-        logits = self.target.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache).logits
+        """Run the tokens not yet cached as one chain on the line's target; append the greedy next token."""
+        if line.target is None:
+            line.target, line.cached = self.target.sibling(), 0
+        if line.cached == 0:
+            line.target.prefill(torch.empty(0, dtype=torch.int64))  # a fresh sequence: the chain's root starts it
+        fresh = line.known[line.cached:]  # tokens not yet cached, the first as the chain's root
+        logits = line.target.forward_tree(DraftTree.chain(fresh[0], fresh[1:])).logits  # [n, V]
+        line.target.commit(torch.arange(len(fresh)))
         line.cached = len(line.known)
-        line.known.append(int(logits[0, -1].argmax()))
+        line.known.append(int(logits[-1].argmax()))
 
 
 class OracleDrafter(Drafter):

@@ -55,7 +55,7 @@ import attrs
 import numpy as np
 import torch
 
-from treespec.target import ContextOverflowError, EngineUnavailable, ModelShapes, TargetOutput, check_finite
+from treespec.target import ContextOverflowError, EngineUnavailable, ModelShapes, Numerics, TargetOutput, check_finite
 from treespec.tree import DraftTree
 
 __all__ = ["BUILD_FLAGS", "ENGINE", "REQUIREMENT", "GgufModel", "LlamaCppTarget", "binding", "read_gguf"]
@@ -243,7 +243,7 @@ class LlamaCppTarget:
 
     engine = ENGINE  # its registry name
     file_suffix = ".gguf"  # it runs one GGUF file
-    batches = False  # one sequence at a time (a batch of trees on one context is not built yet)
+    batch_class = None  # one sequence at a time (a batch of trees on one context is not built yet)
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int | None = None, max_leaves: int = 64,
                  threads: int | None = None, dtype: torch.dtype = torch.float32, n_batch: int = 512) -> None:
@@ -256,6 +256,7 @@ class LlamaCppTarget:
         self.threads = threads
         self._dtype = dtype
         self.model = self._load_model()
+        self._owns_model = True  # a `sibling` shares it and leaves it to this target to free
         self.vocab_size = int(self.llama_cpp.llama_vocab_n_tokens(self.llama_cpp.llama_model_get_vocab(self.model)))
         self.embed_tokens, self.lm_head = self._torch_side(reader, dtype)
         del reader
@@ -350,6 +351,13 @@ class LlamaCppTarget:
     def eos_token_ids(self) -> list[int]:
         return [] if self.gguf.eos_token_id is None else [int(self.gguf.eos_token_id)]
 
+    def numerics(self, tokens: int = 17) -> Numerics:
+        """How a tree of ``tokens`` tokens compares with one-token steps here (`rounding_gap`)."""
+        gap = self.rounding_gap(tokens)
+        if gap == 0.0:
+            return Numerics(True, 0.0, f"a {tokens}-token chain equals one-token steps on {self.path.name}")
+        return Numerics(False, gap, f"a {tokens}-token chain moves logits against one-token steps on {self.path.name}")
+
     def rounding_gap(self, tokens: int = 17) -> float:
         """The largest top-two gap of a one-token step that a tree of ``tokens`` tokens may flip on this
         file: twice (two logits move) the largest shift of any logit between a chain of that many tokens
@@ -406,6 +414,12 @@ class LlamaCppTarget:
     def _thread_count(self) -> int:
         return int(self.threads or torch.get_num_threads())
 
+    def check_taps(self, taps: tuple[int, ...]) -> None:
+        """A ValueError naming the taps outside 0..num_hidden_layers."""
+        bad = [t for t in taps if not 0 <= t <= self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"tap layers {bad} are outside 0..{self.num_hidden_layers} (the target's layers)")
+
     def _tap_name(self, tap: int) -> str:
         if not 0 <= tap <= self.num_hidden_layers:
             raise ValueError(f"tap {tap} is outside 0..{self.num_hidden_layers} (the target's layers)")
@@ -428,7 +442,7 @@ class LlamaCppTarget:
         """Start a new sequence with ``input_ids`` [P] (or [1, P]); the last position's logits [1, V] and
         every position's taps [P, F]."""
         ids = torch.as_tensor(input_ids).reshape(-1).tolist()
-        self._check_room(len(ids) - 1)
+        self.check_room(len(ids) - 1)
         taps = tuple(taps)
         self._ctx, self._taps = self._context(taps)
         self._tap_set = taps
@@ -456,7 +470,7 @@ class LlamaCppTarget:
             raise RuntimeError("forward_tree before prefill: start a sequence first")
         if tuple(taps) != self._tap_set:
             raise ValueError(f"taps {tuple(taps)} differ from the prefill's {self._tap_set}: prefill again with them")
-        self._check_room(self.length + tree.max_depth)
+        self.check_room(self.length + tree.max_depth)
         if int(tree.tokens.max()) >= self.vocab_size:
             raise ValueError(f"tree token {int(tree.tokens.max())} is outside the target's vocabulary of "
                              f"{self.vocab_size}")
@@ -538,6 +552,24 @@ class LlamaCppTarget:
             self._taps.rows = {}
         self.length, self._tree = 0, None
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` committed tokens (a tree forward not committed is dropped too)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot keep {length} of {self.length} committed tokens")
+        self.drop_tree()
+        if self._ctx is not None:
+            self.llama_cpp.llama_memory_seq_rm(self.llama_cpp.llama_get_memory(self._ctx), 0, length, -1)
+        self.length = length
+
+    def sibling(self) -> LlamaCppTarget:
+        """A target over the same loaded model with contexts of its own (the model is freed by its owner)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_contexts", "_batch")})
+        twin._contexts, twin._owns_model, twin._owner = {}, False, self  # the owner outlives its siblings
+        twin._ctx, twin._taps, twin._tap_set, twin._tree, twin.length = None, None, (), None, 0
+        twin._batch = self.llama_cpp.llama_batch_init(max(self.n_batch, 1), 0, self.max_leaves + 1)
+        return twin
+
     def cache_length(self) -> int:
         """Positions held for sequence 0 (equals ``length`` between rounds)."""
         if self._ctx is None:
@@ -552,9 +584,9 @@ class LlamaCppTarget:
         if self._batch is not None:
             self.llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-        if self.model:
+        if self.model and self._owns_model:
             self.llama_cpp.llama_model_free(self.model)
-            self.model = None
+        self.model = None
 
     def __del__(self) -> None:
         try:
@@ -591,7 +623,7 @@ class LlamaCppTarget:
     def _features(self, rows: int) -> torch.Tensor:
         return torch.from_numpy(self._taps.take(self._tap_set, rows)).to(self.dtype)
 
-    def _check_room(self, last_position: int) -> None:
+    def check_room(self, last_position: int) -> None:
         if last_position >= self.max_positions:
             raise ContextOverflowError(f"position {last_position} exceeds the engine's context of "
                                        f"{self.max_positions} positions")

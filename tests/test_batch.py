@@ -1,7 +1,7 @@
 """Batched decoding: S sequences per forward, each with its own tree, every row its own output.
 
 * `TreeBatch`: the padded mask, positions and slices equal each tree's own (hypothesis).
-* `BatchTarget`: every sequence's logits and taps equal a single-sequence `TargetModel`'s, round
+* `TorchBatch`: every sequence's logits and taps equal a single-sequence `TargetModel`'s, round
   after round of ragged commits, and finished sequences leave the cache.
 * Drafters: ``draft_batch`` over forks equals each fork drafting alone (DFlash, Domino).
 * Policies: ``build_batch`` equals one ``build`` per draft, bit for bit, both backends; the stacked
@@ -31,7 +31,7 @@ import treespec
 from treespec import registry
 from treespec.batch import TreeBatch
 from treespec.batch_decoding import BatchDecoder
-from treespec.batch_target import BatchTarget
+from treespec.engines.torch import TorchBatch
 from treespec.decoding import SpeculativeDecoder
 from treespec.drafters.dflash import DFlashDrafter
 from treespec.drafters.domino import DominoDrafter, DominoStack
@@ -39,7 +39,7 @@ from treespec.drafters.oracle import OracleDrafter
 from treespec.interfaces import DraftContext
 from treespec.policies.engine.frontier import expand_frontier_batch, resolve_batch
 from treespec.policies.engine.stacked import stack_sources
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 VOCAB = 96
 TAPS = (0, 2)
@@ -97,7 +97,7 @@ def test_a_batch_refuses_what_it_cannot_pack():
 def test_every_sequence_of_a_batch_forward_equals_its_own_forward(target):
     prompts = prompts_of((5, 1, 9, 3))
     gen = torch.Generator().manual_seed(2)
-    batch = BatchTarget(target)
+    batch = TorchBatch(target)
     features = batch.prefill(prompts, TAPS)
     singles = [TargetModel(target.model) for _ in prompts]
     for single, prompt, feats in zip(singles, prompts, features, strict=True):
@@ -106,7 +106,7 @@ def test_every_sequence_of_a_batch_forward_equals_its_own_forward(target):
     roots = [int(p[-1]) for p in prompts]
     for _ in range(4):  # ragged rounds: trees of other sizes, paths of other lengths
         trees = [random_tree(root, int(torch.randint(1, 9, (), generator=gen)), VOCAB, gen) for root in roots]
-        outs = batch.forward_trees(TreeBatch(trees), TAPS)
+        outs = batch.forward_trees(trees, TAPS)
         accepted = []
         for single, tree, out in zip(singles, trees, outs, strict=True):
             own = single.forward_tree(tree, TAPS)
@@ -120,19 +120,19 @@ def test_every_sequence_of_a_batch_forward_equals_its_own_forward(target):
         roots = [int(torch.randint(0, VOCAB, (), generator=gen)) for _ in roots]
     batch.keep([3, 1])  # two sequences finish: the others go on
     trees = [random_tree(root, 4, VOCAB, gen) for root in (roots[3], roots[1])]
-    outs = batch.forward_trees(TreeBatch(trees))
+    outs = batch.forward_trees(trees)
     for i, tree, out in zip((3, 1), trees, outs, strict=True):
         assert torch.allclose(out.logits, singles[i].forward_tree(tree).logits, rtol=0, atol=1e-12)
 
 
 def test_the_batch_target_refuses_mismatched_calls(target):
-    batch = BatchTarget(target)
+    batch = TorchBatch(target)
     with pytest.raises(RuntimeError, match="before prefill"):
-        batch.forward_trees(TreeBatch([random_tree(1, 2, VOCAB, torch.Generator())]))
+        batch.forward_trees([random_tree(1, 2, VOCAB, torch.Generator())])
     batch.prefill(prompts_of((3, 4)))
     with pytest.raises(ValueError, match="1 trees for 2 sequences"):
-        batch.forward_trees(TreeBatch([random_tree(1, 2, VOCAB, torch.Generator())]))
-    trees = TreeBatch([random_tree(1, 2, VOCAB, torch.Generator()) for _ in range(2)])
+        batch.forward_trees([random_tree(1, 2, VOCAB, torch.Generator())])
+    trees = [random_tree(1, 2, VOCAB, torch.Generator()) for _ in range(2)]
     batch.forward_trees(trees)
     with pytest.raises(ValueError, match="sequence 1: accepted node 5 was not in its tree"):
         batch.commit([torch.tensor([0]), torch.tensor([0, 5])])

@@ -32,7 +32,7 @@ from treespec.drafters.dflash import DFlashDrafter
 from treespec.drafters.domino import DominoDrafter
 from treespec.interfaces import SamplingParams
 from treespec.sampling import gumbel_noise, sampling_key
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 VOCAB, EOS = 128, 0
 METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree")
@@ -273,7 +273,7 @@ def test_a_divergence_from_ar_is_listed_with_the_ar_decision_margin(tmp_path):
         assert int(top.indices[0]) == ar.tokens[3]  # the scores of the right position: AR's pick is their argmax
         assert (div.method, div.position, div.ar_token) == ("dflash", 3, ar.tokens[3])
         assert div.gap == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-9)
-        assert div.tolerance == ab.GAP_TOLERANCE[torch.float64] and not div.acceptable
+        assert div.tolerance == harness.target.numerics().tolerance and not div.acceptable
         assert attrs.evolve(div, tolerance=div.gap).acceptable
     assert main(["bench", "report", str(tmp_path / "out"), "--resamples", "20"]) == 1  # flagged
     text = (tmp_path / "out" / "lossless.md").read_text()

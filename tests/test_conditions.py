@@ -35,7 +35,7 @@ from treespec.pricing.conditions import (
     run_processes,
 )
 from treespec.pricing.profile import machine_profile
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 
 def times(busy: dict[int, int], total: dict[int, int], own: int = 0, clock: float = 0.0) -> CpuTimes:

@@ -214,7 +214,7 @@ def test_a_one_token_prompt_drafts_from_an_empty_context(domino):
     from treespec.drafters.domino import DominoDrafter
     from treespec.policies.ddtree import DDTree
     from treespec.policies.dominotree import DominoTree
-    from treespec.target import TargetModel
+    from treespec.engines.torch import TargetModel
 
     target = TargetModel(tiny_model("qwen3", vocab=64, hidden=32, layers=4))
     config = tiny_config(vocab=64, hidden=32, num_target_layers=4, layer_ids=(0, 2), block_size=4, domino=domino)

@@ -74,7 +74,7 @@ def test_live_round_returns_the_verified_tree_of_that_round():
     from treespec.apps.commands.draw import live_round
     from treespec.drafters.dflash import DFlashDrafter
     from treespec.policies.ddtree import DDTree
-    from treespec.target import TargetModel
+    from treespec.engines.torch import TargetModel
 
     target = TargetModel(tiny_model("qwen3", vocab=64, hidden=32, layers=4))
     config = tiny_config(vocab=64, hidden=32, num_target_layers=4, layer_ids=(0, 2), block_size=4)

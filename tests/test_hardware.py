@@ -12,7 +12,7 @@ from test_target import tiny_model
 from treespec.pricing import hardware
 from treespec.pricing.conditions import Load
 from treespec.pricing.profile import CostProfile, machine_profile
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 
 def fake_speed(bf16_1: float, bf16_17: float, fp32_1: float = 1.0, fp32_17: float = 2.0):

@@ -31,7 +31,7 @@ from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier
 from treespec.policies.chain import Chain
 from treespec.pricing.cost import LinearCost
 from treespec.sampling import filter_logits, sample_from_probs
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 from treespec.tree import DraftTree
 from treespec.verifiers.match import check_logits
 from treespec.verifiers.rejection import RejectionVerifier

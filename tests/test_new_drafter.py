@@ -26,7 +26,7 @@ from treespec.apps.cli import main
 from treespec.apps.replay import RecordConfig, evaluate, record_trace
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import Drafter
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 
 def test_method_strings_name_the_drafter_and_its_role_is_checked():

@@ -26,7 +26,7 @@ from treespec.pricing.profile import (
     machine_profile,
     save_profile,
 )
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 SIZES, CONTEXTS = (1, 2, 5, 17), (8,)
 

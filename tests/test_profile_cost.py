@@ -8,7 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from treespec.apps.commands.profile_cost import time_verify
 from treespec.pricing.live_cost import LiveCost
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 
 
 def test_time_verify_leaves_the_cache_as_it_found_it():

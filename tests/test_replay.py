@@ -42,7 +42,7 @@ from treespec.drafters.toy import ToyConditionalDrafter, ToyConfig
 from treespec.interfaces import DraftOutput, RoundReport, TreePolicy
 from treespec.pricing.control import ControlSettings
 from treespec.pricing.cost import COST_PRESETS, LinearCost, cost_model_from_dict
-from treespec.target import TargetModel
+from treespec.engines.torch import TargetModel
 from treespec.tree import DraftTree
 from treespec.verifiers.match import walk_matches
 

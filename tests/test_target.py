@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from treespec.apps.kit.tiny import tiny_causal_lm
-from treespec.target import ContextOverflowError, Target, TargetModel
+from treespec.engines.torch import TargetModel
+from treespec.target import ContextOverflowError, Target
 from treespec.tree import DraftTree
 
 FAMILIES = ("qwen3", "llama")

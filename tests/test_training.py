@@ -305,7 +305,7 @@ def test_heldout_tau_equals_live_decoding_tau(target, tmp_path, kind, method):
     from treespec.apps.training.evaluate import heldout_tau
     from treespec.apps.training.teacher import TeacherSpec, live_record
     from treespec.decoding import SpeculativeDecoder
-    from treespec.target import TargetModel
+    from treespec.engines.torch import TargetModel
 
     model = target.double()  # float64: one forward over the sequence = the live tree forwards
     trainer = make(model, tmp_path, kind=kind, steps=40, anchors_per_sequence=16, top_m=16, autocast_bf16=False)
@@ -533,7 +533,7 @@ def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_fre
     for name, value in grown.model.state_dict().items():
         if name != "d2t":
             assert torch.equal(value, saved[name]), name
-    from treespec.target import TargetModel
+    from treespec.engines.torch import TargetModel
 
     rows, wrapped = torch.randn(3, target.config.hidden_size), TargetModel(target)
     first.drafter.bind(wrapped)

@@ -14,7 +14,7 @@ decoder, as the single-sequence decoder keeps one) decides each sequence's round
 sequences' drafts come from one ``Drafter.draft_batch`` over the sequences' forks (``Drafter.fork``: one
 context cache each), the trees of sequences sharing a policy from one ``TreePolicy.build_batch``
 (a policy that samples its trees at T > 0 samples each with its sequence's generator), and all
-trees are verified in one forward of a `BatchTarget` (a `TreeBatch`, padded); then each
+trees are verified in one forward of the engine's `treespec.target.TargetBatch`; then each
 sequence's verifier walk, commit, tokens, drafter feedback and round report are its own.  Each
 sequence's round goes to the policy `TreePolicy.for_request` gave it: by default the decoder's
 policy itself, so what a learning policy learns per drafter it learns from every row; what it keeps
@@ -38,8 +38,6 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
-from treespec.batch import TreeBatch
-from treespec.batch_target import BatchTarget
 from treespec.decoding import (
     RoundRunner,
     Row,
@@ -53,20 +51,20 @@ from treespec.decoding import (
 from treespec.interfaces import DraftController, Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult
-from treespec.target import TargetModel, TargetOutput
+from treespec.target import Target, TargetBatch, TargetOutput, batch_class
 from treespec.tree import DraftTree
 
 __all__ = ["BatchDecoder", "BatchSide"]
 
 
 class BatchSide:
-    """The target side of a batched round: a `BatchTarget` and the drafter's taps."""
+    """The target side of a batched round: the engine's `TargetBatch` and the drafter's taps."""
 
-    def __init__(self, batch: BatchTarget, taps: tuple[int, ...]) -> None:
+    def __init__(self, batch: TargetBatch, taps: tuple[int, ...]) -> None:
         self.batch, self.taps = batch, taps
 
     def forward(self, trees: Sequence[DraftTree]) -> list[TargetOutput]:
-        return self.batch.forward_trees(TreeBatch(list(trees)), self.taps)
+        return self.batch.forward_trees(trees, self.taps)
 
     def commit(self, accepted: Sequence[torch.Tensor]) -> None:
         self.batch.commit(list(accepted))
@@ -75,11 +73,9 @@ class BatchSide:
 class BatchDecoder:
     """Batched AR and speculative decoding over one target (see the module docstring)."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
+    def __init__(self, target: Target, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None, *, controller: DraftController | None = None) -> None:
-        if not target.batches:
-            raise ValueError(f"the {target.engine} engine decodes one sequence at a time here: decode the prompts one "
-                             "by one, or batch them on the torch engine")
+        self.batch_class = batch_class(target)  # how its engine batches (refused here when it does not)
         self.target, self.drafter, self.policy = target, drafter, policy
         self.verifier = checked_parts(drafter, policy, verifier)
         # whether and at what price rows draft (default: the policy's; kept across generate calls)
@@ -106,7 +102,7 @@ class BatchDecoder:
         drafting = self.drafter is not None and self.controller.start_generation()  # as the single decoder asks
         taps = self.taps if drafting else ()
         rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators, drafting)
-        batch = BatchTarget(self.target)
+        batch = self.batch_class(self.target)
         rounds = RoundRunner(self.target, self.drafter if drafting else None, self.verifier, BatchSide(batch, taps),
                              batched=True)
         clock = Stopwatch(self.target.device)
@@ -128,7 +124,7 @@ class BatchDecoder:
         return [self._result(row) for row in rows]
 
     @staticmethod
-    def _leave(batch: BatchTarget, active: list[Row]) -> list[Row]:
+    def _leave(batch: TargetBatch, active: list[Row]) -> list[Row]:
         """The rows still decoding; finished ones leave the batch (their cache rows dropped)."""
         staying = [i for i, row in enumerate(active) if not row.seq.done]
         if len(staying) < len(active):

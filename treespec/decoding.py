@@ -63,7 +63,7 @@ from treespec.interfaces import (
 )
 from treespec.sampling import sampling_key, target_tokens
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
-from treespec.target import ContextOverflowError, TargetModel, TargetOutput
+from treespec.target import ContextOverflowError, Target, TargetOutput
 from treespec.tree import DraftTree
 
 __all__ = ["FIRST_TOKENS", "OneTarget", "PolicyError", "RoundRunner",
@@ -169,9 +169,9 @@ class Row:
 
 
 class OneTarget:
-    """The target side of a round for one sequence: a `TargetModel` and its taps."""
+    """The target side of a round for one sequence: a `Target` and its taps."""
 
-    def __init__(self, target: TargetModel, taps: tuple[int, ...]) -> None:
+    def __init__(self, target: Target, taps: tuple[int, ...]) -> None:
         self.target, self.taps = target, taps
 
     def forward(self, trees: Sequence[DraftTree]) -> list[TargetOutput]:
@@ -188,7 +188,7 @@ class RoundRunner:
     commit, observe.  ``side`` runs the trees through the target (`OneTarget`, or a batch's) and
     ``batched`` says whether the rows' drafters are forks drafted together (``Drafter.draft_batch``)."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | None, verifier: Verifier, side, *, batched: bool,
+    def __init__(self, target: Target, drafter: Drafter | None, verifier: Verifier, side, *, batched: bool,
                  clock: Callable[[], float] = time.perf_counter,
                  on_round: Callable[[DraftTree, VerifyResult], None] | None = None) -> None:
         self.target, self.drafter, self.verifier, self.side = target, drafter, verifier, side
@@ -314,9 +314,9 @@ def _round_stats(row: Row, result: VerifyResult, times: dict[str, float]) -> Rou
 
 
 class SpeculativeDecoder:
-    """One harness for autoregressive and speculative decoding over a `TargetModel`."""
+    """One harness for autoregressive and speculative decoding over a `Target`."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | None = None, policy: TreePolicy | None = None,
+    def __init__(self, target: Target, drafter: Drafter | None = None, policy: TreePolicy | None = None,
                  verifier: Verifier | None = None,
                  on_round: Callable[[DraftTree, VerifyResult], None] | None = None, *,
                  controller: DraftController | None = None,
@@ -481,7 +481,7 @@ def cut_proposals(proposals: Proposals | None, tree: DraftTree, fitted: DraftTre
     return proposals.select(tree.depths <= fitted.max_depth)
 
 
-def check_request(target: TargetModel, prompt: torch.Tensor, max_new_tokens: int, where: str = "") -> None:
+def check_request(target: Target, prompt: torch.Tensor, max_new_tokens: int, where: str = "") -> None:
     """Refuse a request the target cannot serve; ``where`` names the prompt in a batch ("prompt 3: ")."""
     if max_new_tokens < 1:
         raise ValueError(f"{where}max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -495,14 +495,14 @@ def check_request(target: TargetModel, prompt: torch.Tensor, max_new_tokens: int
             f"target's context of {target.max_positions} positions")
 
 
-def checked_draft(draft: DraftOutput, target: TargetModel) -> DraftOutput:
+def checked_draft(draft: DraftOutput, target: Target) -> DraftOutput:
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the drafter's vocabulary ({draft.vocab_size}) differs from the target's "
                          f"({target.vocab_size})")
     return draft
 
 
-def fitted_tree(tree: DraftTree, seq: SequenceState, target: TargetModel) -> DraftTree:
+def fitted_tree(tree: DraftTree, seq: SequenceState, target: Target) -> DraftTree:
     """The policy's tree, checked against the anchor and cut to the depth the sequence can still use."""
     if tree.root_token != seq.anchor:
         raise ValueError(f"the tree's root token {tree.root_token} is not the anchor {seq.anchor}")

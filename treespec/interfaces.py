@@ -60,7 +60,7 @@ import torch
 from treespec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from treespec.target import TargetModel
+    from treespec.target import Target
 
 __all__ = [
     "ConditionalScorer", "DraftContext", "DraftOutput", "Drafter", "Expansion", "Proposals", "RecordableScorer",
@@ -254,7 +254,7 @@ class Drafter(ABC):
         a drafter named on the command line).  The default: this drafter cannot be loaded from files."""
         raise NotImplementedError(f"{cls.__name__} cannot be loaded from a directory (it defines no from_pretrained)")
 
-    def bind(self, target: TargetModel) -> None:
+    def bind(self, target: Target) -> None:
         """Attach to a target (share its embeddings / head, check vocab and hidden sizes)."""
 
     def reset(self) -> None:

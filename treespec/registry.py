@@ -15,7 +15,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
-__all__ = ["KINDS", "RegistryError", "available", "builtin", "create", "register", "resolve"]
+__all__ = ["DEFAULT_ENGINE", "KINDS", "RegistryError", "available", "builtin", "create", "register", "resolve"]
 
 KINDS = ("policy", "drafter", "verifier", "scorer", "recipe", "command", "engine")
 _GROUPS = {"policy": "treespec.policies", "drafter": "treespec.drafters", "verifier": "treespec.verifiers",
@@ -66,11 +66,12 @@ _BUILTIN: dict[str, dict[str, str]] = {
         "block": "treespec.drafters.training:BlockRecipe",
     },
     "command": {},  # `treespec NAME` subcommands of other packages (modules: add_arguments, run)
-    "engine": {  # what runs the target (`treespec.target.Engine` classes): `--engine NAME`, torch by default
-        "torch": "treespec.target:TargetModel",
+    "engine": {  # what runs the target (`treespec.target.Engine` classes): `--engine NAME`, DEFAULT_ENGINE by default
+        "torch": "treespec.engines.torch:TargetModel",
         "llama.cpp": "treespec.engines.llama_cpp:LlamaCppTarget",
     },
 }
+DEFAULT_ENGINE = "torch"  # the engine a target runs on when none is named (the one place that says so)
 _RUNTIME: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 
 

@@ -62,6 +62,7 @@ from treespec.interfaces import Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.pricing.conditions import ThreadControl
 from treespec.pricing.cost import CostModel
 from treespec.stats import GenerationStats
+from treespec.registry import DEFAULT_ENGINE
 from treespec.target import Target
 
 __all__ = ["GenerateOutput", "encode_prompt", "generate"]
@@ -147,7 +148,7 @@ def generate(model: PathLike | Target | torch.nn.Module, prompt: str | torch.Ten
              drafter_kwargs: dict[str, Any] | None = None, policy_kwargs: dict[str, Any] | None = None,
              cost_model: str | CostModel | CostSource = "live", threads: int | None = None,
              sampling: SamplingParams | None = None, chat: bool = False,
-             engine: str = "torch") -> GenerateOutput | list[GenerateOutput]:
+             engine: str = DEFAULT_ENGINE) -> GenerateOutput | list[GenerateOutput]:
     """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring).
 
     ``sampling`` (a `SamplingParams`) gives temperature, top-k, top-p and position keying as one typed

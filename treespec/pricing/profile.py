@@ -53,7 +53,7 @@ from treespec.pricing.calibration import Calibration, to_calibration
 from treespec.pricing.conditions import current_meter
 from treespec.pricing.cost import ConvexCost, fit_verify_curve
 from treespec.pricing.hardware import digest, machine_file, machine_identity, read_cached, set_aside, write_cached
-from treespec.target import TargetModel
+from treespec.target import Target
 from treespec.tree import DraftTree
 
 logger = logging.getLogger(__name__)  # one line per event; the CLI shows them as "treespec: ..."
@@ -82,7 +82,7 @@ _SPOT_REPEATS = 5
 _FORMAT = 1  # version of the cached JSON
 
 
-def target_identity(target: TargetModel) -> str:
+def target_identity(target: Target) -> str:
     """A digest of what the target's costs depend on (`treespec.target.Target.identity`: its architecture,
     the file an engine runs)."""
     return digest(target.identity())
@@ -102,12 +102,12 @@ def _median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) 
     return statistics.median(_seconds(fn, device) for _ in range(repeats))
 
 
-def time_verify(target: TargetModel, n: int, ctx: int, repeats: int, generator: torch.Generator) -> float:
+def time_verify(target: Target, n: int, ctx: int, repeats: int, generator: torch.Generator) -> float:
     """Median seconds of one forward over an n-node chain on top of ``ctx`` cached tokens."""
     return time_verify_sizes(target, (n,), ctx, repeats, generator)[n]
 
 
-def time_verify_sizes(target: TargetModel, sizes: Sequence[int], ctx: int, repeats: int,
+def time_verify_sizes(target: Target, sizes: Sequence[int], ctx: int, repeats: int,
                       generator: torch.Generator) -> dict[int, float]:
     """Median seconds of one forward over an n-node chain on top of ``ctx`` cached tokens, for each n
     in ``sizes``.  The sizes are timed in turn within every repeat (each repeat starting one size
@@ -133,7 +133,7 @@ def time_verify_sizes(target: TargetModel, sizes: Sequence[int], ctx: int, repea
     return {n: statistics.median(xs) for n, xs in samples.items()}
 
 
-def time_draft(target: TargetModel, drafter: Drafter, ctx: int, repeats: int, generator: torch.Generator) -> float:
+def time_draft(target: Target, drafter: Drafter, ctx: int, repeats: int, generator: torch.Generator) -> float:
     """Median seconds of one drafter round with ``ctx`` cached context positions."""
     drafter.bind(target)
     drafter.reset()
@@ -371,7 +371,7 @@ def implausible(profile: CostProfile) -> str | None:
     return broken or next(iter(implausible_drafts(profile).values()), None) or implausible_live(profile)
 
 
-def spot_check(target: TargetModel, profile: CostProfile, generator: torch.Generator,
+def spot_check(target: Target, profile: CostProfile, generator: torch.Generator,
                repeats: int = _SPOT_REPEATS) -> str | None:
     """A quick look at a cached profile against the machine as it is: the smallest size and the 17-token
     verify (or the largest profiled size below it) timed at the shortest profiled context, as the
@@ -400,7 +400,7 @@ def learned_key(policy: str, drafter: Drafter) -> str:
     return f"{policy}@{calibration_key(drafter)}"
 
 
-def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
+def refresh_profile(target: Target, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
                     contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 9, cache_dir: Path | None = None,
                     progress: bool = False) -> CostProfile:
     """Measure this machine's profile anew and replace the cached one with it: the timings and the live
@@ -417,7 +417,7 @@ def refresh_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
     return fresh
 
 
-def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,
+def save_profile(target: Target, profile: CostProfile, *, sizes: Sequence[int] = PROFILE_SIZES,
                  contexts: Sequence[int] = PROFILE_CONTEXTS, cache_dir: Path | None = None) -> None:
     """Write ``profile`` (a calibration added, say) where `machine_profile` finds it; a profile measured
     under a load or with implausible figures (``disturbed``) is not written (one line says so), and an
@@ -430,7 +430,7 @@ def save_profile(target: TargetModel, profile: CostProfile, *, sizes: Sequence[i
     _write_profile(path, key, profile)
 
 
-def _profile_file(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int],
+def _profile_file(target: Target, sizes: Sequence[int], contexts: Sequence[int],
                   cache_dir: Path | None) -> tuple[Path, dict, list[int]]:
     """(cache file, key, contexts as measured): contexts are cut so the largest tree still fits."""
     room = target.max_positions - max(sizes)  # the longest context a sample's tree still fits after
@@ -497,7 +497,7 @@ def _cached_profile(path: Path, key: dict) -> CostProfile | None:
     return profile
 
 
-def _spot_checked(target: TargetModel, profile: CostProfile, path: Path, generator: torch.Generator,
+def _spot_checked(target: Target, profile: CostProfile, path: Path, generator: torch.Generator,
                   meter: Callable[[], object] | None) -> CostProfile:
     """``profile`` if a quick measurement now agrees with it (`spot_check`; once per file and version in
     a process, and not judged while another process takes the cores), else its timings dropped, said."""
@@ -515,7 +515,7 @@ def _spot_checked(target: TargetModel, profile: CostProfile, path: Path, generat
     return _timings_dropped(profile)
 
 
-def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
+def machine_profile(target: Target, drafters: Sequence[Drafter] = (), *, sizes: Sequence[int] = PROFILE_SIZES,
                     contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 9, cache: bool = True,
                     cache_dir: Path | None = None, progress: bool = False,
                     meter: Callable[[], object] | None = None, spot: bool = True) -> CostProfile:
@@ -564,7 +564,7 @@ def machine_profile(target: TargetModel, drafters: Sequence[Drafter] = (), *, si
 
 
 
-def _measured_curve(target: TargetModel, sizes: Sequence[int], contexts: Sequence[int], repeats: int,
+def _measured_curve(target: Target, sizes: Sequence[int], contexts: Sequence[int], repeats: int,
                     generator: torch.Generator, bar) -> tuple[tuple[int, int, float], ...]:
     """The verify samples of every context; a curve no machine has (a forward descheduled among few
     repeats) is measured once more before it is taken as it is."""

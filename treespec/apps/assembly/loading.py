@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from treespec import registry
+from treespec.registry import DEFAULT_ENGINE
 from treespec.apps.assembly.methods import DEFAULT_DRAFTERS, drafter_names
 from treespec.interfaces import Drafter
 from treespec.target import Target
@@ -44,8 +45,6 @@ PathLike = str | os.PathLike
 EMBEDDED_NAME = "smollm2-135m-instruct"  # how records name the embedded default
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-
-DEFAULT_ENGINE = "torch"  # what runs a target when no engine is named
 
 
 def engines() -> list[str]:

@@ -17,7 +17,7 @@ from treespec.apps.bench.config import (
                                         expand_methods,
                                         pair_seed,
 )
-from treespec.apps.bench.lossless import GAP_TOLERANCE, Divergence, decision_gap, first_difference, read_divergences
+from treespec.apps.bench.lossless import Divergence, decision_gap, first_difference, read_divergences
 from treespec.apps.bench.merge import merge_shards
 from treespec.apps.bench.outdir import (
                                         DIVERGENCES,
@@ -38,7 +38,7 @@ from treespec.apps.bench.report import Report, write_report
 from treespec.apps.bench.runner import resume_shard, run_shard
 
 __all__ = [
-    "BENCH_PRESETS", "DIVERGENCES", "GAP_TOLERANCE", "METHODS", "RECORDS", "SETTINGS", "BenchConfig", "BenchRecord",
+    "BENCH_PRESETS", "DIVERGENCES", "METHODS", "RECORDS", "SETTINGS", "BenchConfig", "BenchRecord",
     "Divergence", "Report", "Shard", "abandon_out", "bench_prompts", "decision_gap", "expand_methods",
     "first_difference", "lock_out", "measured_settings", "merge_shards", "open_out", "pair_seed", "prepare_out",
     "read_divergences", "read_records", "resume_shard",

@@ -48,7 +48,7 @@ class BenchConfig:
     max_new_tokens: int = 128  # per response
     seed: int = 0  # prompt shuffle and the paired sampling streams
     warmup_tokens: int = 8  # new tokens of the untimed warm-up generation per method
-    gap_tolerance: float | None = None  # tolerance on AR's decision margin at a divergence; None: GAP_TOLERANCE
+    gap_tolerance: float | None = None  # tolerance on AR's decision margin at a divergence; None: the target's (`Target.numerics`)
     stop_at_eos: bool = True  # stop responses at the tokenizer's EOS (False: always max_new_tokens)
     enable_thinking: bool = False  # the Qwen3 chat template's thinking switch (off, as published)
     first_token: str = "round"  # "prefill": the first token from the prefill, τ counted as the papers count it

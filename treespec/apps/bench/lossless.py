@@ -6,7 +6,7 @@ Every response that differs from AR's gets a `Divergence` giving the first diffe
 AR's decision margin there (`decision_gap`: the logits' top-two gap at T = 0; at T > 0 that of the
 position-keyed Gumbel-max scores, in logit units), measured by one fresh forward of the prompt and
 AR's prefix.  It is acceptable only when the margin is within the stated tolerance
-(the target's own, `treespec.target.Target.rounding_gap`: per dtype on torch, measured per file on
+(the target's own, `treespec.target.Target.numerics`: per dtype on torch, measured per file on
 llama.cpp; or the config's); in float64 nothing may differ (docs/decoding.md, "Verification").
 `lossless_text` writes the verdict per temperature for the report.
 """
@@ -25,15 +25,10 @@ from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import AR
 from treespec.interfaces import SamplingParams
 from treespec.sampling import gumbel_noise, sampling_key, work_dtype
-from treespec.target import ROUNDING_GAP, Target
+from treespec.target import Target
 
-__all__ = ["GAP_TOLERANCE", "Divergence", "decision_gap", "find_divergence", "first_difference", "lossless_text",
+__all__ = ["Divergence", "decision_gap", "find_divergence", "first_difference", "lossless_text",
            "read_divergences", "resolve_tolerance", "token_comparable", "write_jsonl"]
-
-# Largest AR decision margin (top-two gap, logit units; see `decision_gap`) at which a divergence
-# from AR is put down to rounding, per dtype of the torch target (`treespec.target.ROUNDING_GAP`);
-# another engine states its own (`treespec.target.Target.rounding_gap`: llama.cpp measures it per file).
-GAP_TOLERANCE = ROUNDING_GAP
 
 
 @attrs.frozen
@@ -91,8 +86,8 @@ def decision_gap(target: Target, ids: torch.Tensor, temperature: float, seed: in
 
 def resolve_tolerance(config: BenchConfig, target: Target, tree_tokens: int = 17) -> float:
     """The config's gap tolerance, else the target's own for trees of up to ``tree_tokens`` tokens
-    (`treespec.target.Target.rounding_gap`)."""
-    return config.gap_tolerance if config.gap_tolerance is not None else target.rounding_gap(tree_tokens)
+    (`treespec.target.Target.numerics`)."""
+    return config.gap_tolerance if config.gap_tolerance is not None else target.numerics(tree_tokens).tolerance
 
 
 def find_divergence(target: Target, prompt: torch.Tensor, ar: BenchRecord, rec: BenchRecord,

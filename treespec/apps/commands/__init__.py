@@ -1,5 +1,6 @@
 """Subcommands of the ``treespec`` CLI (one module each, imported lazily)."""
 
+from treespec.registry import DEFAULT_ENGINE
 from treespec.target import DTYPE_NAMES
 
 # name -> (module, one-line help).  Modules are imported lazily so ``treespec --help`` stays fast.
@@ -32,7 +33,7 @@ def add_engine_argument(parser) -> None:
     """``--engine NAME``: what runs the target (torch, or a registered engine: llama.cpp)."""
     from treespec.apps.assembly.loading import engines
 
-    parser.add_argument("--engine", default="torch", choices=engines(),
+    parser.add_argument("--engine", default=DEFAULT_ENGINE, choices=engines(),
                         help="what runs the target: torch (its transformers modules) or llama.cpp (its GGUF file, "
                              "through llama-cpp-python; the drafters stay torch modules)")
     parser.add_argument("--sha256", default=None, metavar="HEX",

@@ -18,7 +18,7 @@ from treespec import registry
 from treespec.apps.assembly.methods import parse_method
 from treespec.apps.assembly.session import Session
 from treespec.apps.commands import add_threads_argument, start_threads
-from treespec.target import TargetModel
+from treespec.target import Target
 
 _METHODS = ("ar", "dflash", "ddtree@16", "caddtree@16", "dominotree@16")
 
@@ -30,11 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_threads_argument(parser)
 
 
-def tiny_target(seed: int) -> TargetModel:
-    """A random 2-layer Qwen3 target in float64 (vocab 512)."""
+def tiny_target(seed: int) -> Target:
+    """A random 2-layer Qwen3 target in float64 (vocab 512), on the default engine."""
+    from treespec.apps.assembly.loading import load_target
     from treespec.apps.kit.tiny import tiny_causal_lm
 
-    return TargetModel(tiny_causal_lm(vocab=512, hidden=64, layers=2, max_positions=1024, init=0.3, seed=seed))
+    return load_target(tiny_causal_lm(vocab=512, hidden=64, layers=2, max_positions=1024, init=0.3, seed=seed))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -123,7 +123,7 @@ def _tree_tokens(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace, target, tokenizer, tokens: list[int]) -> int:
     """``--check``: the output against the target's own AR output; at the first difference, AR's top-two
-    gap there against the target's rounding for trees of this budget (`treespec.target.Target.rounding_gap`)."""
+    gap there against the target's rounding for trees of this budget (`treespec.target.Target.numerics`)."""
     from treespec.apps.api import encode_prompt, generate
     from treespec.apps.bench.lossless import decision_gap, first_difference
 
@@ -135,7 +135,7 @@ def _check(args: argparse.Namespace, target, tokenizer, tokens: list[int]) -> in
         return 0
     ids = encode_prompt(args.prompt, tokenizer, args.chat)
     gap = decision_gap(target, torch.cat([ids, torch.tensor(ar[:k], dtype=torch.int64)]), 0.0, 0)
-    rounding = target.rounding_gap(_tree_tokens(args))
+    rounding = target.numerics(_tree_tokens(args)).tolerance
     where = (f"token {k} differs from AR's ({ar[k] if k < len(ar) else 'end'} there, "
              f"{tokens[k] if k < len(tokens) else 'end'} here); AR's top-two gap {gap:.4g}")
     if gap <= rounding:

@@ -41,7 +41,7 @@ from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.decoding import PolicyError, SpeculativeDecoder, built_tree, checked_tree
 from treespec.interfaces import BACKENDS, DraftContext, DraftOutput, TreePolicy
 from treespec.pricing.cost import LinearCost
-from treespec.target import TargetModel
+from treespec.target import Target
 from treespec.tree import DraftTree
 
 __all__ = ["PolicyCheckError", "PolicyReport", "check_policy", "check_tree", "tiny_target"]
@@ -65,9 +65,11 @@ class PolicyReport:
     mean_tau: float  # over the greedy lossless runs
 
 
-def tiny_target(seed: int = 0, vocab: int = 128) -> TargetModel:
-    """A random float64 Qwen3 target small enough for tests (no download)."""
-    return TargetModel(tiny_causal_lm(vocab=vocab, hidden=32, layers=2, heads=4, kv_heads=2, seed=seed))
+def tiny_target(seed: int = 0, vocab: int = 128) -> Target:
+    """A random float64 Qwen3 target small enough for tests (no download), on the default engine."""
+    from treespec.apps.assembly.loading import load_target
+
+    return load_target(tiny_causal_lm(vocab=vocab, hidden=32, layers=2, heads=4, kv_heads=2, seed=seed))
 
 
 def _factory(policy) -> tuple[Callable[[int], TreePolicy], type]:

@@ -44,7 +44,7 @@ from treespec.apps.replay.trace import (
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext, Drafter, DraftOutput, RecordableScorer, TreePolicy
 from treespec.reach import best_chain, reachable
-from treespec.target import TargetModel, select_taps
+from treespec.target import Target, select_taps
 from treespec.topk import exact_topk
 from treespec.tree import DraftTree
 
@@ -173,7 +173,7 @@ class _Recorder(Drafter):
         self.tap_layers = tuple(sorted({t for d in self.drafters.values() for t in d.tap_layers}))
         self.captures = {kind: _Capture(config) for kind in self.drafters}
 
-    def bind(self, target: TargetModel) -> None:
+    def bind(self, target: Target) -> None:
         for drafter in self.drafters.values():
             drafter.bind(target)
 
@@ -235,7 +235,7 @@ def record_trace(session: Session, prompts: Sequence[torch.Tensor], *,
     return attrs.evolve(trace, meta=meta)
 
 
-def _record_prompts(target: TargetModel, drafters: Mapping[str, Drafter], items: Sequence[tuple[str, torch.Tensor]],
+def _record_prompts(target: Target, drafters: Mapping[str, Drafter], items: Sequence[tuple[str, torch.Tensor]],
                     config: RecordConfig, target_meta: dict, progress: bool = False) -> Trace:
     """The trace of ``items`` ((prompt id, prompt) pairs), without cost models."""
     recorder = _Recorder(drafters, config)

@@ -292,10 +292,10 @@ class DrafterTrainer:
         """Held-out τ of each eval method (`treespec.apps.training.evaluate`) with the current weights."""
         from treespec.apps.assembly.methods import build_policy, parse_method
         from treespec.apps.training.evaluate import heldout_tau
-        from treespec.target import TargetModel
+        from treespec.apps.assembly.loading import load_target
 
         if self._eval_target is None:
-            self._eval_target = TargetModel(self.target)
+            self._eval_target = load_target(self.target)  # the default engine's target of the frozen module
         self.recipe.trainable.eval()
         self.drafter.bind(self._eval_target)  # fresh per-bind tables (Domino's GRU inputs) from these weights
         methods = {m: build_policy(parse_method(m)) for m in self.recipe.eval_methods}
