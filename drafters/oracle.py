@@ -143,7 +143,11 @@ class GreedyContinuations:
         return line.known[k:k + n]
 
     def _step(self, line: _Line) -> None:
-        """Run the tokens not yet cached as one chain on the line's target; append the greedy next token."""
+        """Run the tokens not yet cached as one chain on the line's target; append the greedy next token
+        (past the context window, where nothing can be verified, the last token again)."""
+        if len(line.known) >= self.target.max_positions:
+            line.known.append(line.known[-1])
+            return
         if line.target is None:
             line.target, line.cached = self.target.sibling(), 0
         if line.cached == 0:

@@ -46,6 +46,7 @@ near-ties of its logits, counted as the torch target's are.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,10 +56,13 @@ import attrs
 import numpy as np
 import torch
 
+from treespec.numerics import measured_numerics
 from treespec.target import ContextOverflowError, EngineUnavailable, ModelShapes, Numerics, TargetOutput, check_finite
 from treespec.tree import DraftTree
 
-__all__ = ["BUILD_FLAGS", "ENGINE", "REQUIREMENT", "GgufModel", "LlamaCppTarget", "binding", "read_gguf"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["BUILD_FLAGS", "CACHE_TYPES", "ENGINE", "REQUIREMENT", "GgufModel", "LlamaCppTarget", "binding", "read_gguf"]
 
 ENGINE = "llama.cpp"
 REQUIREMENT = "llama-cpp-python==0.3.36"  # the binding, built from source for this CPU (pyproject's "engine" extra)
@@ -67,6 +71,10 @@ REQUIREMENT = "llama-cpp-python==0.3.36"  # the binding, built from source for t
 BUILD_FLAGS = ("-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
                "-DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF")
 _F32 = 0  # ggml_type of a float32 tensor
+# the K/V cache's element type (llama.cpp's ``--cache-type-k/v``) -> the binding's ggml_type name
+CACHE_TYPES = {"q8_0": "GGML_TYPE_Q8_0", "f16": "GGML_TYPE_F16", "f32": "GGML_TYPE_F32"}
+FLASH_ATTENTION = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
+                   "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
 _CAUSAL_ARCHS_HINT = "a causal language model llama.cpp runs (llama, qwen2, qwen3, gemma, phi3, ...)"
 
 
@@ -246,9 +254,18 @@ class LlamaCppTarget:
     batch_class = None  # one sequence at a time (a batch of trees on one context is not built yet)
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int | None = None, max_leaves: int = 64,
-                 threads: int | None = None, dtype: torch.dtype = torch.float32, n_batch: int = 512) -> None:
+                 threads: int | None = None, dtype: torch.dtype = torch.float32, n_batch: int = 512,
+                 cache_type: str | None = None, flash_attention: str = "auto") -> None:
         self.llama_cpp = binding()
         self.gguf, reader = _read(path)
+        cache_type = _exact_cache_type(self.gguf, None) if cache_type is None else cache_type
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"unknown K/V cache type {cache_type!r}; the engine takes {', '.join(CACHE_TYPES)}")
+        if flash_attention not in FLASH_ATTENTION:
+            raise ValueError(f"flash_attention is one of {', '.join(FLASH_ATTENTION)}, got {flash_attention!r}")
+        if cache_type == "q8_0" and flash_attention == "off":
+            raise ValueError("a q8_0 K/V cache needs llama.cpp's flash attention: use flash_attention 'auto' or 'on'")
+        self.cache_type, self.flash_attention = cache_type, flash_attention
         self.path = self.gguf.path
         self.hidden_size, self.num_hidden_layers = self.gguf.n_embd, self.gguf.n_layer
         self.max_positions = int(n_ctx or min(self.gguf.n_ctx_train, 4096))
@@ -265,7 +282,7 @@ class LlamaCppTarget:
         self._batch = self.llama_cpp.llama_batch_init(max(n_batch, 1), 0, max_leaves + 1)
         self.length = 0
         self._tree: DraftTree | None = None  # the last tree forward, until committed or dropped
-        self._rounding_gaps: dict[int, float] = {}  # tree tokens -> measured on first need (`rounding_gap`)
+        self._numerics: dict[tuple[int, int], Numerics] = {}  # (tree tokens, threads) -> measured (`numerics`)
         self._tree_sets: list[tuple[int, ...]] = []  # its nodes' sequences (`_leaf_sets`)
 
     # ------------------------------------------------------------------ loading
@@ -313,15 +330,20 @@ class LlamaCppTarget:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "checkpoint",
-             device: str | torch.device = "cpu", float32_head: bool | None = None, **kwargs: Any) -> LlamaCppTarget:
+             device: str | torch.device = "cpu", float32_head: bool | None = None, exact: bool | None = None,
+             **kwargs: Any) -> LlamaCppTarget:
         """The target of a GGUF file, its torch side in ``dtype`` ("checkpoint" or "auto": float32, the
-        values the file dequantizes to); ``float32_head`` has nothing to do here (the engine's head is its own)."""
+        values the file dequantizes to); ``float32_head`` has nothing to do here (the engine's head is its own);
+        ``exact`` (None: True) keeps K/V in q8_0, where trees equal one-token steps bit for bit, False in
+        llama.cpp's own f16 (module docstring)."""
         if torch.device(device).type != "cpu":
             raise ValueError(f"the {ENGINE} engine runs on the CPU here, not on {device}")
         if isinstance(dtype, str):
             from treespec.target import DTYPE_NAMES
 
             dtype = DTYPE_NAMES.get(dtype, torch.float32)
+        if "cache_type" not in kwargs:
+            kwargs["cache_type"] = "f16" if exact is False else _exact_cache_type(read_gguf(path), exact)
         return cls(path, dtype=dtype, **kwargs)
 
     @staticmethod
@@ -343,45 +365,23 @@ class LlamaCppTarget:
         return self.gguf.shapes()
 
     def identity(self) -> dict:
-        return self.gguf.to_dict()
+        return self.gguf.to_dict() | ({"cache_type": self.cache_type} if self.cache_type != "f16" else {})
 
     def describe(self) -> str:
-        return f"{self.path.name}, file type {self.gguf.file_type}"
+        return f"{self.path.name}, file type {self.gguf.file_type}, {self.cache_type} K/V cache"
 
     def eos_token_ids(self) -> list[int]:
         return [] if self.gguf.eos_token_id is None else [int(self.gguf.eos_token_id)]
 
     def numerics(self, tokens: int = 17) -> Numerics:
-        """How a tree of ``tokens`` tokens compares with one-token steps here (`rounding_gap`)."""
-        gap = self.rounding_gap(tokens)
-        if gap == 0.0:
-            return Numerics(True, 0.0, f"a {tokens}-token chain equals one-token steps on {self.path.name}")
-        return Numerics(False, gap, f"a {tokens}-token chain moves logits against one-token steps on {self.path.name}")
-
-    def rounding_gap(self, tokens: int = 17) -> float:
-        """The largest top-two gap of a one-token step that a tree of ``tokens`` tokens may flip on this
-        file: twice (two logits move) the largest shift of any logit between a chain of that many tokens
-        decoded at once and the same tokens decoded one at a time (after a 16-token prefix; tokens from a
-        fixed generator), with a margin of 2.  Measured once per size (llama.cpp's kernels change with the
-        batch: on the embedded default's Q4_1 file a 17-token decode equals one-token steps bit for bit,
-        a 65-token one moves logits by about 1); the cache is left empty, so ask between generations."""
-        tokens = max(2, min(tokens, self.n_batch, self.max_positions - 17))  # a tree the engine can verify here
-        if tokens not in self._rounding_gaps:
-            chain = torch.randint(0, self.vocab_size, (16 + tokens,), generator=torch.Generator().manual_seed(0))
-            self._rounding_gaps[tokens] = 4.0 * self._chain_shift(chain[:16], chain[16:])
-        return self._rounding_gaps[tokens]
-
-    def _chain_shift(self, prefix: torch.Tensor, chain: torch.Tensor) -> float:
-        """Largest |logit| difference between ``chain`` (root first) decoded as one tree and one token at a time."""
-        self.prefill(prefix)
-        together = self.forward_tree(DraftTree.chain(int(chain[0]), chain[1:])).logits  # [n + 1, V]
-        self.drop_tree()
-        alone = []
-        for token in chain.tolist():
-            alone.append(self.forward_tree(DraftTree.root_only(token)).logits[0])
-            self.commit(torch.zeros(1, dtype=torch.int64))
-        self.reset()
-        return float((together - torch.stack(alone)).abs().max())
+        """How trees of ``tokens`` tokens compare with one-token steps on this file, cache type and thread count:
+        measured once per size and thread count on a sibling, past 256 cached cells
+        (`treespec.numerics.measured_numerics`; this target's cache is left alone)."""
+        key = (tokens, self._thread_count())
+        if key not in self._numerics:
+            path = f"{self.path.name}, {self.cache_type} K/V cache, {key[1]} threads"
+            self._numerics[key] = measured_numerics(self.sibling(), path, depth=max(1, (tokens - 1) // 2))
+        return self._numerics[key]
 
     def _context(self, taps: tuple[int, ...]):
         """The llama.cpp context of this tap set (made on first use)."""
@@ -392,6 +392,8 @@ class LlamaCppTarget:
             params.n_seq_max = self.max_leaves + 1  # and a scratch sequence (`_compact`)
             params.kv_unified = True
             params.no_perf = True
+            params.type_k = params.type_v = getattr(self.llama_cpp, CACHE_TYPES[self.cache_type])
+            params.flash_attn_type = getattr(self.llama_cpp, FLASH_ATTENTION[self.flash_attention])
             threads = self._thread_count()
             params.n_threads = params.n_threads_batch = threads
             hooks = None
@@ -566,6 +568,7 @@ class LlamaCppTarget:
         twin = object.__new__(type(self))
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_contexts", "_batch")})
         twin._contexts, twin._owns_model, twin._owner = {}, False, self  # the owner outlives its siblings
+        twin._numerics = {}
         twin._ctx, twin._taps, twin._tap_set, twin._tree, twin.length = None, None, (), None, 0
         twin._batch = self.llama_cpp.llama_batch_init(max(self.n_batch, 1), 0, self.max_leaves + 1)
         return twin
@@ -627,6 +630,18 @@ class LlamaCppTarget:
         if last_position >= self.max_positions:
             raise ContextOverflowError(f"position {last_position} exceeds the engine's context of "
                                        f"{self.max_positions} positions")
+
+
+def _exact_cache_type(model: GgufModel, asked: bool | None) -> str:
+    """q8_0, where ggml's attention sums a one-token step as it sums a batch (module docstring); f16 for a
+    model whose head dimension q8_0's 32-element blocks do not divide (said in one line when asked for)."""
+    head_dim = model.n_embd // model.n_head
+    if head_dim % 32 == 0:
+        return "q8_0"
+    if asked:
+        logger.warning(f"{model.path.name}: heads of {head_dim} dimensions do not fit q8_0's 32-element blocks; its "
+                       "K/V cache stays f16, where trees agree with one-token steps up to a measured tolerance")
+    return "f16"
 
 
 def _leaf_sets(tree: DraftTree) -> list[tuple[int, ...]]:

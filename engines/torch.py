@@ -33,6 +33,7 @@ Overflowing ``max_positions`` raises `ContextOverflowError` before the model is 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ import attrs
 import torch
 
 from treespec.batch import TreeBatch
+from treespec.engines import torch_exact
 from treespec.target import (
     DTYPE_NAMES,
     ContextOverflowError,
@@ -52,25 +54,15 @@ from treespec.target import (
     reduced_precision,
     stored_dtype,
 )
+from treespec.numerics import measured_numerics
 from treespec.tree import DraftTree, additive_mask
 
-__all__ = ["ROUNDING_GAP", "SUPPORTED_ATTENTION", "Float32Head", "Float32Norm", "TargetModel", "TorchBatch",
+logger = logging.getLogger(__name__)
+
+__all__ = ["SUPPORTED_ATTENTION", "Float32Head", "Float32Norm", "TargetModel", "TorchBatch",
            "crop_cache", "tap_features", "use_float32_head"]
 
-SUPPORTED_ATTENTION = ("eager", "sdpa")  # implementations that accept a custom additive 4D mask
-
-# Largest top-two gap of a one-token step's logits that a tree forward of the same tokens may flip,
-# per dtype of the torch target (logit units): the two sum in different orders, so they differ by a few
-# units in the last place of logits of magnitude 10-30 (bf16 spacing there is 0.0625-0.125; fp16 8x
-# finer; fp32 ~2e-6).  At T = 0 a tree's output equals the target's own AR output except where AR's
-# top two logits lie this close (`Target.rounding_gap`).
-ROUNDING_GAP: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-3,
-    torch.float16: 0.05,
-    torch.bfloat16: 0.5,
-}
-
+SUPPORTED_ATTENTION = ("eager", "sdpa", torch_exact.ATTENTION)  # implementations that take a custom 4D mask
 
 class TorchBatch:
     """S sequences over one torch target's model, one right-padded cache (module docstring)."""
@@ -112,7 +104,7 @@ class TorchBatch:
         for s, head in enumerate(heads):
             ids[s, :head.numel()] = head
         out = self.target.run(ids, self._prefill_mask(width), torch.arange(width, device=self.device).expand(len(heads), -1),
-                                taps, logits_to_keep=1, cache=self.cache)
+                                taps, logits_to_keep=1, cache=self.cache, prefill=True)
         features = tap_features(out, taps)
         return [None if features is None else features[s, :n] for s, n in enumerate(self.lengths)]
 
@@ -198,7 +190,7 @@ class TargetModel:
     batch_class = TorchBatch  # several sequences in one forward
 
     def __init__(self, model: torch.nn.Module, *, max_positions: int | None = None,
-                 float32_head: bool | None = None) -> None:
+                 float32_head: bool | None = None, exact: bool | None = None) -> None:
         self.model = model.eval()
         self.config = model.config
         _check_attention(self.config)
@@ -218,12 +210,23 @@ class TargetModel:
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.cache = None
         self.length = 0
+        self._numerics: dict[tuple[int, int], Numerics] = {}  # (tree tokens, threads) -> measured
+        self.exact = self.config._attn_implementation == torch_exact.ATTENTION  # None: the model's kernels as they are
+        if exact and not self.exact:
+            reason = torch_exact.install(model)
+            if reason is not None:
+                logger.warning(f"no exact path for this model here ({reason}): trees agree with AR up to a "
+                               "measured tolerance")
+            self.exact = reason is None
+        elif exact is False and self.exact:
+            torch_exact.uninstall(model)
+            self.exact = False
 
     @classmethod
     def from_local(cls, path: str | os.PathLike, *, dtype: torch.dtype | str = "checkpoint",
                    device: str | torch.device = "cpu",
                    attn_implementation: str = "sdpa", max_positions: int | None = None,
-                   float32_head: bool | None = None) -> TargetModel:
+                   float32_head: bool | None = None, exact: bool | None = None) -> TargetModel:
         """Load a causal LM from a local directory (safetensors; never remote code).
 
         ``dtype``: a torch dtype, one of `DTYPE_NAMES`, or ``"checkpoint"`` (the stored dtype); the
@@ -241,7 +244,7 @@ class TargetModel:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
             trust_remote_code=False, use_safetensors=True)
-        return cls(model.to(device), max_positions=max_positions, float32_head=float32_head)
+        return cls(model.to(device), max_positions=max_positions, float32_head=float32_head, exact=exact)
 
     # ------------------------------------------------------------------ the engine's entry
     @classmethod
@@ -262,11 +265,12 @@ class TargetModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike | torch.nn.Module, *, dtype: torch.dtype | str = "checkpoint",
-             device: str | torch.device = "cpu", float32_head: bool | None = None) -> TargetModel:
+             device: str | torch.device = "cpu", float32_head: bool | None = None,
+             exact: bool | None = None) -> TargetModel:
         """The target of a model folder (`from_local`) or of a transformers module as it is."""
         if isinstance(path, torch.nn.Module):
-            return cls(path, float32_head=float32_head)
-        return cls.from_local(path, dtype=dtype, device=device, float32_head=float32_head)
+            return cls(path, float32_head=float32_head, exact=exact)
+        return cls.from_local(path, dtype=dtype, device=device, float32_head=float32_head, exact=exact)
 
     @staticmethod
     def installed() -> bool:
@@ -281,21 +285,27 @@ class TargetModel:
         return attrs.evolve(ModelShapes.of_config(self.config), vocab_size=self.vocab_size)
 
     def identity(self) -> dict:
-        """The model's architecture: its config without paths and dtypes."""
-        return {k: v for k, v in self.config.to_dict().items()
-                if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+        """The model's architecture (its config without paths and dtypes) and its kernels (exact or not)."""
+        config = {k: v for k, v in self.config.to_dict().items()
+                  if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+        return config | ({"kernels": "batch-invariant"} if self.exact else {})
 
     def describe(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')}, {self.device}"
+        return f"{str(self.dtype).removeprefix('torch.')}, {self.device}{', batch-invariant kernels' if self.exact else ''}"
 
     def eos_token_ids(self) -> list[int]:
         eos = getattr(self.config, "eos_token_id", None)
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     def numerics(self, tokens: int = 17) -> Numerics:
-        """`ROUNDING_GAP` of its dtype, whatever the tree's size."""
-        gap = ROUNDING_GAP.get(self.dtype, 0.0)
-        return Numerics(False, gap, f"{str(self.dtype).removeprefix('torch.')} rounding of a batched forward")
+        """How trees of ``tokens`` tokens compare with one-token steps here, measured once per size and thread
+        count on a sibling (`treespec.numerics.measured_numerics`; this target's cache is left alone)."""
+        key = (tokens, torch.get_num_threads())
+        if key not in self._numerics:
+            path = (f"{'batch-invariant kernels' if self.exact else 'transformers kernels'}, "
+                    f"{str(self.dtype).removeprefix('torch.')}, {key[1]} threads")
+            self._numerics[key] = measured_numerics(self.sibling(), path, depth=max(1, (tokens - 1) // 2))
+        return self._numerics[key]
 
     # ------------------------------------------------------------------ properties
     @property
@@ -319,7 +329,7 @@ class TargetModel:
             width = len(taps) * self.hidden_size
             features = torch.empty(0, width, dtype=self.dtype, device=self.device) if taps else None
             return TargetOutput(torch.empty(0, self.vocab_size, dtype=self.lm_head.weight.dtype, device=self.device), features)
-        out = self.run(ids[None], None, None, taps, logits_to_keep=1)
+        out = self.run(ids[None], None, None, taps, logits_to_keep=1, prefill=True)
         self.length = ids.numel()
         logits = out.logits[0].clone()
         check_finite(logits, type(self.model).__name__)
@@ -379,7 +389,7 @@ class TargetModel:
         self.length = length
 
     def sibling(self) -> TargetModel:
-        """A target over the same model (weights shared, float32 head kept) with a cache of its own."""
+        """A target over the same model (weights shared, float32 head and kernels kept) with a cache of its own."""
         return type(self)(self.model, max_positions=self.max_positions, float32_head=False)
 
     # ------------------------------------------------------------------ helpers
@@ -395,9 +405,12 @@ class TargetModel:
         return cache
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-            taps: tuple[int, ...], logits_to_keep: int = 0, cache=None):
-        """One model call over ``self.cache`` (or ``cache``: a `TorchBatch`'s), positions and mask as arguments."""
+            taps: tuple[int, ...], logits_to_keep: int = 0, cache=None, *, prefill: bool = False):
+        """One model call over ``self.cache`` (or ``cache``: a `TorchBatch`'s), positions and mask as arguments;
+        a ``prefill`` (which a run and its AR share) takes the model's plain attention."""
         kwargs = {self.cache_kwarg: self.cache if cache is None else cache}
+        if self.exact:
+            kwargs["treespec_exact"] = not prefill
         return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                           output_hidden_states=bool(taps), logits_to_keep=logits_to_keep, **kwargs)
 
@@ -432,19 +445,19 @@ class Float32Norm(torch.nn.Module):
 
 
 
-class Float32Head(torch.nn.Module):
-    """A linear LM head evaluated in float32 on a float32 copy of its weight."""
+class Float32Head(torch.nn.Linear):
+    """A linear LM head evaluated in float32 on a float32 copy of its weight (a linear of its own input's
+    dtype: `treespec.engines.torch_exact` makes it batch-invariant as any linear)."""
 
     def __init__(self, head: torch.nn.Linear) -> None:
-        super().__init__()
+        super().__init__(head.in_features, head.out_features, bias=getattr(head, "bias", None) is not None,
+                         device="meta")
         self.weight = torch.nn.Parameter(head.weight.detach().float(), requires_grad=False)  # [V, H]
         bias = getattr(head, "bias", None)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.float(), self.weight, self.bias)
-
-
 
 
 def use_float32_head(model: torch.nn.Module) -> None:

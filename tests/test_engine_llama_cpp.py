@@ -18,7 +18,7 @@ from test_embedded import write_tiny_gguf
 
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext
-from treespec.target import ContextOverflowError
+from treespec.target import ContextOverflowError, Numerics
 from treespec.tree import DraftTree
 
 if not os.environ.get("CI"):
@@ -326,17 +326,21 @@ def test_flipped_bytes_in_a_gguf_are_caught_by_its_digest(tmp_path, capsys):
     assert "--sha256 takes 64 hex digits" in capsys.readouterr().err
 
 
-def test_the_engines_rounding_is_measured_per_file_and_size(gguf_file):
-    """The tolerance a divergence from AR is judged by is the engine's own: the largest logit shift between a
-    chain decoded at once and one token at a time on this file (x4), measured once per size, the cache empty
-    after it."""
+def test_the_engines_numerics_are_measured_per_size_and_threads_on_a_sibling(gguf_file, monkeypatch):
+    """How a tree compares with one-token steps is measured on this file, cache type and thread count (a tree
+    beside a chain, and steps after its commit), once per size and thread count, on a sibling: the target's
+    own sequence is left as it was."""
     from treespec.engines.llama_cpp import LlamaCppTarget
 
     target = LlamaCppTarget(gguf_file, dtype=torch.float32)
-    small, large = target.rounding_gap(17), target.rounding_gap(65)
-    assert 0.0 <= small < 1.0 and 0.0 <= large < 1.0
-    assert target.rounding_gap(17) == small and target.length == 0 and target.cache_length() == 0
-    assert target.rounding_gap(10**6) == target.rounding_gap(target.n_batch)  # no larger than one decode holds
+    target.prefill(prompt())
+    first = target.numerics(17)
+    assert first.exact and first.tolerance == 0.0 and "f16 K/V cache" in first.how and "measured" in first.how
+    assert target.numerics(17) is first and target.numerics(9) is not first
+    assert target.length == 11 and target.cache_length() == 11  # its own cache untouched
+    assert target.cache_type == "f16"  # heads of 16 dimensions: q8_0's 32-element blocks do not divide them
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert target.numerics(17) is not first  # measured again at another thread count
 
 
 def test_generate_check_says_whether_a_near_tie_decided_a_token(gguf_file, monkeypatch, capsys):
@@ -358,11 +362,11 @@ def test_generate_check_says_whether_a_near_tie_decided_a_token(gguf_file, monke
     assert _check(args, target, tokenizer, ar) == 0
     assert "check: equal to AR's output token for token (6 tokens)" in capsys.readouterr().err
     other = [*ar[:-1], (ar[-1] + 1) % target.vocab_size]  # a method's output that leaves AR's at token 5
-    monkeypatch.setattr(LlamaCppTarget, "rounding_gap", lambda self, tokens=17: float("inf"))
+    monkeypatch.setattr(LlamaCppTarget, "numerics", lambda self, tokens=17: Numerics(False, float("inf"), "loose"))
     assert _check(args, target, tokenizer, other) == 0
     err = capsys.readouterr().err
     assert "token 5 differs from AR's" in err and "a near-tie decided it" in err
-    monkeypatch.setattr(LlamaCppTarget, "rounding_gap", lambda self, tokens=17: -1.0)
+    monkeypatch.undo()  # the engine's own: trees equal one-token steps here, so any difference is not AR's output
     assert _check(args, target, tokenizer, other) == 1
     assert "exceeds the engine's rounding" in capsys.readouterr().err
     assert main(["generate", str(gguf_file), "--engine", "llama.cpp", "--prompt", "hi", "--temperature", "0.5",

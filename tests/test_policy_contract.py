@@ -197,15 +197,20 @@ def test_replay_info_lists_the_prompts(world, tmp_path, capsys):
         assert f"{i:4d}  {prompt['id']}  " in out
 
 
-def test_bench_exact_is_float32_at_t0_with_no_tolerance():
+def test_bench_and_replay_record_run_exact_kernels_by_default_and_generate_the_engines_own():
+    """Pairing is what a bench and a trace are for: both load the target on its exact numeric path unless told
+    ``--no-exact``; generate and the demo keep the engine's default (llama.cpp exact, torch not)."""
     import argparse
+    import importlib
 
-    from treespec.apps.commands.bench import exact
+    from treespec.apps.commands import SUBCOMMANDS
 
-    args = argparse.Namespace(dtype="auto", temperatures=None, gap_tolerance=None)
-    exact(args)
-    assert (args.dtype, args.temperatures, args.gap_tolerance) == ("float32", [0.0], 0.0)
-    for given in ({"dtype": "bfloat16"}, {"temperatures": [1.0]}, {"gap_tolerance": 0.5}):
-        bad = argparse.Namespace(**{"dtype": "auto", "temperatures": None, "gap_tolerance": None, **given})
-        with pytest.raises(ValueError, match="--exact"):
-            exact(bad)
+    def parsed(command: str, *rest: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
+        return parser.parse_args(list(rest))
+
+    assert parsed("bench", "--out", "x").exact is True and parsed("bench", "--no-exact").exact is False
+    assert parsed("replay", "record", "--out", "t").exact is True
+    assert parsed("generate", "m", "--prompt", "p").exact is None and parsed("demo").exact is None
+    assert parsed("generate", "m", "--prompt", "p", "--exact").exact is True

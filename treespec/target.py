@@ -199,7 +199,9 @@ class Engine(Protocol):
 
     @classmethod
     def load(cls, path: Path, *, dtype: torch.dtype | str, device: str | torch.device,
-             float32_head: bool | None = None) -> Target: ...
+             float32_head: bool | None = None, exact: bool | None = None) -> Target: ...
+    # ``exact``: True, the engine's numeric path where a tree's rows equal one-token steps bit for bit
+    # (`Target.numerics` measures it); False, its plain path; None, the engine's default
 
     @staticmethod
     def installed() -> bool: ...  # whether it can run here

@@ -61,13 +61,15 @@ def engine_class(engine: str):
 
 def load_target(model: PathLike | Target | torch.nn.Module, *, dtype: torch.dtype | str = "auto",
                 device: str | torch.device = "cpu", float32_head: bool | None = None,
-                engine: str = DEFAULT_ENGINE) -> Target:
+                engine: str = DEFAULT_ENGINE, exact: bool | None = None) -> Target:
     """``model`` itself when it is a target already, else the ``engine``'s target of it: of the folder or
     file the engine runs for it (`model_path`), its torch side (the embedding and head the drafters
     share, the taps) in ``dtype`` (``"auto"``: the faster of bf16 and fp32 here for the model's shapes,
     measured once, `treespec.pricing.hardware`; bf16 on CUDA; the stored one where neither applies).
 
     ``float32_head``: the final norm and LM head of a bf16/fp16 target in float32 (None: on).
+    ``exact``: the engine's numeric path where trees equal one-token steps bit for bit (True), its plain one
+    (False), or the engine's own default (None; `treespec.target.Engine.load`).
     """
     if _is_target(model):
         return model
@@ -75,11 +77,11 @@ def load_target(model: PathLike | Target | torch.nn.Module, *, dtype: torch.dtyp
     if isinstance(model, torch.nn.Module):  # loaded already: its own dtype
         if cls.file_suffix is not None:
             raise ValueError(f"the {engine} engine runs a model file; pass its path, not a {type(model).__name__}")
-        return cls.load(model, dtype=dtype, device=device, float32_head=float32_head)
+        return cls.load(model, dtype=dtype, device=device, float32_head=float32_head, exact=exact)
     path = model_path(model, engine)
     if dtype == "auto":
         dtype = _auto_dtype(cls.read_shapes(path), device)
-    return cls.load(path, dtype=dtype, device=device, float32_head=float32_head)
+    return cls.load(path, dtype=dtype, device=device, float32_head=float32_head, exact=exact)
 
 
 def _is_target(model: Any) -> bool:

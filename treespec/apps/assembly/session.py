@@ -99,14 +99,16 @@ class Session:
     @classmethod
     def load(cls, model_dir: str | Path | None, drafter_dirs: Mapping[str, str | Path] | None = None, *,
              dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu", float32_head: bool | None = None,
-             tokenizer_required: bool = True, engine: str = DEFAULT_ENGINE, **fields: Any) -> Session:
-        """The parts of the module docstring from local files, drafters first; ``engine``: what runs the
-        target (`treespec.apps.assembly.loading.load_target`); ``fields`` set the rest."""
+             tokenizer_required: bool = True, engine: str = DEFAULT_ENGINE, exact: bool | None = None,
+             **fields: Any) -> Session:
+        """The parts of the module docstring from local files, drafters first; ``engine`` and ``exact``: what
+        runs the target and on which numeric path (`treespec.apps.assembly.loading.load_target`); ``fields``
+        set the rest."""
         from treespec.apps.assembly.embedded import embedded_model_dir
 
         drafters = {name: load_drafter(name, path) for name, path in (drafter_dirs or {}).items()}
         path = Path(model_dir) if model_dir is not None else embedded_model_dir()
-        target = load_target(path, dtype=dtype, device=device, float32_head=float32_head, engine=engine)
+        target = load_target(path, dtype=dtype, device=device, float32_head=float32_head, engine=engine, exact=exact)
         try:
             tokenizer = load_tokenizer(path)
         except (OSError, ValueError):

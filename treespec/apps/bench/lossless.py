@@ -4,10 +4,10 @@ Contract
 --------
 Every response that differs from AR's gets a `Divergence` giving the first differing position and
 AR's decision margin there (`decision_gap`: the logits' top-two gap at T = 0; at T > 0 that of the
-position-keyed Gumbel-max scores, in logit units), measured by one fresh forward of the prompt and
-AR's prefix.  It is acceptable only when the margin is within the stated tolerance
-(the target's own, `treespec.target.Target.numerics`: per dtype on torch, measured per file on
-llama.cpp; or the config's); in float64 nothing may differ (docs/decoding.md, "Verification").
+position-keyed Gumbel-max scores, in logit units), on AR's own numeric path (the prompt prefilled, then
+one-token steps through AR's tokens).  It is acceptable only when the margin is within the stated
+tolerance: the target's own (`treespec.target.Target.numerics`, measured; 0 where the target's trees
+equal its one-token steps bit for bit, so that any difference fails) or the config's.
 `lossless_text` writes the verdict per temperature for the report.
 """
 
@@ -26,8 +26,9 @@ from treespec.apps.bench.summary import AR
 from treespec.interfaces import SamplingParams
 from treespec.sampling import gumbel_noise, sampling_key, work_dtype
 from treespec.target import Target
+from treespec.tree import DraftTree
 
-__all__ = ["Divergence", "decision_gap", "find_divergence", "first_difference", "lossless_text",
+__all__ = ["Divergence", "ar_logits", "decision_gap", "find_divergence", "first_difference", "lossless_text",
            "read_divergences", "resolve_tolerance", "token_comparable", "write_jsonl"]
 
 
@@ -65,19 +66,34 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def decision_gap(target: Target, ids: torch.Tensor, temperature: float, seed: int) -> float:
-    """Top-1 minus top-2 of the scores the target's token after ``ids`` [P] is chosen by, in logit units.
+def ar_logits(target: Target, prompt: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """[1, V]: the logits AR decided its token after ``prompt`` [P] and ``tokens`` with: the prompt prefilled
+    but for its last token, then one-token steps, as AR's own decoder ran them (a fresh forward of the whole
+    prefix would round otherwise).  The target's cache is left holding the prefix."""
+    ids = [int(t) for t in prompt.reshape(-1).tolist()] + [int(t) for t in tokens]
+    target.prefill(torch.tensor(ids[:prompt.numel() - 1], dtype=torch.int64))
+    logits = None
+    for token in ids[prompt.numel() - 1:]:
+        logits = target.forward_tree(DraftTree.root_only(token)).logits[:1]
+        target.commit(torch.zeros(1, dtype=torch.int64))
+    return logits
 
-    One fresh forward.  T = 0: the logits.  T > 0: T * (logits / T + G) = logits + T * G, with G the
-    position-keyed Gumbel noise of that position under ``seed`` (Gumbel-max picks the argmax of
-    logits / T + G); scaling by T keeps one rounding tolerance valid at every temperature.
+
+def decision_gap(target: Target, prompt: torch.Tensor, tokens: Sequence[int], temperature: float, seed: int) -> float:
+    """Top-1 minus top-2 of the scores AR chose its token after ``prompt`` [P] and its ``tokens`` by, in logit
+    units, on AR's own numeric path (`ar_logits`).
+
+    T = 0: the logits.  T > 0: T * (logits / T + G) = logits + T * G, with G the position-keyed Gumbel
+    noise of that position under ``seed`` (Gumbel-max picks the argmax of logits / T + G); scaling by T
+    keeps one rounding tolerance valid at every temperature.
     """
-    logits = target.prefill(ids).logits[-1:]  # [1, V]
+    logits = ar_logits(target, prompt, tokens)  # [1, V]
+    position = prompt.numel() + len(tokens)  # of the token chosen
     scores = logits.double()
     if temperature > 0:
         generator = torch.Generator().manual_seed(seed)
         sampling = SamplingParams(temperature, key=sampling_key(generator))  # the key the decoder drew
-        noise = gumbel_noise(torch.tensor([ids.numel()]), logits.shape[-1], sampling, generator, logits.device,
+        noise = gumbel_noise(torch.tensor([position]), logits.shape[-1], sampling, generator, logits.device,
                              work_dtype(logits))  # [1, V], the noise of the token's absolute position
         scores = (logits.to(noise.dtype) / temperature + noise).double() * temperature
     top = scores[0].topk(2).values
@@ -96,9 +112,9 @@ def find_divergence(target: Target, prompt: torch.Tensor, ar: BenchRecord, rec: 
     k = first_difference(ar.tokens, rec.tokens)
     if k is None:
         return None
-    prefix = torch.cat([prompt.cpu(), torch.tensor(ar.tokens[:k], dtype=torch.int64)])
+    gap = decision_gap(target, prompt.cpu(), ar.tokens[:k], rec.temperature, rec.seed)
     return Divergence(rec.method, rec.dataset, rec.prompt_id, rec.turn, rec.temperature, k, _token_at(ar.tokens, k),
-                      _token_at(rec.tokens, k), decision_gap(target, prefix, rec.temperature, rec.seed), tolerance)
+                      _token_at(rec.tokens, k), gap, tolerance)
 
 
 def _token_at(tokens: Sequence[int], k: int) -> int | None:

@@ -65,8 +65,8 @@ def measured_settings(config: BenchConfig, methods: Sequence[MethodSpec], sessio
                       device: str) -> dict:
     """What a measuring run's records depend on: its config and methods, the weights its engine runs for
     ``model`` (the folder's safetensors, or the one file an engine runs: a GGUF file and so its
-    quantization), the drafters' weights, the target's dtype, the engine, torch, the cost model and the
-    device.  The same settings resume a folder; other ones are refused (`prepare_out`)."""
+    quantization), the drafters' weights, the target's dtype, the engine and its numeric path (the target's
+    ``describe``: exact kernels, a K/V cache type), torch, the cost model and the device.  The same settings resume a folder; other ones are refused (`prepare_out`)."""
     import torch
 
     from treespec.apps.assembly.loading import model_path
@@ -75,7 +75,7 @@ def measured_settings(config: BenchConfig, methods: Sequence[MethodSpec], sessio
         "model": weights_identity(model_path(model, engine)),
         "drafters": {k: weights_identity(p) for k, p in drafters.items()},
         "dtype": str(session.target.dtype).removeprefix("torch."), "logits_dtype": logits_dtype, "engine": engine,
-        "torch": torch.__version__, "cost_model": cost_model, "device": device})
+        "target": session.target.describe(), "torch": torch.__version__, "cost_model": cost_model, "device": device})
 
 
 _LOCKS: dict[Path, int] = {}  # folder -> the open descriptor of its lock, held while this process runs

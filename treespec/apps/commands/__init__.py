@@ -29,6 +29,18 @@ DTYPES = {"auto": "auto", "checkpoint": "checkpoint", **DTYPE_NAMES}
 CPU_DTYPES = ("auto", "bfloat16", "float32")  # the dtypes worth running a target in on a CPU
 
 
+def add_exact_argument(parser, default: bool | None) -> None:
+    """``--exact`` / ``--no-exact``: the engine's numeric path where a tree's rows equal one-token steps bit for
+    bit, so every output equals AR's token for token (docs/decoding.md, "Exactness"); ``default`` None: the
+    engine's own (llama.cpp: exact, it costs nothing there; torch: not, it costs AR steps on some CPUs)."""
+    import argparse
+
+    said = {True: "on", False: "off", None: "the engine's default: llama.cpp on, torch off"}[default]
+    parser.add_argument("--exact", action=argparse.BooleanOptionalAction, default=default,
+                        help=f"batch-invariant kernels: every output equal to AR's token for token, no near-tie "
+                             f"tolerance (default {said}; its cost per engine: docs/decoding.md)")
+
+
 def add_engine_argument(parser) -> None:
     """``--engine NAME``: what runs the target (torch, or a registered engine: llama.cpp)."""
     from treespec.apps.assembly.loading import engines

@@ -23,6 +23,7 @@ from treespec.apps import bench
 from treespec.apps.commands import (
     DTYPES,
     add_engine_argument,
+    add_exact_argument,
     add_threads_argument,
     check_model_digest,
     exit_status,
@@ -38,9 +39,6 @@ def _csv(kind):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("what to measure (defaults: the preset's)")
     run.add_argument("--preset", default=None, choices=sorted(bench.BENCH_PRESETS), help="start from a preset")
-    run.add_argument("--exact", action="store_true",
-                     help="an exactness check of new methods: the target in float32 at T = 0, where every output "
-                          "must equal AR's token for token (no near-tie tolerance); speeds are not the point")
     run.add_argument("--methods", type=_csv(str), help="comma-separated: ar,dflash,domino,ddtree,ddtree@64,...")
     run.add_argument("--budgets", type=_csv(int), help="budgets for tree methods given without @B, e.g. 16,64")
     run.add_argument("--temperatures", type=_csv(float), help="e.g. 0,1")
@@ -75,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     add_threads_argument(models)
     add_engine_argument(models)
+    add_exact_argument(models, True)  # pairing is what a bench is for
     models.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
                         help="a bf16/fp16 target's final norm and LM head: in float32 (default; fewer exact "
                              "logit ties) or in the model's dtype")
@@ -140,15 +139,6 @@ def _reproduce_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bootstrap resamples of the pairwise intervals (default: the paper's 10,000)")
 
 
-def exact(args: argparse.Namespace) -> None:
-    """``--exact``: float32, T = 0, no tolerance for a divergence from AR (a conflicting flag is refused)."""
-    if args.dtype not in ("auto", "float32") or (args.temperatures and set(args.temperatures) != {0.0}):
-        raise ValueError("--exact checks outputs in float32 at T = 0; leave out --dtype and --temperatures")
-    if args.gap_tolerance not in (None, 0.0):
-        raise ValueError("--exact allows no near-tie tolerance; leave out --gap-tolerance")
-    args.dtype, args.temperatures, args.gap_tolerance = "float32", [0.0], 0.0
-
-
 def config_from_args(args: argparse.Namespace) -> bench.BenchConfig:
     """The preset (or the defaults) with every option given on the command line applied."""
     base = bench.BENCH_PRESETS[args.preset] if args.preset else bench.BenchConfig()
@@ -192,7 +182,7 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     from treespec.apps.assembly.session import Session
 
     costs = CostSource.parse(args.cost_model)
-    if config.batch_size > 1 and not engine_class(args.engine).batches:
+    if config.batch_size > 1 and engine_class(args.engine).batch_class is None:
         raise ValueError(f"--batch-size {config.batch_size}: the {args.engine} engine decodes one sequence at a time "
                          "here; use --batch-size 1, or the torch engine for batches")
     check_model_digest(args)
@@ -203,7 +193,8 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
         drafters = _drafter_dirs(args, methods)
         threads = start_threads(args, ranks=shard.world)
         session = Session.load(model, drafters, dtype=DTYPES[args.dtype], device=_device(args, shard),
-                               engine=args.engine, float32_head=args.logits_dtype == "float32", costs=costs,
+                               engine=args.engine, exact=args.exact, float32_head=args.logits_dtype == "float32",
+                               costs=costs,
                                threads=threads, progress=not args.no_progress, profile_repeats=3,
                                enable_thinking=config.enable_thinking)
         # the weights (the file the engine runs) and the dtype actually used: a resume never mixes records
@@ -353,8 +344,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         raise ValueError("--out DIR is required")
     if args.report_only:
         return _report(args.out, args.resamples)
-    if args.exact:
-        exact(args)
     config, shard = config_from_args(args), bench.Shard.from_env()
     if shard.world > 1:
         return _run_distributed(args, config, shard)

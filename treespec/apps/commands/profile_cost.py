@@ -21,6 +21,7 @@ from treespec.apps.commands import (
     CPU_DTYPES,
     DTYPES,
     add_engine_argument,
+    add_exact_argument,
     add_threads_argument,
     check_model_digest,
     start_threads,
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompts the demo and the held-out sets do not use, and store it with the profile")
     add_threads_argument(parser)
     add_engine_argument(parser)
+    add_exact_argument(parser, None)
     parser.add_argument("--dtype", choices=CPU_DTYPES, default="auto",
                         help="target dtype (auto: the faster of bf16 and fp32 here, measured once)")
 
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_model_digest(args)
         start_threads(args)
-        target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype], engine=args.engine)
+        target = load_target(args.model or embedded_model_dir(), dtype=DTYPES[args.dtype], engine=args.engine,
+                             exact=args.exact)
         paths = args.drafter if args.drafter is not None else (
             [embedded_drafter_dir(k) for k in ("dflash", "domino")] if args.model is None else [])
         drafters = [load_drafter(p) for p in paths]

@@ -29,6 +29,7 @@ import torch
 from treespec.apps.commands import (
     DTYPES,
     add_engine_argument,
+    add_exact_argument,
     add_threads_argument,
     check_model_digest,
     exit_status,
@@ -72,6 +73,7 @@ def _record_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target dtype (auto: the faster of bf16 and fp32 on this CPU, measured once)")
     add_threads_argument(parser)
     add_engine_argument(parser)
+    add_exact_argument(parser, True)  # the trace is AR's trajectory: replayed tau is live tau when trees equal AR
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (and the parts of an interrupted run with other settings)")
 
@@ -134,7 +136,7 @@ def _record(args: argparse.Namespace) -> int:
     from treespec.apps.assembly.session import Session
 
     session = Session.load(args.model, _drafter_dirs(args), dtype=DTYPES[args.dtype], tokenizer_required=False,
-                           threads=threads, progress=True, engine=args.engine)
+                           threads=threads, progress=True, engine=args.engine, exact=args.exact)
     prompts, ids = _prompts(args, session.tokenizer)
     start = time.perf_counter()
     try:
