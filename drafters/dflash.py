@@ -117,6 +117,11 @@ class DFlashDrafter(Drafter):
         self.model.load_state_dict(state, strict=True, assign=True)
 
     # ------------------------------------------------------------------ Drafter hooks
+    @property
+    def reach(self) -> int:
+        """B - 1: a block of B positions is the anchor and B - 1 drafted tokens."""
+        return self.config.block_size - 1
+
     def bind(self, target: Target) -> None:
         _check_target(self.config, target, self.kind)
         self._target = target

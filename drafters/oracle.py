@@ -179,6 +179,10 @@ class OracleDrafter(Drafter):
         """Conditional when configured to carry its scorer, else marginal (so known per instance only)."""
         return "conditional" if self.config.conditional else "marginal"
 
+    @property
+    def reach(self) -> int:
+        return self.config.depth
+
     def bind(self, target) -> None:
         self.target = target
         if self.continuations is None or self.continuations.target is not target:

@@ -72,6 +72,11 @@ class MarginalDrafter(Drafter):
             raise ValueError(f"logits must be [L, V], got shape {tuple(logits.shape)}")
         self.logits = logits
 
+    @property
+    def reach(self) -> int | None:
+        """The rows of fixed logits (None: a function of the context gives them)."""
+        return int(self.logits.shape[0]) if isinstance(self.logits, torch.Tensor) else None
+
     @classmethod
     def random(cls, depth: int, vocab_size: int, *, scale: float = 3.0, quantum: float | None = None,
                seed: int = 0) -> MarginalDrafter:
@@ -159,6 +164,10 @@ class ToyConditionalDrafter(Drafter):
         self.config = attrs.evolve(config or ToyConfig(), **overrides)
         self.seed = seed
         self.weights = _init_weights(self.config, generator or _generator(seed, 1))
+
+    @property
+    def reach(self) -> int:
+        return self.config.depth
 
     def draft(self, ctx: DraftContext) -> DraftOutput:
         cfg = self.config

@@ -473,12 +473,12 @@ class LlamaCppTarget:
         if tuple(taps) != self._tap_set:
             raise ValueError(f"taps {tuple(taps)} differ from the prefill's {self._tap_set}: prefill again with them")
         self.check_room(self.length + tree.max_depth)
-        if int(tree.tokens.max()) >= self.vocab_size:
-            raise ValueError(f"tree token {int(tree.tokens.max())} is outside the target's vocabulary of "
-                             f"{self.vocab_size}")
+        tokens = tree.tokens.tolist()
+        if max(tokens) >= self.vocab_size:
+            raise ValueError(f"tree token {max(tokens)} is outside the target's vocabulary of {self.vocab_size}")
         if len(tree) > self.n_batch:
             raise ValueError(f"a tree of {len(tree)} nodes exceeds the engine's batch of {self.n_batch} tokens")
-        leaf_sets = _leaf_sets(tree)
+        leaf_sets = _leaf_sets(tree) if len(tree) > 1 else [(0,)]  # an AR step: the one sequence
         leaves = len(leaf_sets[0])  # the root belongs to every leaf's sequence
         if leaves > self.max_leaves:
             raise ValueError(f"a tree of {leaves} leaves exceeds the engine's {self.max_leaves} sequences: use "
@@ -487,7 +487,7 @@ class LlamaCppTarget:
         for s in range(1, leaves):
             self.llama_cpp.llama_memory_seq_cp(memory, 0, s, -1, -1)
         depths = tree.depths.tolist()
-        self._fill(tree.tokens.tolist(), [self.length + d for d in depths], leaf_sets, [True] * len(tree))
+        self._fill(tokens, [self.length + d for d in depths], leaf_sets, [True] * len(tree))
         self._decode(len(tree))
         self._tree, self._tree_sets = tree, leaf_sets
         return TargetOutput(self._logits(len(tree)), self._features(len(tree)) if self._tap_set else None)
@@ -503,6 +503,9 @@ class LlamaCppTarget:
             raise ValueError(f"accepted node {max(accepted)} was not in the last tree forward "
                              f"({len(self._tree)} nodes)")
         keep = self._tree_sets[accepted[-1]][0]  # a leaf below the accepted path's end
+        if len(self._tree) == 1:  # an AR step: its one cell is the committed token already
+            self.length, self._tree = self.length + 1, None
+            return
         lib, memory = self.llama_cpp, self.llama_cpp.llama_get_memory(self._ctx)
         lib.llama_memory_seq_keep(memory, keep)  # every other sequence out of every cell (emptied cells freed)
         end = self.length + len(accepted)

@@ -131,26 +131,31 @@ class AttentionPlan:
     score_rows: RowSizes  # query rows at which every score row is computed alike
     min_keys: int  # the least key count at which each key's score column is computed alike (keys padded up to it)
     value_rows: int  # the most query rows a value product may take and still sum over the keys in order (0: none)
+    min_width: int = 1  # the least row width from which a softmax's values do not depend on -inf after them
 
     @property
     def stable(self) -> bool:
-        return self.score_rows.stable and self.min_keys > 0 and self.value_rows > 0
+        return self.score_rows.stable and self.min_keys > 0 and self.value_rows > 0 and self.min_width > 0
 
 
-def _score_rows(q: torch.Tensor, keys: torch.Tensor) -> RowSizes:
-    ref = q @ keys.transpose(1, 2)  # [B, 64, L]
+def _score_shapes(q: torch.Tensor, keys: torch.Tensor) -> tuple[RowSizes, int]:
+    """(the query row counts, the least key count) from which every score equals the same score of a 64-row
+    product over every key: each tried row count at each tried key count against that product (0 keys: none)."""
+    ref = q @ keys.transpose(1, 2)  # [B, 64, Lmax]
     if not torch.equal(q.roll(1, 1) @ keys.transpose(1, 2), ref.roll(1, 1)):
-        return RowSizes(())
-    return RowSizes(tuple(m for m in _ROW_CANDIDATES if torch.equal(q[:, :m] @ keys.transpose(1, 2), ref[:, :m])))
+        return RowSizes(()), 0
+    equal = {(m, n): torch.equal(q[:, :m] @ keys[:, :n].transpose(1, 2), ref[:, :m, :n])
+             for n in _KEY_WIDTHS for m in _ROW_CANDIDATES}
+    wide = [n for n in _KEY_WIDTHS if n > 64]
 
+    def rows_from(least: int) -> tuple[int, ...]:
+        return tuple(m for m in _ROW_CANDIDATES if all(equal[m, n] for n in _KEY_WIDTHS if n >= least))
 
-def _min_keys(q: torch.Tensor, keys: torch.Tensor) -> int:
-    """1 + the widest tried key count whose score columns differ from the full product's (0: a wide one differs)."""
-    ref = q @ keys.transpose(1, 2)  # [B, m, Lmax]
-    bad = [n for n in _KEY_WIDTHS if not torch.equal(q @ keys[:, :n].transpose(1, 2), ref[..., :n])]
-    if bad and bad[-1] > 64:
-        return 0
-    return bad[-1] + 1 if bad else 1
+    target = rows_from(wide[0])  # what the long contexts allow
+    if not target:
+        return RowSizes(()), 0
+    least = next(n for n in _KEY_WIDTHS if rows_from(n) == target)
+    return RowSizes(target), least
 
 
 def _value_rows(head_dim: int, dtype: torch.dtype, device: torch.device, most: int = 8) -> int:
@@ -172,16 +177,28 @@ def _value_rows(head_dim: int, dtype: torch.dtype, device: torch.device, most: i
     return most
 
 
+def _softmax_width(dtype: torch.dtype, device: torch.device, widest: int = 160) -> int:
+    """The least total width from which a float32 softmax of a row's values followed by -inf gives those
+    values the same weights whatever the width (narrower rows take another code path); 0: none does."""
+    generator = torch.Generator().manual_seed(7)
+    bad = 0
+    for real in range(1, 48):
+        x = (torch.randn(3, real, generator=generator) * 3).to(device=device, dtype=dtype)
+        rows = [torch.cat([x, x.new_full((3, total - real), float("-inf"))], -1) for total in range(real, widest)]
+        ref = torch.softmax(rows[-1], -1, dtype=torch.float32)[:, :real]
+        bad = max([bad] + [real + i for i, row in enumerate(rows)
+                           if not torch.equal(torch.softmax(row, -1, dtype=torch.float32)[:, :real], ref)])
+    return 0 if bad >= widest // 2 else bad + 1
+
+
 @functools.cache
 def _attention_plan(head_dim: int, dtype: torch.dtype, device: torch.device, threads: int) -> AttentionPlan:
     q = _randn(2, _MAX_ROWS, head_dim, dtype=dtype, device=device, seed=5)
     keys = _randn(2, _KEY_WIDTHS[-1], head_dim, dtype=dtype, device=device, seed=6)
-    rows = _score_rows(q, keys[:, :300])
+    rows, min_keys = _score_shapes(q, keys)
     if not rows.stable:
         return AttentionPlan(rows, 0, 0)
-    narrow, wide = _min_keys(q[:, :rows.sizes[0]], keys), _min_keys(q, keys)
-    min_keys = 0 if 0 in (narrow, wide) else max(narrow, wide)
-    return AttentionPlan(rows, min_keys, _value_rows(head_dim, dtype, device))
+    return AttentionPlan(rows, min_keys, _value_rows(head_dim, dtype, device), _softmax_width(dtype, device))
 
 
 def attention_plan(head_dim: int, dtype: torch.dtype, device: torch.device) -> AttentionPlan:
@@ -239,7 +256,10 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     gathered = scores.gather(-1, index)
     beyond = torch.arange(keys, device=query.device) >= count[..., None]  # [B, n, L]
     gathered = gathered.masked_fill(beyond[:, None, None], float("-inf"))
-    weights = torch.softmax(gathered, dim=-1, dtype=torch.float32).to(query.dtype)
+    if keys < plan.min_width:  # a row this narrow would take the softmax's other code path
+        gathered = torch.cat([gathered, gathered.new_full((*gathered.shape[:-1], plan.min_width - keys),
+                                                          float("-inf"))], dim=-1)
+    weights = torch.softmax(gathered, dim=-1, dtype=torch.float32).to(query.dtype)[..., :keys]
     spread = torch.zeros_like(weights).scatter(-1, index, weights)  # each weight back in its key's column
     # each query row's weights x values, in calls of at most `value_rows` rows: sums over the keys in order
     spread = spread.reshape(batch * kv_heads, group, rows, keys)

@@ -87,6 +87,23 @@ def test_where_no_tree_can_pay_no_round_drafts():
     assert not any(r.drafted for r in rounds) and not ctl.start_generation()
 
 
+def test_trees_the_drafters_reach_cannot_pay_for_are_never_explored():
+    """On llama.cpp's recorded curve a 16-node tree pays only if more tokens are accepted than the drafter's
+    8-deep block holds: told that reach, the controller never explores a full-budget tree (told nothing, every
+    node may be accepted, and it does); where no tree within reach pays at all, nothing drafts."""
+    regime = REGIMES["llama.cpp-q4_1"]
+    curve = regime.prior
+    assert best_case_yield(curve, 16, 128, reach=7) < best_case_yield(curve, 16, 128)
+    reached, blind = controller(regime), controller(regime)
+    reached.bind(7)
+    assert not any(r.explored and r.size == 17 for r in simulate(reached, regime))
+    assert any(r.explored and r.size == 17 for r in simulate(blind, regime))
+    short = controller(regime)
+    short.bind(1)  # one drafted token: two tokens a round at most
+    assert best_case_yield(curve, 16, 128, reach=1) <= 1.0 and not short.start_generation()
+    assert not any(r.drafted for r in simulate(short, regime))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_uniform_change_of_speed_changes_nothing_it_decides(seed):
     """The machine halves its speed mid-run: trees still pay as much, and it keeps drafting."""

@@ -7,6 +7,7 @@ import pytest
 from treespec.apps.bench.lossless import Divergence
 from treespec.apps.bench.records import BenchRecord
 from treespec.apps.commands.demo import lossless_verdict, pooled_table
+from treespec.target import Numerics
 
 
 def rec(method, prompt, tokens, time, taus):
@@ -33,11 +34,18 @@ def test_table_counts_near_ties_within_the_tolerance_only():
 
 
 def test_verdict_names_equality_near_ties_and_failures():
+    exact, loose = Numerics(True, 0.0, "exact kernels"), Numerics(False, 0.5, "bf16")
     same = [rec("ar", "1", [1], 1.0, [1]), rec("dflash", "1", [1], 1.0, [1])]
-    assert "all 1 speculative outputs equal AR's" in lossless_verdict(same, 0)
+    assert "all 1 outputs equal AR's token for token (exact kernels)" in lossless_verdict(same, 0, exact)
     diff = [rec("ar", "1", [1], 1.0, [1]), rec("dflash", "1", [2], 1.0, [1])]
-    assert "near-tie" in lossless_verdict(diff, 0)
-    assert "FAILED" in lossless_verdict(diff, 1)
+    assert "near-tie" in lossless_verdict(diff, 0, loose) and "0.5" in lossless_verdict(diff, 0, loose)
+    assert "FAILED" in lossless_verdict(diff, 1, exact)
+
+
+def test_the_near_tie_column_is_gone_where_the_target_is_exact():
+    records = [rec("ar", "1", [1], 1.0, [1]), rec("dflash", "1", [1], 1.0, [1])]
+    assert "near-tie" in pooled_table(records, ["ar", "dflash"])
+    assert "near-tie" not in pooled_table(records, ["ar", "dflash"], exact=True)
 
 
 def test_demo_names_missing_drafters(monkeypatch, tmp_path, capsys):

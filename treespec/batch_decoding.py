@@ -83,6 +83,7 @@ class BatchDecoder:
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
+            self.controller.bind(drafter.reach)
         self.last_wall_time = 0.0  # seconds of the last generate, prefill included
 
     # ------------------------------------------------------------------ public entry

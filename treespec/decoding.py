@@ -117,7 +117,10 @@ class SequenceState:
         stop_at = next((i for i, t in enumerate(new[:cut]) if t in self.stops), None)
         if stop_at is not None:
             cut, self.done = stop_at + 1, True
-        self.tokens[self.length:self.length + cut] = torch.tensor(new[:cut], dtype=torch.int64)
+        if cut == 1:  # an AR step's token (a tensor built for one would cost more than the write)
+            self.tokens[self.length] = new[0]
+        else:
+            self.tokens[self.length:self.length + cut] = torch.tensor(new[:cut], dtype=torch.int64)
         self.length += cut
         self.done = self.done or self.remaining == 0
 
@@ -332,6 +335,7 @@ class SpeculativeDecoder:
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
+            self.controller.bind(drafter.reach)
 
     @property
     def autoregressive(self) -> bool:

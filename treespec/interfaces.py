@@ -248,6 +248,12 @@ class Drafter(ABC):
     tap_layers: tuple[int, ...] = ()  # target hidden_states indices the drafter reads (0 = embeddings)
     role: ClassVar[str] = "marginal"  # "marginal" or "conditional" (its drafts carry a ConditionalScorer)
 
+    @property
+    def reach(self) -> int | None:
+        """The depth its drafts reach (L: no tree of its drafts accepts more than L + 1 tokens a round); None:
+        not known before a draft.  A priced controller weighs trees by it (`DraftController.bind`)."""
+        return None
+
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: Any) -> Drafter:
         """Optional: the drafter saved in the local directory ``path`` (its loader: how the apps load
@@ -448,6 +454,9 @@ class Decision:
 
 class DraftController(ABC):
     """Decides before each round whether and how much to draft, and learns from each round."""
+
+    def bind(self, reach: int | None) -> None:
+        """The decoder's drafter: the depth its drafts reach (`Drafter.reach`; None: unknown).  Default: unused."""
 
     def start_generation(self) -> bool:
         """A new generation starts: whether it may draft (read the drafter's taps).  Default: True."""

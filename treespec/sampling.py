@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from treespec.interfaces import SamplingParams
+from treespec.topk import row_argmax
 
 __all__ = ["filter_logits", "gumbel_noise", "mix_seed", "sample_from_probs", "sampling_key", "target_probs",
            "target_tokens", "work_dtype"]
@@ -108,13 +109,13 @@ def target_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: Sampl
                   generator: torch.Generator | None) -> torch.Tensor:
     """[n] int64: the target's token for each row of ``logits`` [n, V]; row i sits at ``positions[i]``."""
     if sampling.greedy:
-        return logits.argmax(-1)
+        return row_argmax(logits)
     if generator is None:
         raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator")
     dtype = work_dtype(logits)
     scaled = filter_logits(logits.to(dtype) / sampling.temperature, sampling.top_k, sampling.top_p)
     noise = gumbel_noise(positions, logits.shape[-1], sampling, generator, logits.device, dtype)
-    return (scaled + noise).argmax(-1)  # Gumbel-max: a draw from softmax(scaled)
+    return row_argmax(scaled + noise)  # Gumbel-max: a draw from softmax(scaled)
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> int:

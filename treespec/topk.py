@@ -11,6 +11,10 @@ building keys) and other dtypes by one stable sort.  ``top_set(values, m)`` is t
 candidate set of a top-M correction.  Policies, drafters and trace replay all select through
 these functions.
 
+``row_argmax(values)`` is every row's first largest entry, as ``values.argmax(-1)`` gives it, taken by
+NumPy on a CPU float tensor (torch's CPU argmax is 8-20x slower over a vocabulary: 75 us against 9 us
+for one 49,152-wide row, 1.8 ms against 0.09 ms for 17, on an AVX2 core), by torch elsewhere.
+
 ``order_key`` turns float32 values into int64 keys whose ascending order is the value-descending
 order with ties by a given index: the high half is -x (computed as 0 - x, so -0.0 and +0.0 meet)
 with its IEEE bits made an order-preserving signed integer (the magnitude bits of a negative
@@ -22,12 +26,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["exact_topk", "order_key", "reference_topk", "top_set"]
+__all__ = ["exact_topk", "order_key", "reference_topk", "row_argmax", "top_set"]
 
 _ABS_BITS = 0x7FFFFFFF  # clears the float32 sign bit
 _CHUNK = 64  # tokens per chunk in the two-stage selection
 _CHUNK_FACTOR = 8  # use chunks only when V >= _CHUNK_FACTOR * _CHUNK * k (else one dense pass)
 _SORT_MAX = 4096  # up to this many entries one stable sort beats building keys (measured on a CPU)
+
+
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """[R] int64: the index of each row's first largest entry of ``values`` [R, V] (no NaN), as ``argmax(-1)``."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
+        return torch.from_numpy(values.numpy().argmax(-1)).to(torch.int64)
+    return values.argmax(-1)
 
 
 def order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -116,8 +116,13 @@ class DraftTree:
 
     @classmethod
     def root_only(cls, token: int, *, device=None) -> DraftTree:
-        """The empty draft (B = 0): autoregressive decoding is speculation with this tree."""
-        return cls.build([token], [-1], [0], [0.0], device=device)
+        """The empty draft (B = 0): autoregressive decoding is speculation with this tree (valid by
+        construction: built without the general checks, every AR step makes one)."""
+        if int(token) < 0:
+            raise TreeError("tokens must be non-negative token ids")
+        tokens = torch.tensor([int(token)], dtype=torch.int64, device=device)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        return cls(tokens, zero - 1, zero, torch.zeros(1, dtype=torch.float32, device=device), check=False)
 
     @classmethod
     def chain(cls, root_token: int, tokens: Sequence[int] | torch.Tensor,

@@ -15,6 +15,8 @@ nodes (which the vectorised sampler does) changes nothing.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from treespec.interfaces import DraftOutput, Proposals, SamplingParams, Verifier, VerifyResult
@@ -28,9 +30,11 @@ def check_logits(tree: DraftTree, target_logits: torch.Tensor) -> None:
     """The logits must be [N, V] for this tree, NaN-free, and wide enough for the tree's tokens."""
     if target_logits.dim() != 2 or target_logits.shape[0] != len(tree):
         raise ValueError(f"target_logits must be [N={len(tree)}, V], got {tuple(target_logits.shape)}")
-    if int(tree.tokens.max()) >= target_logits.shape[1]:
-        raise ValueError(f"tree token {int(tree.tokens.max())} is outside the target's vocabulary of "
-                         f"{target_logits.shape[1]}")
+    top = int(tree.tokens[0]) if len(tree) == 1 else int(tree.tokens.max())
+    if top >= target_logits.shape[1]:
+        raise ValueError(f"tree token {top} is outside the target's vocabulary of {target_logits.shape[1]}")
+    if float(target_logits.max()) < math.inf:  # no NaN (it would propagate) and no +inf: the common case, one pass
+        return
     nan_rows = torch.isnan(target_logits).any(-1)
     if bool(nan_rows.any()):
         raise FloatingPointError(f"target logits contain NaN at tree nodes {nan_rows.nonzero().flatten().tolist()}")

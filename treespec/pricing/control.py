@@ -22,8 +22,9 @@ an AR step as much, do not count against trees twice, and a change of regime the
 re-prices every kept round at once.  Its bounds are Y -+ z s, s the ratio estimator's standard
 error (at least Y ``min_spread`` / sqrt(m) over m rounds) combined with the live curve's own
 (`LiveCost.price_spread`: the time noise of each kind's rounds over their count).  With no drafted
-round yet, Y is the best case B = max over n <= budget of (n + 1) C_v(1) / (C_d + C_v(n + 1))
-(every node accepted), with bounds (0, B).
+round yet, Y is the best case B = max over n <= budget of (min(n, L) + 1) C_v(1) / (C_d + C_v(n + 1))
+(as many nodes accepted as the drafter's reach L allows, `Drafter.reach` told through ``bind``;
+every node where it is unknown), with bounds (0, B).
 
 **The rule**, before each round:
 
@@ -34,7 +35,8 @@ round yet, Y is the best case B = max over n <= budget of (n + 1) C_v(1) / (C_d 
    bound falls below 1, AR when Y's lower bound rises above 1.  The leader runs every round unless an
    exploration is due.
 3. An *exploration* measures what the leader alone would not: a tree priced flat
-   (`LiveCost.flat_curve`: the full budget, which also measures the curve's large end) while AR
+   (`LiveCost.flat_curve`: the full budget, which also measures the curve's large end; at the live
+   price instead where even a full tree of accepted nodes up to the drafter's reach could not pay) while AR
    leads and Y's upper bound is above 1 (or the trees' prices were only scaled from the AR step's
    change of regime); an AR step while trees lead and the live model has observed fewer than
    ``ar_rounds`` one-token steps (Y is priced in that step); a flat-priced tree every ``size_every``
@@ -100,6 +102,9 @@ class ControlSettings:
     size_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))
     # rounds after which a drafted round no longer counts in Y (acceptance drifts with the prompts)
     forget_after: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    # while a generation decodes as AR without taps, one round in this many teaches the live model its step
+    # (the others are counted at the curve's price: a generation that does not draft pays almost nothing)
+    quiet_every: int = attrs.field(default=16, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen
@@ -112,11 +117,14 @@ class _Round:
     context: int  # tokens cached under the tree
 
 
-def best_case_yield(cost: CostModel, budget: int, ctx: int) -> float:
-    """B: the best yield a tree of at most ``budget`` nodes can have at context ``ctx`` under ``cost``, every
-    node accepted: max over n of (n + 1) C_v(1) / (C_d + C_v(n + 1)) (n + 1 tokens for one round)."""
+def best_case_yield(cost: CostModel, budget: int, ctx: int, reach: int | None = None) -> float:
+    """B: the best yield a tree of at most ``budget`` nodes can have at context ``ctx`` under ``cost``, as many
+    of its nodes accepted as the drafter's ``reach`` allows (None: every one): max over n of
+    (min(n, reach) + 1) C_v(1) / (C_d + C_v(n + 1)) (the tokens of one round over its price)."""
     step = cost.verify_seconds(1, ctx)
-    return max((n + 1) * step / (cost.draft_cost + cost.verify_seconds(n + 1, ctx)) for n in range(1, budget + 1))
+    reach = budget if reach is None else reach
+    return max((min(n, reach) + 1) * step / (cost.draft_cost + cost.verify_seconds(n + 1, ctx))
+               for n in range(1, budget + 1))
 
 
 def _seconds(curve: CostModel, size: int, ctx: int, drafted: bool) -> float:
@@ -150,6 +158,9 @@ class PricedController(DraftController):
         # AR rounds' measured verify over the curve's step, with the drafter's taps computed and without
         self._steps: dict[bool, deque[float]] = {True: deque(maxlen=32), False: deque(maxlen=32)}
         self._generation_rounds = [0, 0]  # rounds of the generation under way, and of the last one
+        self.reach: int | None = None  # the depth the drafter's drafts reach (`bind`; None: unknown)
+        self._quiet_rounds = 0  # rounds of generations without taps (`_quiet`)
+        self._step_price: tuple[int, object, float] | None = None  # (context span, curve, its step) last priced
 
     # ------------------------------------------------------------------ estimates
     def _curve(self) -> CostModel:
@@ -160,12 +171,15 @@ class PricedController(DraftController):
         """The curve's one-token step at ``ctx`` (seconds of an AR round)."""
         return self.cost.verify_seconds(1, ctx)
 
+    def bind(self, reach: int | None) -> None:
+        self.reach, self._best = reach, None
+
     def best_case(self) -> float:
         """B near the last round's context under the current curve (module docstring): computed at the
         start of its 64-token span of contexts, once per curve."""
         curve, span = self._curve(), self._context - self._context % 64
         if self._best is None or self._best[0] is not curve or self._best[1] != span:
-            self._best = (curve, span, best_case_yield(curve, self.budget, span))
+            self._best = (curve, span, best_case_yield(curve, self.budget, span, self.reach))
         return self._best[2]
 
     def _terms_now(self) -> deque[tuple[float, float]]:
@@ -265,7 +279,7 @@ class PricedController(DraftController):
         if self.live is not None and self.live.step_unmeasured:
             return self._ar(taps=True)  # the AR step was scaled from the trees' change: this round measures it
         if self._tree_exploration_due():
-            return self._tree(explore=True, flat=True)
+            return self._tree(explore=True, flat=self._flat_may_pay())
         return self._ar(taps=False)  # the generation drafts no more: the next one may explore
 
     def _while_trees_lead(self, y: float) -> Decision:
@@ -277,9 +291,18 @@ class PricedController(DraftController):
         if unseen and self._affordable(self._step(self._context) * (1.0 - 1.0 / y)):
             return self._ar(taps=True, explore=True)
         due = s.size_every and self._since_flat >= s.size_every
-        if (due or (live is not None and live.trees_unmeasured)) and self._affordable(self._flat_loss(y)):
+        if (due or (live is not None and live.trees_unmeasured)) and self._flat_may_pay() \
+                and self._affordable(self._flat_loss(y)):
             return self._tree(explore=True, flat=True)
         return self._tree(explore=False)
+
+    def _flat_may_pay(self) -> bool:
+        """Whether a tree of the whole budget could pay at the current curve with as many of its nodes accepted
+        as the drafter reaches (else an exploration is built at the live price: a full tree would measure a
+        size no accepted path can pay for)."""
+        curve, ctx = self._curve(), self._context
+        tokens = min(self.budget, self.reach if self.reach is not None else self.budget) + 1
+        return tokens * curve.verify_seconds(1, ctx) > _seconds(curve, self.budget + 1, ctx, True)
 
     def _flat_loss(self, leader_yield: float) -> float:
         """The predicted loss of a flat-priced tree: its seconds less the leader's for one token."""
@@ -303,6 +326,8 @@ class PricedController(DraftController):
         return Decision(draft=False, taps=taps, explore=explore)
 
     def observe(self, report: RoundReport) -> None:
+        if not self._tapping and not report.drafted and report.batch_rows == 1 and self._quiet(report):
+            return
         if isinstance(self.calibration, LiveCalibration) and report.drafted:
             self.calibration.observe(*node_outcomes(report.tree, report.result))
         if report.batch_rows != 1:
@@ -333,6 +358,21 @@ class PricedController(DraftController):
             self.live.observe(size, ctx, verify, report.drafting_seconds, report.explored)
         if self.versus_ar:
             self._judge()
+
+    def _quiet(self, report: RoundReport) -> bool:
+        """A round of a generation that reads no taps: counted at the curve's step price alone, but for one in
+        ``quiet_every``, which the live model learns the step from (True: nothing more to do)."""
+        self._quiet_rounds += 1
+        if self._quiet_rounds % self.settings.quiet_every == 0:
+            return False
+        ctx = report.context
+        if self._step_price is None or self._step_price[0] != ctx - ctx % 64 or self._step_price[1] is not self.cost:
+            self._step_price = (ctx - ctx % 64, self.cost, self._step(ctx - ctx % 64))
+        self._context = ctx
+        self._generation_rounds[0] += 1
+        self._rounds += 1
+        self._seconds += self._step_price[2]
+        return True
 
     def _keep(self, r: _Round) -> None:
         self._kept.append(r)

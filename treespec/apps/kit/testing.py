@@ -26,6 +26,13 @@ The order of a tree's nodes is not checked: nothing downstream of a build depend
 
 ``check_policy`` returns a `PolicyReport` (what was checked, and the mean τ of the lossless runs).
 From a third party's tests: ``def test_mine(): check_policy(MyPolicy)``.
+
+``check_exact(policy)`` is the same losslessness on a real model: the embedded SmolLM2 (or the
+``model`` given) on an engine's exact numeric path (``exact=True``, `treespec.target.Target.numerics`),
+the shipped drafter of the role the policy reads, prompts that run past ``context`` positions, at T = 0
+and at T = ``temperature`` (position-keyed draws, match verification): every output must equal the
+engine's own AR output token for token, with no near-tie tolerance.  It returns the target's `Numerics`
+and raises `PolicyCheckError` naming the first output that differs.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from treespec.pricing.cost import LinearCost
 from treespec.target import Target
 from treespec.tree import DraftTree
 
-__all__ = ["PolicyCheckError", "PolicyReport", "check_policy", "check_tree", "tiny_target"]
+__all__ = ["PolicyCheckError", "PolicyReport", "check_exact", "check_policy", "check_tree", "tiny_target"]
 
 # a machine where trees pay (a verified token costs 0.2 % of a forward), for cost-aware policies
 PAYING = LinearCost(draft=0.001, base=0.05, per_token=1e-4)
@@ -198,3 +205,52 @@ def check_policy(policy, *, budgets: Sequence[int] = (1, 4, 16, 48), seeds: Sequ
         _check_builds(make, budgets, _drafts(conditional, seeds), label)
         taus += _check_lossless(make, budgets, conditional, prompts, tokens)
     return PolicyReport(make(budgets[0]).name, tuple(budgets), len(seeds), True in kinds, sum(taus) / max(1, len(taus)))
+
+
+def _long_prompts(tokenizer, count: int, context: int, seed: int) -> list[torch.Tensor]:
+    """``count`` prompts of more than ``context`` tokens: the shipped demo prompts, each after a passage of the
+    others, cut to the last ``context + 8`` tokens (answers then run past ``context`` positions)."""
+    import json
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[2] / "assets" / "demo"
+    rows = [json.loads(line) for name in ("chat.jsonl", "math.jsonl")
+            for line in (shipped / name).read_text().splitlines() if line.strip()]
+    texts = [row.get("prompt") or row["question"] for row in rows]
+    out = []
+    for i in range(count):
+        passage = " ".join(texts[(i + 1 + j) % len(texts)] for j in range(len(texts)))
+        ids = tokenizer(f"{passage}\n\n{texts[(i + seed) % len(texts)]}", add_special_tokens=False).input_ids
+        while len(ids) < context + 8:
+            ids = ids + ids
+        out.append(torch.tensor(ids[-(context + 8):], dtype=torch.int64))
+    return out
+
+
+def check_exact(policy: str | TreePolicy, *, engine: str | None = None, model=None, prompts: int = 2,
+                tokens: int = 24, context: int = 520, temperature: float = 0.7, seed: int = 0):
+    """``policy`` on a real model's exact numeric path against its AR, token for token (module docstring)."""
+    from treespec.apps.assembly.loading import DEFAULT_ENGINE, drafter_dirs
+    from treespec.apps.assembly.methods import DEFAULT_DRAFTERS
+    from treespec.apps.assembly.session import Session
+    from treespec.interfaces import SamplingParams
+
+    made = registry.create("policy", policy) if isinstance(policy, str) else policy
+    role = "conditional" if made.uses_scorer == "required" else "marginal"
+    name = DEFAULT_DRAFTERS[role]
+    session = Session.load(model, drafter_dirs([name], []), dtype="float32", engine=engine or DEFAULT_ENGINE,
+                           exact=True)
+    numerics = session.target.numerics()
+    drafter = session.drafters[name]
+    decoders = {"ar": SpeculativeDecoder(session.target), "policy": SpeculativeDecoder(session.target, drafter, made)}
+    for i, prompt in enumerate(_long_prompts(session.tokenizer, prompts, context, seed)):
+        for temp in (0.0, temperature):
+            outs = {k: d.generate(prompt, max_new_tokens=tokens, sampling=SamplingParams(temp),
+                                  generator=torch.Generator().manual_seed(seed + i)).tokens
+                    for k, d in decoders.items()}
+            if not torch.equal(outs["ar"], outs["policy"]):
+                at = next((j for j, (a, b) in enumerate(zip(outs["ar"].tolist(), outs["policy"].tolist())) if a != b),
+                          min(outs["ar"].numel(), outs["policy"].numel()))
+                raise _fail("exact decoding", f"{session.target.describe()}, prompt {i} of {prompt.numel()} tokens, "
+                            f"T = {temp:g}", f"the output leaves AR's at token {at} ({numerics.how})")
+    return numerics

@@ -77,6 +77,7 @@ def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy 
     rounds, done = [], 0
     if policy is not None and controller is None:
         controller = policy.draft_controller()
+        controller.bind(drafts.depth if drafts is not None else None)  # the recorded drafts' depth, as live
     drafting = policy is not None and controller.start_generation()  # as the live decoder asks
     if drafting:
         policy.start_generation()
@@ -223,6 +224,8 @@ def evaluate(trace: Trace, methods: Sequence[str | MethodSpec], *, stop_token_id
     for method in parsed:
         drafts, policy = policy_for(trace, method, cache, cost_model)
         controller = policy.draft_controller() if policy is not None else None  # one over the prompts, as live
+        if controller is not None:
+            controller.bind(drafts.depth if drafts is not None else None)
         start = time.perf_counter()
         with naming(method):
             taus = tuple(tuple(replay_prompt(trace, drafts, policy, i, stop_token_ids=stops, controller=controller))
