@@ -94,6 +94,7 @@ def overhead(prompts: int, tokens: int) -> None:
     from treespec.apps.assembly.loading import embedded_drafter_dir
     from treespec.apps.assembly.session import Session
     from treespec.interfaces import RoundReport, VerifyResult
+    from treespec.steering import Steering
 
     session = Session.load(embedded_model_dir(), {"domino": embedded_drafter_dir("domino")})
     fixed, priced = session.decoder("dominotree@16"), session.decoder("cost-aware-dominotree@16")
@@ -103,19 +104,19 @@ def overhead(prompts: int, tokens: int) -> None:
     for prompt in demo_prompts(prompts):
         fixed.generate(session.chat.encode(prompt.turns[:1]), max_new_tokens=tokens)
     drafter.draft = draft
-    policy, controller = priced.policy, priced.controller
-    controller.start_generation()
+    policy, steering = priced.policy, Steering(priced.controller, priced.policy)
+    steering.start()
     times = {"fixed build": [], "cost-aware round": []}
     for d in drafts:
         start = time.perf_counter()
         fixed.policy.build(d)
         times["fixed build"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        decision = controller.decide()
+        decision = steering.decide()
         tree = policy.priced(decision.price, decision.calibration).build(d)
         report = RoundReport(tree, VerifyResult(torch.zeros(1, dtype=torch.int64), 0), d.position,
                              {"draft": 0.01, "build": 0.001, "verify": 0.06, "commit": 0.001}, True)
-        controller.observe(report)
+        steering.report(report)
         times["cost-aware round"].append(time.perf_counter() - start)
     for name, values in times.items():
         mean, median = 1e3 * statistics.fmean(values), 1e3 * statistics.median(values)

@@ -198,7 +198,6 @@ def run_arms(args, decoders: dict, models: dict, ids) -> tuple[Tally, bool]:
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             print(f"(CPU hog started before prompt {i + 1})", flush=True)
         for name, decoder in decoders.items():
-            decoder.gate.reset()
             out = decoder.generate(prompt, max_new_tokens=args.max_new_tokens)
             tally.add(name, "hog" if hog is not None else "quiet", out, prompt.numel(), models)
     if hog is not None:

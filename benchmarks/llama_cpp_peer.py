@@ -120,7 +120,6 @@ def treespec_rows(session: Session, prompts: list[str], tokens: int) -> dict[str
         decoder.generate(session.chat.encode([prompts[0]]), max_new_tokens=8)  # warm-up
         made, seconds, taus = 0, 0.0, []
         for prompt in prompts:
-            decoder.gate.reset()
             out = decoder.generate(session.chat.encode([prompt]), max_new_tokens=tokens, stop_token_ids=[])
             made, seconds, taus = made + out.stats.new_tokens, seconds + out.stats.decode_time, taus + out.stats.taus
         rows[method] = (made / seconds, sum(taus) / len(taus))

@@ -16,7 +16,7 @@ from treespec.apps.replay.simulate import (
     simulate,
     summary,
 )
-from treespec.interfaces import Decision, EveryRound
+from treespec.interfaces import Decision, DraftController, EveryRound
 from treespec.pricing.control import ControlSettings, PricedController, best_case_yield
 from treespec.pricing.cost import ConvexCost
 from treespec.pricing.live_cost import LiveCost
@@ -94,7 +94,8 @@ def test_trees_the_drafters_reach_cannot_pay_for_are_never_explored():
     regime = REGIMES["llama.cpp-q4_1"]
     curve = regime.prior
     assert best_case_yield(curve, 16, 128, reach=7) < best_case_yield(curve, 16, 128)
-    reached, blind = controller(regime), controller(regime)
+    every_round = ControlSettings(quiet_every=1)  # every AR round taught to the live model, as in both arms
+    reached, blind = controller(regime, every_round), controller(regime, every_round)
     reached.bind(7)
     assert not any(r.explored and r.size == 17 for r in simulate(reached, regime))
     assert any(r.explored and r.size == 17 for r in simulate(blind, regime))
@@ -102,6 +103,18 @@ def test_trees_the_drafters_reach_cannot_pay_for_are_never_explored():
     short.bind(1)  # one drafted token: two tokens a round at most
     assert best_case_yield(curve, 16, 128, reach=1) <= 1.0 and not short.start_generation()
     assert not any(r.drafted for r in simulate(short, regime))
+
+
+def test_a_generation_without_taps_teaches_the_live_model_one_round_in_quiet_every():
+    """Rounds of a generation that reads no taps cost the controller a sum, not a re-fit: the live model
+    hears one in ``quiet_every`` (the step stays measured), and the rounds all count in the seconds."""
+    regime = REGIMES["llama.cpp-q4_1"]
+    ctl = controller(regime)
+    ctl.bind(1)  # nothing within reach pays: no generation reads taps
+    rounds = simulate(ctl, regime, generations=2, tokens=64)
+    assert not any(r.tau > 1 for r in rounds) and len(rounds) == 128
+    assert len(ctl.live.observations) == 128 // ctl.settings.quiet_every
+    assert ctl._rounds == 128
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -166,3 +179,74 @@ def test_bad_settings_are_refused():
         ControlSettings(min_spread=-0.1)
     with pytest.raises(ValueError):
         ControlSettings(explore_share=-0.1)
+
+
+class _Recording(DraftController):
+    """A controller that keeps what it was asked and told (the live run's side of the next test)."""
+
+    def __init__(self, inner: DraftController) -> None:
+        self.inner, self.starts, self.decisions, self.reports = inner, [], [], []
+
+    def bind(self, reach):
+        self.inner.bind(reach)
+
+    def start_generation(self) -> bool:
+        self.starts.append(self.inner.start_generation())
+        return self.starts[-1]
+
+    def decide(self) -> Decision:
+        self.decisions.append(self.inner.decide())
+        return self.decisions[-1]
+
+    def observe(self, report) -> None:
+        self.reports.append(report)
+        self.inner.observe(report)
+
+
+def _decided(decision: Decision) -> tuple:
+    price = None if decision.price is None else decision.price.to_dict()
+    return decision.draft, decision.taps, decision.explore, price
+
+
+def test_a_recorded_generation_replayed_decides_the_same_rounds():
+    """Live decoding and a replay of its reports run one round protocol (`treespec.steering.Steering`): a
+    fresh controller told the same reports makes the same decisions, round for round, generation after
+    generation (the live run's times reach it through its reports alone)."""
+    import torch
+
+    from treespec import registry
+    from treespec.apps.kit.testing import tiny_target
+    from treespec.decoding import SpeculativeDecoder
+    from treespec.steering import Steering
+
+    prior = REGIMES["torch-bf16"].prior
+
+    def policy():
+        return registry.create("policy", "caddtree", budget=16, cost_model=LiveCost(prior))
+
+    live = policy()
+    recording = _Recording(live.draft_controller())
+    oracle = registry.create("drafter", "oracle", config="typical", seed=0)
+    decoder = SpeculativeDecoder(tiny_target(), oracle, live, controller=recording)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        decoder.generate(torch.randint(0, 128, (8,), generator=gen), max_new_tokens=40)
+    assert any(d.draft for d in recording.decisions) and len(recording.reports) > 30
+    again = policy()
+    controller = again.draft_controller()
+    controller.bind(oracle.reach)
+    reports, decisions, asked = iter(recording.reports), iter(recording.decisions), 0
+    for started in recording.starts:
+        steering = Steering(controller, again)
+        assert steering.start() == started
+        rounds = 0
+        while rounds < 40:
+            report = next(reports, None)
+            if report is None:
+                break
+            if steering.tapping:
+                assert _decided(steering.decide()) == _decided(next(decisions))
+                asked += 1
+            steering.report(report)
+            rounds += report.result.tau
+    assert asked == len(recording.decisions)

@@ -9,8 +9,8 @@ sequence's tokens are the target's own choices at every step, whatever the other
 ``drafter=None, policy=None`` is batched autoregressive decoding.
 
 A round is the single-sequence decoder's own (`treespec.decoding.RoundRunner`) over all the
-unfinished sequences: the decoder's draft controller (`TreePolicy.draft_controller`, one per
-decoder, as the single-sequence decoder keeps one) decides each sequence's round, the drafting
+unfinished sequences: each sequence is a generation of its own, steered by a draft controller of its
+own (`treespec.steering`; row s keeps the s-th of the decoder's controllers across calls), the drafting
 sequences' drafts come from one ``Drafter.draft_batch`` over the sequences' forks (``Drafter.fork``: one
 context cache each), the trees of sequences sharing a policy from one ``TreePolicy.build_batch``
 (a policy that samples its trees at T > 0 samples each with its sequence's generator), and all
@@ -18,8 +18,8 @@ trees are verified in one forward of the engine's `treespec.target.TargetBatch`;
 sequence's verifier walk, commit, tokens, drafter feedback and round report are its own.  Each
 sequence's round goes to the policy `TreePolicy.for_request` gave it: by default the decoder's
 policy itself, so what a learning policy learns per drafter it learns from every row; what it keeps
-per request stays with the row.  The reports say how many sequences one forward verified, and a
-controller learns time only from rounds that verified one (`treespec.pricing.control`).  A
+per request stays with the row.  The reports say how many sequences one forward verified (a batch's
+times are the batch's, not a row's).  A
 sequence that reaches a stop token or its ``max_new_tokens`` leaves the batch.  Sampling at T > 0:
 sequence s uses ``generators[s]`` (and, position-keyed, a key drawn from it as the single-sequence
 decoder draws it), so per-row equality with single runs holds at any temperature when the same
@@ -51,6 +51,7 @@ from treespec.decoding import (
 from treespec.interfaces import DraftController, Drafter, SamplingParams, TreePolicy, Verifier
 from treespec.sampling import sampling_key
 from treespec.stats import GenerationResult
+from treespec.steering import Steering
 from treespec.target import Target, TargetBatch, TargetOutput, batch_class
 from treespec.tree import DraftTree
 
@@ -78,8 +79,10 @@ class BatchDecoder:
         self.batch_class = batch_class(target)  # how its engine batches (refused here when it does not)
         self.target, self.drafter, self.policy = target, drafter, policy
         self.verifier = checked_parts(drafter, policy, verifier)
-        # whether and at what price rows draft (default: the policy's; kept across generate calls)
+        # whether and at what price the first row drafts (default: the policy's); each further row gets one more
+        # of the policy's (`_controller`), all kept across generate calls
         self.controller = controller if controller is not None or policy is None else policy.draft_controller()
+        self.controllers: list[DraftController] = [] if self.controller is None else [self.controller]
         self.taps = tuple(drafter.tap_layers) if drafter is not None else ()
         if drafter is not None:
             drafter.bind(target)
@@ -100,9 +103,9 @@ class BatchDecoder:
         start = time.perf_counter()
         check_first_token(first_token)
         sampling = SamplingParams.of(sampling, temperature, top_k, top_p, position_keyed)
-        drafting = self.drafter is not None and self.controller.start_generation()  # as the single decoder asks
+        rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators)
+        drafting = any(r.drafter is not None for r in rows)  # one forward for all: taps when any row reads them
         taps = self.taps if drafting else ()
-        rows = self._start(prompts, max_new_tokens, sampling, frozenset(stop_token_ids or ()), generators, drafting)
         batch = self.batch_class(self.target)
         rounds = RoundRunner(self.target, self.drafter if drafting else None, self.verifier, BatchSide(batch, taps),
                              batched=True)
@@ -134,8 +137,7 @@ class BatchDecoder:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int], sampling: SamplingParams,
-               stops: frozenset[int], generators: Sequence[torch.Generator | None] | None,
-               drafting: bool) -> list[Row]:
+               stops: frozenset[int], generators: Sequence[torch.Generator | None] | None) -> list[Row]:
         if not prompts:
             raise ValueError("generate needs at least one prompt")
         budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -143,19 +145,21 @@ class BatchDecoder:
         if len(budgets) != len(prompts) or len(gens) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts need as many max_new_tokens and generators "
                              f"(got {len(budgets)} and {len(gens)})")
-        rows = [self._row(i, p, n, sampling, stops, g, drafting)
-                for i, (p, n, g) in enumerate(zip(prompts, budgets, gens))]
-        for row in rows:
-            row.stats.undrafted = self.drafter is not None and not drafting
-        started = {id(r.policy): r.policy for r in rows if r.policy is not None}
-        for policy in started.values():  # each request's policy once (shared: once for the batch)
-            policy.start_generation()
-        return rows
+        return [self._row(i, p, n, sampling, stops, g) for i, (p, n, g) in enumerate(zip(prompts, budgets, gens))]
+
+    def _controller(self, index: int) -> DraftController:
+        """Row ``index``'s draft controller: the decoder's own for the first, one more of the policy's for each
+        further row, kept across calls (each row is a generation of its own, decided as one)."""
+        while len(self.controllers) <= index:
+            controller = self.policy.draft_controller()
+            controller.bind(self.drafter.reach)
+            self.controllers.append(controller)
+        return self.controllers[index]
 
     def _row(self, index: int, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
-             stops: frozenset[int], generator: torch.Generator | None, drafting: bool) -> Row:
-        """One request's row; without ``drafting`` an AR row (no drafter fork, no policy: the policy's
-        model shows no tree pays)."""
+             stops: frozenset[int], generator: torch.Generator | None) -> Row:
+        """One request's row, its generation started with its own controller; one that may not draft is an AR
+        row (no drafter fork, no policy: its controller finds no tree that pays)."""
         prompt = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).to(self.target.device)
         if prompt.numel() == 0:
             raise ValueError(f"prompt {index} is empty")
@@ -163,10 +167,13 @@ class BatchDecoder:
         generator = generator_for(sampling, generator)
         if sampling.position_keyed and not sampling.greedy:  # the key a single-sequence run draws first
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
-        fork = self.drafter.fork() if drafting else None
-        policy = self.policy.for_request() if drafting else None
+        steering = None if self.drafter is None else Steering(self._controller(index), self.policy.for_request())
+        drafting = steering is not None and steering.start()
         seq = SequenceState.start(prompt, max_new_tokens, stops)
-        return Row(seq, fork, policy, self.controller, sampling, generator, tapping=drafting)
+        row = Row(seq, self.drafter.fork() if drafting else None, steering.policy if drafting else None, steering,
+                  sampling, generator)
+        row.stats.undrafted = self.drafter is not None and not drafting
+        return row
 
     @staticmethod
     def _result(row: Row) -> GenerationResult:

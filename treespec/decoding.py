@@ -63,6 +63,7 @@ from treespec.interfaces import (
 )
 from treespec.sampling import sampling_key, target_tokens
 from treespec.stats import GenerationResult, GenerationStats, RoundStats
+from treespec.steering import AR_ROUND, Steering
 from treespec.target import ContextOverflowError, Target, TargetOutput
 from treespec.tree import DraftTree
 
@@ -72,7 +73,6 @@ __all__ = ["FIRST_TOKENS", "OneTarget", "PolicyError", "RoundRunner",
            "cut_proposals", "fitted_tree", "generator_for", "limit_depth", "policy_tree"]
 
 FIRST_TOKENS = ("round", "prefill")  # where the first new token comes from (see SpeculativeDecoder.generate)
-AR_ROUND = Decision(draft=False, taps=False)  # what a row without a drafter does every round
 
 
 @attrs.define
@@ -154,17 +154,16 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
 
 @attrs.define
 class Row:
-    """One sequence being decoded: its state, its drafter, policy and controller, sampling and stats,
-    and what the round under way made for it."""
+    """One sequence being decoded: its state, its drafter and policy, the steering of its generation,
+    sampling and stats, and what the round under way made for it."""
 
     seq: SequenceState
-    drafter: Drafter | None  # the decoder's drafter (a fork of it in a batch); None: AR
+    drafter: Drafter | None  # the decoder's drafter (a fork of it in a batch); None: this generation does not draft
     policy: TreePolicy | None  # the decoder's policy, or its `TreePolicy.for_request` copy in a batch
-    controller: DraftController | None  # the decoder's draft controller, told every round (None: AR decoding)
+    steering: Steering | None  # its generation's round protocol with its draft controller (None: AR decoding)
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: GenerationStats = attrs.field(factory=GenerationStats)
-    tapping: bool = True  # the drafter's taps are still kept (a row that dropped them drafts no more this generation)
     decision: Decision = AR_ROUND  # this round's decision
     draft: DraftOutput | None = None  # this round's draft (None: an AR round for this sequence)
     tree: DraftTree | None = None  # this round's tree, cut to the depth the sequence can use
@@ -201,7 +200,7 @@ class RoundRunner:
         """One round of every row of ``rows`` (each unfinished); appends each row's `RoundStats`."""
         clock = Stopwatch(self.target.device, self.clock)  # "verify": the trees' forward + the verifiers' walks
         for row in rows:
-            _decide(row)
+            row.decision = row.steering.decide() if row.steering is not None else AR_ROUND
         drafting = [r for r in rows if r.decision.draft]
         for row in rows:
             row.draft = None
@@ -215,9 +214,10 @@ class RoundRunner:
                 self.on_round(row.tree, result)
         clock.run("commit", self._commit, rows, results, outputs)
         for row, result, ctx in zip(rows, results, contexts, strict=True):
-            self._observe(row, RoundReport(row.tree, result, ctx, clock.times, row.draft is not None,
-                                           row.decision.explore, batch_rows=len(rows),
-                                           tapped=row.drafter is not None))
+            if row.steering is not None:
+                row.steering.report(RoundReport(row.tree, result, ctx, clock.times, row.draft is not None,
+                                                row.decision.explore, batch_rows=len(rows),
+                                                tapped=row.drafter is not None))
             row.stats.rounds.append(_round_stats(row, result, dict(clock.times)))
 
     def first_tokens(self, rows: list[Row]) -> None:
@@ -261,29 +261,12 @@ class RoundRunner:
         self.side.commit([res.accepted.to(r.tree.device) for r, res in zip(rows, results, strict=True)])
         for row, result, out in zip(rows, results, outputs, strict=True):
             drafted = row.draft is not None
-            features = out.features if row.tapping else None  # a row that drafts no more keeps no taps
+            tapping = row.steering is not None and row.steering.tapping
+            features = out.features if tapping else None  # a row that drafts no more keeps no taps
             path_tokens = commit_round(row.seq, row.tree, result, features, drafted, row.drafter is None)
             if drafted:
                 row.drafter.observe(path_tokens)
 
-    @staticmethod
-    def _observe(row: Row, report: RoundReport) -> None:
-        """The round's report to the row's controller and policy."""
-        if row.controller is not None:
-            row.controller.observe(report)
-        if row.policy is not None:
-            row.policy.observe_round(report)
-
-
-def _decide(row: Row) -> None:
-    """This round's `Decision` for ``row`` (its controller's; a row that dropped its taps drafts no
-    more this generation), and the policy told that a round begins."""
-    if row.drafter is None or not row.tapping:
-        row.decision = AR_ROUND
-        return
-    row.decision = row.controller.decide()
-    row.tapping = row.decision.taps
-    row.policy.begin_round()
 
 
 def _round_policy(row: Row) -> TreePolicy:
@@ -362,8 +345,9 @@ class SpeculativeDecoder:
         if sampling.position_keyed and not sampling.greedy:  # this call's noise key, fresh from the stream
             sampling = attrs.evolve(sampling, key=sampling_key(generator))
         check_first_token(first_token)
-        drafting = self.drafter is not None and self.controller.start_generation()
-        row = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), sampling, generator, drafting)
+        steering = Steering(self.controller, self.policy) if self.drafter is not None else None
+        drafting = steering is not None and steering.start()
+        row = self._start(prompt, max_new_tokens, frozenset(stop_token_ids or ()), sampling, generator, steering)
         row.stats.undrafted = self.drafter is not None and not drafting
         rounds = RoundRunner(self.target, self.drafter if drafting else None, self.verifier,
                              OneTarget(self.target, self.taps if drafting else ()), batched=False, clock=self.clock,
@@ -381,16 +365,16 @@ class SpeculativeDecoder:
         return GenerationResult(row.seq.tokens[row.seq.prompt_len:row.seq.length].clone(), row.stats)
 
     def _start(self, prompt: torch.Tensor, max_new_tokens: int, stops: frozenset[int], sampling: SamplingParams,
-               generator: torch.Generator | None, drafting: bool) -> Row:
-        """The generation's row, its prompt prefilled (all but the anchor), timed as the prefill; without
-        ``drafting``, an AR row (no drafter, no policy, no taps)."""
+               generator: torch.Generator | None, steering: Steering | None) -> Row:
+        """The generation's row, its prompt prefilled (all but the anchor), timed as the prefill; a generation
+        that may not draft is an AR row (no drafter, no policy, no taps)."""
+        drafting = steering is not None and steering.tapping
         if drafting:
             self.drafter.reset()
-            self.policy.start_generation()
         clock = Stopwatch(self.target.device, self.clock)
         prefill: TargetOutput = clock.run("prefill", self.target.prefill, prompt[:-1], self.taps if drafting else ())
         row = Row(SequenceState.start(prompt, max_new_tokens, stops), self.drafter if drafting else None,
-                  self.policy if drafting else None, self.controller, sampling, generator, tapping=drafting)
+                  self.policy if drafting else None, steering, sampling, generator)
         row.stats.prefill_time = clock.times["prefill"]
         row.seq.features = prefill.features
         return row

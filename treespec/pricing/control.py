@@ -45,8 +45,8 @@ every node where it is unknown), with bounds (0, B).
    rounds' losses so far plus its predicted loss stay within ``explore_share`` of the seconds of
    every round observed. A round's *loss* is its seconds less what the leading option would have
    taken for its tokens (negative for one that pays); an exploring tree's is predicted with one
-   token, and a generation kept tapped for it adds the taps' measured cost (`tap_cost`: AR rounds
-   with and without taps, apart) over as many rounds as the last generation had. Seconds here are
+   token, and a generation kept tapped for it adds the taps' measured cost (`tap_cost`: the live
+   model's AR rounds with and without taps, apart) over as many rounds as the last generation had. Seconds here are
    the curve's price of each round (C_d for a drafted one, plus C_v(n; ctx)) when it was observed:
    time reaches the controller through the cost model only, so the same rounds decide the same way
    in a live run and in its replay. One exploration is taken whatever the share: an AR step as soon
@@ -81,7 +81,7 @@ import attrs
 from treespec.interfaces import Decision, DraftController, RoundReport
 from treespec.pricing.calibration import LiveCalibration, node_outcomes
 from treespec.pricing.cost import CostModel
-from treespec.pricing.live_cost import LiveCost, trimmed_mean
+from treespec.pricing.live_cost import LiveCost
 
 __all__ = ["ControlSettings", "PricedController", "best_case_yield"]
 
@@ -153,10 +153,8 @@ class PricedController(DraftController):
         self._since_flat = 0  # drafted rounds since the last flat-priced one
         contexts = getattr(cost, "contexts", None)
         self._context = contexts[0] if contexts else 0  # the last round's context (where the next one is priced)
-        self._tapping = True  # this generation reads taps
+        self._asked = False  # decide() was called since the last observe (else the round was a generation's without taps)
         self._yield: tuple[tuple, tuple[float, float, float]] | None = None  # (what it rests on, `trees_yield`)
-        # AR rounds' measured verify over the curve's step, with the drafter's taps computed and without
-        self._steps: dict[bool, deque[float]] = {True: deque(maxlen=32), False: deque(maxlen=32)}
         self._generation_rounds = [0, 0]  # rounds of the generation under way, and of the last one
         self.reach: int | None = None  # the depth the drafter's drafts reach (`bind`; None: unknown)
         self._quiet_rounds = 0  # rounds of generations without taps (`_quiet`)
@@ -242,17 +240,13 @@ class PricedController(DraftController):
     # ------------------------------------------------------------------ the decoder's side
     def start_generation(self) -> bool:
         self._generation_rounds = [0, self._generation_rounds[0] or self._generation_rounds[1]]
-        self._tapping = not self.versus_ar or self._may_draft()
-        return self._tapping
+        return not self.versus_ar or self._may_draft()
 
     def tap_cost(self) -> float:
         """Seconds an AR round pays for the drafter's taps (an engine computes them for the whole generation
-        once its prefill asked for them): the trimmed means of AR rounds' verify over the curve's step,
-        with taps and without, apart, times the step; 0 until both were measured."""
-        if not self._steps[True] or not self._steps[False]:
-            return 0.0
-        extra = trimmed_mean(list(self._steps[True])) - trimmed_mean(list(self._steps[False]))
-        return max(0.0, extra) * self._step(self._context)
+        once its prefill asked for them), as the live model measured them (`LiveCost.tap_share`; 0 with a
+        fixed model or until measured)."""
+        return 0.0 if self.live is None else self.live.tap_share() * self._step(self._context)
 
     def _may_draft(self) -> bool:
         """Whether this generation may draft: trees lead, or an exploration of them is due (B > 1)."""
@@ -268,10 +262,9 @@ class PricedController(DraftController):
         return (self.trees_yield()[2] > 1.0 or unmeasured) and self._affordable(self._flat_loss(1.0) + taps)
 
     def decide(self) -> Decision:
+        self._asked = True
         if not self.versus_ar:
             return self._tree(explore=False)
-        if not self._tapping:
-            return Decision(draft=False, taps=False)
         if self.best_case() <= 1.0:
             return self._ar(taps=False)
         if self._trees_lead:
@@ -322,12 +315,12 @@ class PricedController(DraftController):
         return Decision(draft=True, price=price, calibration=calibration, explore=explore)
 
     def _ar(self, *, taps: bool, explore: bool = False) -> Decision:
-        self._tapping = taps
         return Decision(draft=False, taps=taps, explore=explore)
 
     def observe(self, report: RoundReport) -> None:
-        if not self._tapping and not report.drafted and report.batch_rows == 1 and self._quiet(report):
-            return
+        asked, self._asked = self._asked, False
+        if not asked and not report.drafted and report.batch_rows == 1 and self._quiet(report):
+            return  # a round the round protocol decided without asking: its generation reads no taps
         if isinstance(self.calibration, LiveCalibration) and report.drafted:
             self.calibration.observe(*node_outcomes(report.tree, report.result))
         if report.batch_rows != 1:
@@ -337,10 +330,8 @@ class PricedController(DraftController):
         self._context = ctx
         self._generation_rounds[0] += 1
         verify = report.times.get("verify", 0.0)
-        if size == 1 and not report.drafted and verify > 0:
-            self._steps[report.tapped].append(verify / self._step(ctx))
-            if report.tapped and not self._trees_lead:  # taps kept for an exploration: part of what it costs
-                self._lost += self.tap_cost()
+        if size == 1 and not report.drafted and report.tapped and not self._trees_lead:
+            self._lost += self.tap_cost()  # taps kept for an exploration: part of what it costs
         if report.explored:  # what the leading option would have taken for the round's tokens
             lead = max(self.trees_yield()[0], 1.0) if self._trees_lead else 1.0
             self._lost += seconds - tau * self._step(ctx) / lead
@@ -355,7 +346,7 @@ class PricedController(DraftController):
             if self._priced_by is not None:
                 self._terms.popleft()
         if self.live is not None and verify > 0:  # a replayed round has no times: the curve learns nothing
-            self.live.observe(size, ctx, verify, report.drafting_seconds, report.explored)
+            self.live.observe(size, ctx, verify, report.drafting_seconds, report.explored, tapped=report.tapped)
         if self.versus_ar:
             self._judge()
 

@@ -115,6 +115,8 @@ class LiveCost(CostModel):
         self._stale: int | None = None  # a kind whose corrections were scaled from the other's regime change
         self._since_fit = 0
         self.observations: list[Observation] = []  # every round observed, in order
+        # AR steps' seconds over the curve's step, with the drafter's taps computed and without (`tap_share`)
+        self._tap_steps: dict[bool, deque[float]] = {True: deque(maxlen=32), False: deque(maxlen=32)}
         self.refits = 0
         self._current = self._fit()
 
@@ -141,14 +143,25 @@ class LiveCost(CostModel):
         return ConvexCost(cur.draft, cur.contexts, tuple((1.0,) for _ in cur.contexts), tuple((v,) for v in steps))
 
     # ------------------------------------------------------------------ the controller's side
-    def observe(self, n: int, ctx: int, verify: float, draft: float | None = None, explored: bool = False) -> bool:
+    def observe(self, n: int, ctx: int, verify: float, draft: float | None = None, explored: bool = False,
+                tapped: bool = False) -> bool:
         """One round's measured seconds: ``verify`` for ``n`` tree tokens on ``ctx`` cached tokens, and
-        the draft and build seconds of a drafted round; ``explored``: the round was priced flat.  True
-        when it changed the regime (the model re-fitted to a new speed of the machine)."""
+        the draft and build seconds of a drafted round; ``explored``: the round was priced flat; ``tapped``:
+        its forward computed the drafter's taps.  True when it changed the regime (the model re-fitted to a
+        new speed of the machine)."""
         obs = Observation(int(n), int(ctx), float(verify), None if draft is None else float(draft), bool(explored))
         if obs.n < 1 or not math.isfinite(obs.verify) or obs.verify <= 0:
             raise ValueError(f"a round of {n} tokens that took {verify} s cannot be observed")
+        if obs.n == 1 and obs.draft is None:  # an AR step: what taps add to it
+            self._tap_steps[bool(tapped)].append(obs.verify / self._current.verify_seconds(1, obs.ctx))
         return self._update(obs)
+
+    def tap_share(self) -> float:
+        """What the drafter's taps add to an AR step, as a share of the step: the trimmed means of AR steps'
+        seconds over the curve's step, with taps and without, apart (0 until both were measured)."""
+        if not self._tap_steps[True] or not self._tap_steps[False]:
+            return 0.0
+        return max(0.0, trimmed_mean(list(self._tap_steps[True])) - trimmed_mean(list(self._tap_steps[False])))
 
     def _update(self, obs: Observation) -> bool:
         index = len(self.observations)

@@ -28,6 +28,7 @@ from treespec.decoding import built_tree, limit_depth
 from treespec.interfaces import DraftController, RoundReport, TreePolicy, VerifyResult
 from treespec.pricing.calibration import Calibration
 from treespec.pricing.cost import CostModel, cost_model_from_dict
+from treespec.steering import AR_ROUND, Steering
 from treespec.tree import DraftTree
 
 __all__ = ["ReplayResult", "ReplayRound", "check_replayable", "evaluate", "policy_for", "replay_priced",
@@ -67,39 +68,33 @@ class ReplayRound:
 def replay_rounds(trace: Trace, drafts: ReplayDrafts | None, policy: TreePolicy | None, prompt: int, *,
                   stop_token_ids: Iterable[int] = (), controller: DraftController | None = None) -> list[ReplayRound]:
     """The rounds of ``policy`` (None: autoregressive) on one recorded prompt, as the live loop runs
-    them: its draft controller (``controller``, default a fresh one from the policy; pass one across
-    prompts to mirror a decoder used for several generations, as `evaluate` and the bench do) decides
-    each round and hears its report, without stage times (a priced controller counts rounds at its
-    curve's prices, so it decides as live; a live curve learns nothing here), and the policy hears
-    ``start_generation``, ``begin_round`` and ``observe_round`` as in the live loop."""
+    them: the round protocol with its draft controller (`treespec.steering.Steering`; ``controller``,
+    default a fresh one from the policy, told the recorded drafts' depth; pass one across prompts to
+    mirror a decoder used for several generations, as `evaluate` and the bench do), each report
+    without stage times (a priced controller counts rounds at its curve's prices, so it decides as
+    live; a live curve learns nothing here)."""
     seq, start, total = trace.sequences[prompt].tolist(), trace.prompt_len(prompt) - 1, trace.max_new_tokens
     stops, room = frozenset(stop_token_ids), int(trace.meta["target"]["max_positions"])
     rounds, done = [], 0
     if policy is not None and controller is None:
         controller = policy.draft_controller()
         controller.bind(drafts.depth if drafts is not None else None)  # the recorded drafts' depth, as live
-    drafting = policy is not None and controller.start_generation()  # as the live decoder asks
-    if drafting:
-        policy.start_generation()
+    steering = Steering(controller, policy) if policy is not None else None
+    drafting = steering is not None and steering.start()
     while done < total:
         anchor = start + done  # absolute position of the round's root
-        decision = controller.decide() if drafting else None
-        if decision is not None and not decision.taps:
-            drafting = False  # the generation drafts no more, as the live loop
-        if decision is None or not decision.draft:
+        decision = steering.decide() if steering is not None else AR_ROUND
+        if not decision.draft:
             tree, drafted = DraftTree.root_only(seq[anchor]), False
         else:
-            policy.begin_round()
             draft = drafts.draft(trace.anchor_index(prompt, done), seq[anchor], anchor)
             built = built_tree(policy.priced(decision.price, decision.calibration), draft)
             tree, drafted = limit_depth(built, min(total - done - 1, room - 1 - anchor)), True
             _check_recorded(tree)
         path = accepted_path(tree, seq[anchor + 1:])
-        if decision is not None:
+        if steering is not None:
             result = VerifyResult(torch.tensor(path), seq[anchor + len(path)] if anchor + len(path) < len(seq) else 0)
-            report = RoundReport(tree, result, anchor, {}, drafted, decision.explore)
-            controller.observe(report)
-            policy.observe_round(report)
+            steering.report(RoundReport(tree, result, anchor, {}, drafted, decision.explore, tapped=drafting))
         tau = len(path)
         rounds.append(ReplayRound(tau, len(tree), drafted))
         if stops.intersection(seq[anchor + 1:anchor + 1 + tau]):

@@ -18,13 +18,14 @@ every second doubled from a given round on), ``trees-dearer`` (torch-bf16 whose 
 become 3x dearer mid-run, the one-token step unchanged) and ``busy`` (torch-bf16 with 30 % of
 rounds 3.5x slower, as a CPU hog makes them).
 
-`simulate(controller, regime, ...)` runs ``generations`` generations of ``tokens`` tokens: each round
-asks the controller as the decoding loop does (`start_generation`, `decide`, `observe` with a
-`RoundReport` whose stage seconds come from the regime's curve at the round's context and the
-regime's schedule), and returns every round (`SimRound`).  `fixed_rate(regime, choice)` is the
-tokens per second of a fixed choice ("ar", "full": the whole budget every round, "priced": the cost
-rule at the true curve every round) over the same rounds, the yardstick of the controller's regret.
-Everything is deterministic in the seed.
+`simulate(controller, regime, ...)` runs ``generations`` generations of ``tokens`` tokens through
+the round protocol the decoding loop runs (`treespec.steering.Steering`: its reports' stage seconds
+come from the regime's curve at the round's context and the regime's schedule) and returns every round
+(`SimRound`).  `fixed_rate(regime, choice)` is the tokens per second of a fixed choice (`FixedChoice`:
+"ar", "full": the whole budget every round, "priced": the cost rule at the true curve every round)
+simulated over the same rounds, the yardstick of the controller's regret.  Everything is deterministic
+in the seed.  It is a library feature for whoever writes a draft controller: a new rule is scored on
+the recorded machines in seconds, with no model (tests/test_control.py, benchmarks/bench_controller.py).
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ import attrs
 import torch
 
 from treespec import registry
-from treespec.interfaces import DraftController, DraftOutput, RoundReport, VerifyResult
+from treespec.interfaces import Decision, DraftController, DraftOutput, RoundReport, VerifyResult
 from treespec.pricing.calibration import Calibration, fit_calibration
 from treespec.pricing.cost import ConvexCost, CostModel, cost_model_from_dict
+from treespec.steering import Steering
 from treespec.tree import DraftTree
 
-__all__ = ["FIXED_CHOICES", "RecordedRound", "Regime", "SimRound", "fixed_rate", "recorded_calibration",
+__all__ = ["FIXED_CHOICES", "FixedChoice", "RecordedRound", "Regime", "SimRound", "fixed_rate", "recorded_calibration",
            "recorded_rounds", "regimes", "simulate", "summary"]
 
 FIXED_CHOICES = ("ar", "full", "priced")  # the fixed choices a controller's regret is measured against
@@ -183,50 +185,52 @@ def _tree(scores: Sequence[float]) -> DraftTree:
 
 def simulate(controller: DraftController, regime: Regime, *, generations: int = 12, tokens: int = 64,
              budget: int = 16, seed: int = 0) -> list[SimRound]:
-    """Every round of ``generations`` generations of ``tokens`` tokens under ``controller`` (module docstring)."""
+    """Every round of ``generations`` generations of ``tokens`` tokens under ``controller``, through the round
+    protocol (`treespec.steering.Steering`) as the decoding loop runs it (module docstring)."""
     rng, recorded, out, total = random.Random(seed), recorded_rounds(), [], 0
     for _ in range(generations):
-        tapping, done = controller.start_generation(), 0
-        tapped = tapping  # the engine computes taps for the whole generation its prefill asked them for
+        steering, done = Steering(controller), 0
+        tapped = steering.start()  # the engine computes taps for the whole generation its prefill asked them for
         while done < tokens:
             record, ctx = recorded[len(out) % len(recorded)], PROMPT_TOKENS + done
-            decision = controller.decide() if tapping else None
-            tapping = decision is not None and decision.taps
-            drafted = decision is not None and decision.draft
-            kept = _kept(decision.price or regime.prior, record.scores, ctx, budget) if drafted else 0
+            decision = steering.decide()
+            kept = _kept(decision.price or regime.prior, record.scores, ctx, budget) if decision.draft else 0
             tau = min(record.tau(kept), tokens - done)
-            verify, draft = regime.seconds(total, kept + 1, ctx, drafted, rng, tapped)
-            times = {"draft": draft * 0.8, "build": draft * 0.2, "verify": verify} if drafted else {"verify": verify}
-            tree = _tree(record.scores[:kept])
-            report = RoundReport(tree, VerifyResult(torch.arange(tau), 0), ctx, times, drafted,
-                                 bool(decision is not None and decision.explore), tapped=tapped)
-            controller.observe(report)
-            out.append(SimRound(tau, kept + 1, report.seconds, drafted, report.explored, regime.step(total, ctx)))
+            verify, draft = regime.seconds(total, kept + 1, ctx, decision.draft, rng, tapped)
+            times = ({"draft": draft * 0.8, "build": draft * 0.2, "verify": verify} if decision.draft
+                     else {"verify": verify})
+            report = RoundReport(_tree(record.scores[:kept]), VerifyResult(torch.arange(tau), 0), ctx, times,
+                                 decision.draft, decision.explore, tapped=tapped)
+            steering.report(report)
+            out.append(SimRound(tau, kept + 1, report.seconds, decision.draft, decision.explore,
+                                regime.step(total, ctx)))
             done += tau
             total += tau
     return out
 
 
+class FixedChoice(DraftController):
+    """A controller that always makes one of `FIXED_CHOICES`: ``"ar"`` (no generation drafts), ``"full"`` (the
+    whole budget every round: a flat price) or ``"priced"`` (the cost rule at ``price``, the true curve)."""
+
+    def __init__(self, choice: str, price: CostModel) -> None:
+        if choice not in FIXED_CHOICES:
+            raise ValueError(f"choice must be one of {FIXED_CHOICES}, got {choice!r}")
+        flat = ConvexCost(price.draft_cost, (PROMPT_TOKENS,), ((1.0,),), ((price.verify_seconds(1, PROMPT_TOKENS),),))
+        self.choice, self._decision = choice, Decision(price=flat if choice == "full" else price)
+
+    def start_generation(self) -> bool:
+        return self.choice != "ar"
+
+    def decide(self) -> Decision:
+        return self._decision
+
+
 def fixed_rate(regime: Regime, choice: str, *, generations: int = 12, tokens: int = 64, budget: int = 16,
                seed: int = 0) -> float:
     """Tokens per second of a fixed choice (`FIXED_CHOICES`) over the rounds `simulate` runs."""
-    if choice not in FIXED_CHOICES:
-        raise ValueError(f"choice must be one of {FIXED_CHOICES}, got {choice!r}")
-    rng, recorded, total, seconds, index = random.Random(seed), recorded_rounds(), 0, 0.0, 0
-    for _ in range(generations):
-        done = 0
-        while done < tokens:
-            record, ctx = recorded[index % len(recorded)], PROMPT_TOKENS + done
-            kept = {"ar": 0, "full": budget}.get(choice)
-            if kept is None:
-                kept = _kept(regime.cost, record.scores, ctx, budget)
-            tau = min(record.tau(kept), tokens - done)
-            verify, draft = regime.seconds(total, kept + 1, ctx, choice != "ar", rng, choice != "ar")
-            seconds += verify + draft
-            total += tau
-            done += tau
-            index += 1
-    return total / seconds
+    return summary(simulate(FixedChoice(choice, regime.cost), regime, generations=generations, tokens=tokens,
+                            budget=budget, seed=seed))["rate"]
 
 
 def summary(rounds: Sequence[SimRound]) -> dict[str, float]:
