@@ -41,6 +41,8 @@ saved one as a run's start (`grow_layers` adds draft layers that draft nothing a
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import attrs
@@ -58,37 +60,51 @@ __all__ = ["TRAIN_PRESETS", "BlockRecipe", "SoftLabels", "TrainConfig", "decay_w
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
+def _positive_finite(instance, attribute, value) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value}")
+
+
+def _finite_at_least_zero(instance, attribute, value) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value}")
+
+
 @attrs.frozen
 class TrainConfig:
     """Hyper-parameters of one drafter training run."""
 
     kind: str = attrs.field(default="dflash", validator=attrs.validators.in_(("dflash", "domino")))  # drafter type
-    block_size: int = 8  # B: block positions per forward
-    num_layers: int = 2  # draft decoder layers
+    block_size: int = attrs.field(default=8, validator=attrs.validators.ge(2))  # B: block positions per forward
+    num_layers: int = attrs.field(default=2, validator=attrs.validators.ge(1))  # draft decoder layers
     target_layer_ids: tuple[int, ...] | None = None  # target layers tapped; None: spread evenly
     init_from_target: bool = True  # start draft layers as copies of the target's top layers
-    anchors_per_sequence: int = 24  # blocks trained per sequence and step
-    max_seq_len: int = 384  # longer sequences are cut
-    steps: int = 2000  # optimizer steps (batch_sequences sequences each)
-    batch_sequences: int = 1  # sequences per optimizer step: the global batch (data-parallel ranks split it)
-    lr: float = 1e-3  # AdamW peak learning rate
-    warmup_steps: int = 50  # linear warm-up, then cosine decay to 10% of lr
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 1.0  # global gradient-norm clip
+    anchors_per_sequence: int = attrs.field(default=24, validator=attrs.validators.ge(1))  # blocks per sequence and step
+    max_seq_len: int = attrs.field(default=384, validator=attrs.validators.ge(2))  # longer sequences are cut
+    steps: int = attrs.field(default=2000, validator=attrs.validators.ge(1))  # optimizer steps (batch_sequences sequences each)
+    # sequences per optimizer step: the global batch (data-parallel ranks split it)
+    batch_sequences: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    lr: float = attrs.field(default=1e-3, validator=_positive_finite)  # AdamW peak learning rate
+    warmup_steps: int = attrs.field(default=50, validator=attrs.validators.ge(0))  # linear warm-up, then cosine to 10%
+    weight_decay: float = attrs.field(default=0.0, validator=_finite_at_least_zero)  # AdamW weight decay
+    grad_clip: float = attrs.field(default=1.0, validator=_positive_finite)  # global gradient-norm clip
     soft_label_share: float = 0.5  # s: weight of CE against the target's distribution
     loss_decay_gamma: float | None = None  # gamma of w_d; None: the published value for the block size
     gru_hidden_dim: int = 256  # Domino: G
     emb_dim: int = 64  # Domino: embed_proj bottleneck E
     pure_draft_prefix_len: int = 1  # Domino: depths 1..this use base logits
-    top_m: int = 64  # Domino: base candidates the correction is normalised over (as DominoTree's M)
+    # Domino: base candidates the correction is normalised over (as DominoTree's M)
+    top_m: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     base_share_floor: float = 0.0  # Domino: lam never falls below this (its base logits pick depth 1 and top-M)
     base_share_start: float | None = None  # Domino: lam at step 0; None: 1 for fresh weights, the floor for --init
     autocast_bf16: bool | None = None  # bf16 autocast (fp32 master weights); None: on CUDA, or where bf16 is faster
     draft_vocab_size: int | None = None  # N: head over the N most frequent response tokens; None: all V
-    teacher_top_k: int = 32  # K: teacher log-probs kept per position (soft labels: top K + the rest)
+    # K: teacher log-probs kept per position (soft labels: top K + the rest)
+    teacher_top_k: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     seed: int = 0  # data order, anchors and fresh weights
-    save_every: int = 200  # steps between checkpoints
-    eval_every: int = 0  # steps between held-out τ evaluations (0: none; needs held-out records)
+    save_every: int = attrs.field(default=200, validator=attrs.validators.ge(1))  # steps between checkpoints
+    # steps between held-out τ evaluations (0: none; needs held-out records)
+    eval_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     eval_methods: tuple[str, ...] = ()  # methods scored on held-out data; the first picks the best; () by kind
     grown_lr_scale: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))  # lr multiple of added layers
 

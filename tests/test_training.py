@@ -495,6 +495,18 @@ def test_grown_layers_learn_at_their_multiple_of_the_rate(target, tmp_path, kind
     assert any(moved[1.0][n].abs().sum() > 0 for n in added)
 
 
+def _saved_as(state_file, state: dict) -> None:
+    """Write ``state`` as the checkpoint's trainer state, its manifest entry with it (what a save would write)."""
+    import hashlib
+
+    state_file.write_text(json.dumps(state))
+    manifest_file = state_file.resolve().parent / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    data = state_file.read_bytes()
+    manifest["files"]["trainer_state.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest_file.write_text(json.dumps(manifest))
+
+
 def test_a_run_saved_before_a_config_field_existed_resumes_at_its_default(target, tmp_path):
     """A trainer state without a field the config gained later reads as the field's default; a saved
     value other than this run's is still refused."""
@@ -503,11 +515,11 @@ def test_a_run_saved_before_a_config_field_existed_resumes_at_its_default(target
     state_file = tmp_path / "dflash" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     del state["config"]["grown_lr_scale"]
-    state_file.write_text(json.dumps(state))
+    _saved_as(state_file, state)
     again = make(target, tmp_path, steps=4)
     assert again.resume() and again.step == trainer.step == 4
     state["config"]["grown_lr_scale"] = 3.0
-    state_file.write_text(json.dumps(state))
+    _saved_as(state_file, state)
     with pytest.raises(ValueError, match="grown_lr_scale 3.0 there, 1.0 now"):
         make(target, tmp_path, steps=4).resume()
 

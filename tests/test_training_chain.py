@@ -112,7 +112,7 @@ def test_train_drafter_fits_its_steps_to_minutes(tmp_path, capsys):
     import pytest
 
     _chain_data(tmp_path)
-    with pytest.raises(SystemExit, match="--minutes 0: give a positive budget"):
+    with pytest.raises(SystemExit, match="--minutes 0: give a positive, finite budget"):
         main(_train_args(tmp_path, "bad", "--minutes", "0"))
     assert main(_train_args(tmp_path, "boxed", "--minutes", "0.05", "--set", "steps=1000000")) == 0
     state = json.loads((tmp_path / "boxed" / "trainer_state.json").read_text())

@@ -111,6 +111,9 @@ def _summary(out_dir: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from treespec.apps.commands.train_drafter import usable_folder
+
+    usable_folder(args.out, "--out")  # before the model loads
     start_threads(args)
     try:
         cfg = _config(args)

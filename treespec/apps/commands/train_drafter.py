@@ -20,6 +20,9 @@ deadline; the minutes do not count loading the target and the caches.
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import sys
 from pathlib import Path
 
 import attrs
@@ -63,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", type=Path, default=None,
                         help="also write the trained drafter here in --export-dtype (the shipped form)")
     parser.add_argument("--export-dtype", choices=CPU_DTYPES, default="bfloat16", help="dtype of --export")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into an --out that holds other files than a run's, or over an --export folder "
+                             "that holds files (default: refused before any work)")
 
 
 def _recipe(name: str) -> type[TrainingRecipe]:
@@ -215,11 +221,22 @@ def _distributed(args: argparse.Namespace) -> int:
     return world
 
 
+_PEER_GONE = ("gloo", "nccl", "connection", "peer", "broken pipe")  # how a collective says another rank is gone
+
+
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     world = _distributed(args)
-    code = _train(args, world)
+    try:
+        code = _train(args, world)
+    except (dist.DistError, RuntimeError) as exc:
+        if world == 1 or not (isinstance(exc, dist.DistError) or any(w in str(exc).lower() for w in _PEER_GONE)):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        print(f"treespec train-drafter: rank {dist.get_rank()}: a collective failed, another rank stopped "
+              f"({first}); the last checkpoint stays as it was", file=sys.stderr)
+        return 1  # no collective after a failure: the group is left to end with the process
     if world > 1 and dist.is_initialized():  # after a failure the ranks exit without it (a collective could hang)
         dist.barrier()  # every rank past its last collective and rank 0 done writing: they tear down together
         dist.destroy_process_group()
@@ -236,8 +253,9 @@ def _train(args: argparse.Namespace, world: int) -> int:
     if args.init is not None:
         cfg = recipe.warm_config(cfg)
     _check_data(args.data, args.teacher)
-    if args.minutes is not None and not args.minutes > 0:
-        raise SystemExit(f"treespec train-drafter: --minutes {args.minutes:g}: give a positive budget")
+    if args.minutes is not None and not (math.isfinite(args.minutes) and args.minutes > 0):
+        raise SystemExit(f"treespec train-drafter: --minutes {args.minutes:g}: give a positive, finite budget")
+    _check_outputs(args)
     try:
         target, tokenizer, identity = load_frozen_model(args.target, args.target_dtype, args.device,
                                                         tokenizer=args.mask_token_id is None)
@@ -260,11 +278,19 @@ def _train(args: argparse.Namespace, world: int) -> int:
         print(f"{sum(p.numel() for p in params):,} parameters added to the --init drafter learn at {scale:g}x the rate")
     try:
         trainer = DrafterTrainer(run_recipe, out_dir=args.out, init=_init_identity(args.init), lr_scales=scales)
+        trainer.data_identity = _data_identity(args)
         resumed = trainer.resume()
     except ValueError as exc:
         raise SystemExit(f"treespec train-drafter: {exc}") from None
-    if resumed:
-        print(f"resumed at step {trainer.step}")
+    if resumed is not None:
+        where = resumed.folder.relative_to(args.out) if resumed.folder != args.out else args.out
+        print(f"resumed at step {trainer.step} from {where}" + (f" ({resumed.note})" if resumed.note else ""))
+        if trainer.resumed_data not in (None, trainer.data_identity):
+            print(f"note: the run trained on {trainer.resumed_data} until step {trainer.step}; it goes on with "
+                  f"{trainer.data_identity}")
+    if len(data) < trainer.cfg.batch_sequences:
+        print(f"note: batch_sequences={trainer.cfg.batch_sequences} exceeds the {len(data)} training sequences: each "
+              "step repeats some of them")
     box = None if args.minutes is None else TimeBox(args.minutes * 60)
     trainer.train(data, until=args.until, heldout=heldout, progress=trainer.rank == 0, box=box)
     if box is not None and trainer.rank == 0:
@@ -279,6 +305,44 @@ def _train(args: argparse.Namespace, world: int) -> int:
         print(f"exported {source}")
         print(f"{args.export_dtype} copy written to {args.export}")
     return 0
+
+
+def _data_identity(args: argparse.Namespace) -> str:
+    """What the run trains on, as its checkpoints record it (a resume on other data is said)."""
+    return ", ".join(str(p.resolve()) for p in args.teacher) if args.teacher else str(args.data.resolve())
+
+
+def usable_folder(path: Path, option: str) -> None:
+    """SystemExit naming ``option`` when ``path`` cannot be a folder this run writes: it is a file, a file
+    stands where one of its parents would be, or the nearest existing parent is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"{option} {path}: a file, not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise SystemExit(f"{option} {path}: {parent} is a file, so no folder can be made below it")
+    if not os.access(parent, os.W_OK):
+        raise SystemExit(f"{option} {path}: {parent} is not writable")
+
+
+def _is_run(path: Path) -> bool:
+    return any((path / name).exists() or (path / name).is_symlink()
+               for name in ("checkpoints", "checkpoint", "trainer_state.json"))
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every folder the run writes, checked before any work: usable, and holding nothing a user made that the
+    run would write over (``--overwrite`` allows it)."""
+    usable_folder(args.out, "--out")
+    if args.out.is_dir() and any(args.out.iterdir()) and not _is_run(args.out) and not args.overwrite:
+        raise SystemExit(f"--out {args.out}: holds files and is not a train-drafter run; give an empty or new folder "
+                         "(or --overwrite to write the run among them)")
+    if args.export is not None:
+        usable_folder(args.export, "--export")
+        if args.export.is_dir() and any(args.export.iterdir()) and not args.overwrite:
+            raise SystemExit(f"--export {args.export}: holds files already (a drafter?); give a new folder, or "
+                             "--overwrite to replace them")
 
 
 def export_drafter(source: Path, out: Path, dtype: torch.dtype) -> Path:

@@ -204,6 +204,14 @@ def fetch_benchmark(name: str, source: str | Path | None = None, *, overwrite: b
     return path
 
 
+def _jsonl_line(path: Path, number: int, line: str) -> Row:
+    """One line of a JSONL file; a DatasetError naming the file's own line (and the column on it)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+
+
 def read_rows(path: Path) -> list[Row]:
     """Rows of a ``.json`` (a list of objects), ``.jsonl`` or ``.jsonl.gz`` file."""
     path = Path(path)
@@ -212,10 +220,13 @@ def read_rows(path: Path) -> list[Row]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as handle:
         text = handle.read()
-    try:
-        rows = json.loads(text) if path.name.endswith(".json") else [json.loads(l) for l in text.splitlines() if l.strip()]
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"{path} is not valid JSON/JSONL: {exc}") from exc
+    if path.name.endswith(".json"):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path} is not valid JSON: {exc}") from exc
+    else:
+        rows = [_jsonl_line(path, number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise DatasetError(f"{path} must hold a list of JSON objects (one per prompt)")
     return rows

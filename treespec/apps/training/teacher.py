@@ -32,6 +32,7 @@ in both).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -44,6 +45,8 @@ from safetensors.torch import save_file
 from treespec.apps.data.selfdistill import read_shard, shard_rows
 from treespec.target import select_taps, spread_layers
 from treespec.training import TeacherRecord
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT",
@@ -146,10 +149,29 @@ def cache_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / f"teacher-{index:05d}.safetensors"
 
 
+def damage(path: Path) -> str | None:
+    """What is wrong with a safetensors file at ``path``, or None when whole: a header that does not parse,
+    or fewer bytes than its header says (a write cut short)."""
+    try:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        end = 8 + size + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"no readable safetensors header ({exc})"
+    actual = path.stat().st_size
+    return None if actual >= end else f"cut short: {actual} of its {end} bytes"
+
+
 def _is_current(path: Path, shard: Path) -> bool:
-    """Whether cache shard ``path`` exists and was built from data shard ``shard`` as it is now (by
-    its prompt ids; a cache shard from before they were recorded, by its number of sequences)."""
+    """Whether cache shard ``path`` exists, is whole and was built from data shard ``shard`` as it is now (by
+    its prompt ids; a cache shard from before they were recorded, by its number of sequences); a damaged one
+    is said and built again."""
     if not path.exists():
+        return False
+    problem = damage(path)
+    if problem is not None:
+        logger.warning(f"{path} is damaged ({problem}): building it again")
         return False
     rows = shard_rows(shard)
     with safe_open(str(path), framework="pt") as handle:
@@ -232,6 +254,10 @@ class TeacherCache:
         return ", ".join(map(str, self.directories))
 
     def _open(self, path: Path):
+        problem = damage(path)
+        if problem is not None:
+            raise TeacherCacheError(f"{path} is damaged ({problem}): run `treespec teacher-cache` again over its "
+                                    "data to build it again")
         try:
             handle = safe_open(str(path), framework="pt")
         except Exception as exc:  # safetensors raises its own types for a damaged file

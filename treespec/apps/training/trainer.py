@@ -55,6 +55,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
+from treespec.apps.training.checkpoint import Resumed, current_checkpoint, replace_folder, write_checkpoint
 from treespec.apps.training.curve import draw_tau_curve
 from treespec.apps.training.teacher import TeacherCache, TeacherSpec, live_record
 from treespec.training import TeacherRecord, TrainingRecipe
@@ -155,6 +156,14 @@ class _RecipeLoss(torch.nn.Module):
         return out.loss, out
 
 
+def _best_saved(out: Path, methods: Sequence[str]) -> float:
+    """The held-out τ ``best/`` was saved with (it can be newer than the checkpoint a run resumes), -inf without."""
+    try:
+        return float(json.loads((out / "best" / "heldout.json").read_text())[f"tau/{methods[0]}"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return float("-inf")
+
+
 def _with_defaults(saved: dict[str, Any], config_type: type) -> dict[str, Any]:
     """A saved config with the fields it predates at their defaults (a run saved before a field was
     added resumes as one trained with the default)."""
@@ -196,6 +205,8 @@ class DrafterTrainer:
         self.autocast = use_autocast(cfg.autocast_bf16, self.params[0].device, recipe.target.config)
         self.step = 0
         self.best_tau = float("-inf")  # best held-out τ of the first eval method so far
+        self.data_identity: str | None = None  # what the run trains on (the teacher caches' paths), kept in its state
+        self.resumed_data: str | None = None  # what the resumed checkpoint said it trained on
         self._eval_target = None
         self._model: torch.nn.Module | None = None  # the loss as a module (DDP-wrapped across ranks), made on first use
 
@@ -318,8 +329,12 @@ class DrafterTrainer:
         primary = scores[f"tau/{self.recipe.eval_methods[0]}"]
         if primary > self.best_tau:
             self.best_tau = primary
-            self.drafter.save_pretrained(self.out_dir / "best")
-            (self.out_dir / "best" / "heldout.json").write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
+
+            def write(folder: Path) -> None:
+                self.drafter.save_pretrained(folder)
+                (folder / "heldout.json").write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
+
+            replace_folder(self.out_dir / "best", write)
 
     # ------------------------------------------------------------------ the run
     def train(self, sequences: Sequence, *, until: int | None = None, progress: bool = True,
@@ -410,33 +425,40 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, history: Sequence[dict[str, float]] = (), *, box: _BoxState | None = None) -> Path:
-        """Write ``drafter/`` (released layout), optimizer moments and the trainer state (rank 0 alone:
-        every rank holds the same weights and moments); with a time box, what it measured."""
+        """Write a checkpoint as a unit (`treespec.apps.training.checkpoint`: the drafter in its released layout,
+        optimizer moments, the trainer state; rank 0 alone: every rank holds the same weights and moments);
+        with a time box, what it measured."""
         if self.rank:
             return self.out_dir
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.drafter.save_pretrained(self.out_dir / "drafter")
         names = {id(p): n for n, p in self.recipe.trainable.named_parameters()}
         moments = {}
         for p, st in self.optimizer.state.items():
             moments[f"{names[id(p)]}::exp_avg"] = st["exp_avg"].contiguous()
             moments[f"{names[id(p)]}::exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-        save_file(moments, str(self.out_dir / "optimizer.safetensors"))
         state = {"step": self.step, "config": attrs.asdict(self.cfg), "autocast_bf16": self.autocast, "init": self.init,
                  "best_tau": self.best_tau if self.best_tau > float("-inf") else None,
-                 "recent": list(history[-50:])}
+                 "recent": list(history[-50:]), "data": self.data_identity}
         if box is not None:
             state["time_box"] = {"step_seconds": box.step_seconds, "eval_seconds": box.eval_seconds,
                                  "fitted_steps": self.cfg.steps if box.step_seconds is not None else None}
-        (self.out_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
+
+        def write(folder: Path) -> None:
+            self.drafter.save_pretrained(folder / "drafter")
+            save_file(moments, str(folder / "optimizer.safetensors"))
+            (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        write_checkpoint(self.out_dir, self.step, write)
         return self.out_dir
 
-    def resume(self) -> bool:
-        """Restore weights, optimizer moments and step from ``out_dir``; False when there is none."""
-        state_file = self.out_dir / "trainer_state.json"
-        if not state_file.exists():
-            return False
-        state = json.loads(state_file.read_text())
+    def resume(self) -> Resumed | None:
+        """Restore weights, optimizer moments and step from the run's current checkpoint (or the newest one
+        that checks, `treespec.apps.training.checkpoint.current_checkpoint`); None when there is none.  A
+        checkpoint that does not check, or a run of another start or config, is refused (ValueError)."""
+        taken = current_checkpoint(self.out_dir)
+        if taken is None:
+            return None
+        state = json.loads((taken.folder / "trainer_state.json").read_text())
         if state.get("init") != self.init:
             raise ValueError(f"{self.out_dir} is a run started from {state.get('init') or 'fresh weights'}, "
                              f"not from {self.init or 'fresh weights'}: use a new --out or the same start")
@@ -448,7 +470,7 @@ class DrafterTrainer:
                              + ", ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
                              + f"): use a new --out; a resumed run may change only {', '.join(sorted(RESUMABLE))}")
         module = self.recipe.trainable
-        loaded = type(self.drafter).from_pretrained(self.out_dir / "drafter", dtype=self.params[0].dtype,
+        loaded = type(self.drafter).from_pretrained(taken.folder / "drafter", dtype=self.params[0].dtype,
                                                     device=self.params[0].device)
         saved = type(self.recipe)(self.target, loaded, self.cfg).trainable
         with torch.no_grad():
@@ -456,12 +478,14 @@ class DrafterTrainer:
                 p.copy_(q)
             for b, c in zip(module.buffers(), saved.buffers(), strict=True):
                 b.copy_(c)
-        moments = load_file(str(self.out_dir / "optimizer.safetensors"), device=str(self.params[0].device))
+        moments = load_file(str(taken.folder / "optimizer.safetensors"), device=str(self.params[0].device))
         for name, p in module.named_parameters():
             if f"{name}::exp_avg" in moments:
                 self.optimizer.state[p] = {"step": torch.tensor(float(state["step"]), device=p.device),
                                            "exp_avg": moments[f"{name}::exp_avg"],
                                            "exp_avg_sq": moments[f"{name}::exp_avg_sq"]}
         self.step = int(state["step"])
-        self.best_tau = state.get("best_tau") if state.get("best_tau") is not None else float("-inf")
-        return True
+        self.best_tau = max(state.get("best_tau") if state.get("best_tau") is not None else float("-inf"),
+                            _best_saved(self.out_dir, self.recipe.eval_methods))
+        self.resumed_data = state.get("data")
+        return attrs.evolve(taken, step=self.step)
