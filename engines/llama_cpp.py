@@ -2,45 +2,29 @@
 
 Contract
 --------
-`LlamaCppTarget(path)` is a `treespec.target.Target` (``prefill`` / ``forward_tree`` / ``commit`` /
-``drop_tree`` / ``reset``, its ``length``, ``vocab_size``, ``max_positions`` and shapes) and the
-engine's `treespec.target.Engine` (registry kind "engine", name "llama.cpp"), backed by llama.cpp
-through its maintained binding's C API (``llama_cpp``): the GGUF file runs as it is, quantized or not.
+`LlamaCppTarget(path)` is a `treespec.target.Target` and the engine's `treespec.target.Engine` (registry
+kind "engine", name "llama.cpp"), backed by llama.cpp through its binding's C API: the GGUF file runs as
+it is, quantized or not.
 
-* **A tree in one decode.**  llama.cpp's batch takes tokens that belong to several sequences, and its
-  unified KV cache lets a cell belong to several at once.  So a tree of k leaves is k sequences: leaf
-  j is sequence j, every node belongs to the sequences of the leaves below it, the cached prefix to
-  all k (`llama_memory_seq_cp` adds a sequence to cells, copying nothing), and node i sits at
-  position ``length + depth(i)``.  A token attends to the cells of its first sequence at positions up
-  to its own: the prefix, its ancestors, itself -- the tree's ancestor mask, expressed through
-  sequence sets and positions.  Every node's logits are kept (row i: after node i's path).
-* **Commit.**  The accepted path ends at a node whose subtree holds some leaf s: s alone is kept in
-  every cell (`llama_memory_seq_keep`: cells left with no sequence are freed), s is cut after the
-  accepted path (`llama_memory_seq_rm`) and renamed sequence 0, so the cache again equals a run of
-  the committed tokens.
-* **Taps.**  The drafters read hidden states of the target's layers.  tap t > 0 is the output of
-  decoder layer t - 1 (llama.cpp's graph names it ``l_out-(t-1)``; tap 0 is ``embd``, the last one
-  ``result_norm``, after the final norm, as transformers' last hidden state), copied
-  out of the graph by the engine's evaluation callback (``cb_eval``) as it is computed, for every
-  token of the batch (the last layer's output is kept only for tokens whose logits are kept, so a
-  prefill that taps it keeps every token's logits).  A context with taps pays a Python call per
-  graph node (measured in ``benchmarks/engine_curve.py``); a context without taps has no callback.
-  Each tap set gets its own context, made on first use; ``prefill`` starts a sequence on the one
-  its taps need.
-* **The torch side.**  Drafters bind to a target's input embedding and LM head: both are read from
-  the GGUF file and dequantized (``gguf``) into torch modules of ``dtype``, the values the engine's
-  own weights hold.  Taps come back in ``dtype`` too.
-* **Limits.**  ``n_ctx`` positions (default: the model's training context, at most 4096; the cache
-  holds ``n_batch`` cells more, so a tree of up to ``n_batch`` nodes fits at the last position), at most
-  ``max_leaves`` leaves per tree (llama.cpp's sequence limit; a wider tree is refused naming it), a
-  context overflow refused before the engine is called (`ContextOverflowError`).  A file that is
-  not GGUF, or a GGUF that is not a causal language model llama.cpp can run, is refused in one line
-  naming the file.
-
-Exactness: a tree's logits equal the logits of each node's path run alone (the same kernels see the
-same rows); they may differ from one-token steps in the last bits (llama.cpp's matrix-vector and
-matrix-matrix kernels differ), so at T = 0 a tree's output equals the engine's own AR output up to
-near-ties of its logits, counted as the torch target's are.
+* **A tree in one decode.**  A tree of k leaves is k sequences of llama.cpp's unified KV cache: leaf j is
+  sequence j, every node belongs to the sequences of the leaves below it, the cached prefix to all
+  (`llama_memory_seq_cp` copies nothing), node i sits at position ``length + depth(i)``; a token then
+  attends to the prefix, its ancestors and itself.  Every node's logits are kept.
+* **Commit.**  The leaf s below the accepted path's end alone is kept in every cell, cut after the path and
+  renamed sequence 0; a path among the holes of rejected nodes is moved next to the prefix in position
+  order (`_compact`), so the cache equals a run of the committed tokens.
+* **Exactness.**  K/V are cached in q8_0 by default (``cache_type``; f16 where the heads' width does not
+  fit q8_0's 32-element blocks): ggml's flash attention then sums a one-token step as it sums a batch
+  (with f16 it splits a step's keys over threads past 512 cells), so trees equal one-token steps bit for
+  bit; `numerics` measures it (docs/engines.md).
+* **Taps.**  Tap t > 0 is the output of decoder layer t - 1 (``l_out-(t-1)``; 0 ``embd``, the last
+  ``result_norm``), copied out by the evaluation callback as computed; a context with taps pays a Python
+  call per graph node, so each tap set gets its own context, made on first use.
+* **The torch side.**  The input embedding and LM head are dequantized from the file (``gguf``) into
+  torch modules of ``dtype`` for the drafters.
+* **Limits.**  ``n_ctx`` positions (default the model's, at most 4096; ``n_batch`` more cells hold a tree
+  at the last position), ``max_leaves`` leaves a tree, a context overflow refused before the engine runs;
+  a file that is not a causal LM's GGUF is refused in one line naming it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Contract
 --------
 ``Router(budget=16, arms="dominotree|ddtree|pruned-dominotree", probe=2)``.  Each arm is a registered
-policy built at ``budget``.  At the start of a generation (`TreePolicy.start_generation`) the router
+policy built at ``budget``.  At the start of a generation (`TreePolicy.begin_generation`) the router
 forgets the last request; its first drafted rounds try each arm in turn, ``probe`` rounds each, and
 the rest of the generation uses the arm whose probe rounds accepted most tokens per round (ties: the
 earlier arm).  The choice is made before each round (`TreePolicy.begin_round`) and learned after it
@@ -70,11 +70,11 @@ class Router(TreePolicy):
         if len(self.choice.taus) != len(built):
             self.choice.taus = [[] for _ in built]
 
-    def start_generation(self) -> None:
+    def begin_generation(self) -> None:
         self.choice.taus = [[] for _ in self.policies]
         self.choice.current = 0
         for arm in self.policies:
-            arm.start_generation()
+            arm.begin_generation()
 
     def for_request(self) -> Router:
         """A router of its own choice for one request, over these same arms."""

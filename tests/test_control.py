@@ -198,9 +198,9 @@ class _Recording(DraftController):
         self.decisions.append(self.inner.decide())
         return self.decisions[-1]
 
-    def observe(self, report) -> None:
+    def observe_round(self, report) -> None:
         self.reports.append(report)
-        self.inner.observe(report)
+        self.inner.observe_round(report)
 
 
 def _decided(decision: Decision) -> tuple:

@@ -351,7 +351,7 @@ class _Scripted(DraftController):
     def decide(self):
         return self.decisions.pop(0) if self.decisions else Decision(draft=False)
 
-    def observe(self, report):
+    def observe_round(self, report):
         self.reports.append(report)
 
 

@@ -66,8 +66,8 @@ class Capturing(TreePolicy):
         self.trees.append((draft.position, tree))
         return tree
 
-    def start_generation(self) -> None:
-        self.inner.start_generation()
+    def begin_generation(self) -> None:
+        self.inner.begin_generation()
 
     def draft_controller(self):
         return self.inner.draft_controller()

@@ -130,14 +130,14 @@ def test_the_router_probes_each_arm_then_keeps_the_best():
     router = Router(budget=8, arms="ddtree|dominotree", probe=2)
     taus = {0: 2, 1: 4}  # dominotree accepts more
     chosen = []
-    router.start_generation()
+    router.begin_generation()
     for _ in range(7):
         router.begin_round()
         chosen.append(router.choice.current)
         result = VerifyResult(torch.arange(taus[router.choice.current]), 0)
         router.observe_round(RoundReport(DraftTree.root_only(1), result, 0, {}, True))
     assert chosen == [0, 1, 0, 1, 1, 1, 1]
-    router.start_generation()
+    router.begin_generation()
     router.begin_round()
     assert router.choice.current == 0  # a new request probes again
     with pytest.raises(ValueError, match="arms must name"):

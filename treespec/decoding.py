@@ -14,17 +14,11 @@ KV cache; the round commits the accepted draft tokens plus the bonus (tau tokens
 its previous draft, so ``feature_start + len(features) == anchor position`` always: the prompt's
 taps (all but the anchor) in the first round, the accepted nodes' taps (root first) afterwards.
 
-Whether and how much a round drafts is decided by one object, the policy's draft controller
-(`TreePolicy.draft_controller`, `treespec.interfaces.DraftController`), which a decoder asks for
-once and keeps across its ``generate`` calls: before a generation whether it may draft at all (if not: no draft, no taps,
-the target's AR steps, said in the stats as ``undrafted``), before each round a `Decision` (draft
-or run an AR step; keep the taps or drop them for the rest of the generation; the price a priced
-policy builds at, `TreePolicy.priced`), and after each round the `RoundReport` (the verified tree,
-its accepted path, the cached context, the stage times).  Fixed-size policies draft every round
-(`treespec.interfaces.EveryRound`); cost-aware ones learn the machine (treespec/pricing/control.py).
-The policy itself hears ``begin_round`` before a round and the report after it (``observe_round``),
-for a policy that learns from acceptance.  AR rounds commit what the target chooses: the output is
-unchanged, and the drafter receives the taps of the tokens committed meanwhile at its next draft.
+Whether and at what price a round drafts is its generation's round protocol with the policy's draft
+controller (`treespec.steering.Steering`; the decoder keeps one controller across its ``generate``
+calls): a generation that may not draft runs the target's AR steps without taps (``undrafted`` in the
+stats); an AR round commits what the target chooses, and the drafter receives the taps of the tokens
+committed meanwhile at its next draft.
 
 A policy declaring ``samples_from_draft`` samples its tree at T > 0 (`TreePolicy.sample`): each
 round draws a fresh seed from the caller's generator, the tree's `Proposals` go to the verifier
@@ -265,7 +259,7 @@ class RoundRunner:
             features = out.features if tapping else None  # a row that drafts no more keeps no taps
             path_tokens = commit_round(row.seq, row.tree, result, features, drafted, row.drafter is None)
             if drafted:
-                row.drafter.observe(path_tokens)
+                row.drafter.observe_accepted(path_tokens)
 
 
 

@@ -4,43 +4,27 @@ Contract
 --------
 One decoding round is ``draft -> build -> verify -> commit``:
 
-1. ``Drafter.draft(DraftContext) -> DraftOutput``: one block forward of the drafter.  The output
-   holds base log-probs for drafted depths 1..L (row ``d - 1`` is the distribution of the token at
-   depth ``d``) and, for path-dependent drafters, a `ConditionalScorer`.
-2. ``TreePolicy.build(DraftOutput) -> DraftTree``: pure; no model calls other than the scorer
-   carried by the draft, no timing, no globals.  A policy is built with its backend (``backend=``
-   "torch", the vectorised build, or "networkx", the readable reference; `TreePolicy.with_backend`);
-   the decoding loop never names one.
-3. ``Verifier.verify(tree, target_logits, ...) -> VerifyResult``: accepted node indices (starting
-   with the root) and the new bonus token, which becomes the next round's root.
-4. The decoder commits the accepted path and calls ``Drafter.observe``.
-5. The round's feedback: the decoder hands a `RoundReport` (the verified tree, its accepted path,
-   the cached context, the stage times) to the policy's draft controller (`DraftController`:
-   whether and at what price the next round drafts; ``TreePolicy.draft_controller``) and to
-   ``TreePolicy.observe_round`` (a policy that learns from acceptance).  Before the round it calls
-   ``TreePolicy.begin_round``.  The hooks are no-ops by default; the decoder finds nothing on a
-   policy but these declared methods.
+1. ``Drafter.draft(DraftContext) -> DraftOutput``: one block forward of the drafter: base log-probs for
+   drafted depths 1..L (row ``d - 1`` is depth d) and, for path-dependent drafters, a
+   `ConditionalScorer`.
+2. ``TreePolicy.build(DraftOutput) -> DraftTree``: pure (no model calls but the draft's scorer, no
+   timing, no globals), built with the policy's backend ("torch" or "networkx", `TreePolicy.with_backend`).
+3. ``Verifier.verify(tree, target_logits, ...) -> VerifyResult``: accepted node indices (root first) and
+   the bonus token, the next round's root.
+4. The decoder commits the accepted path and tells the drafter (``Drafter.observe_accepted``).
 
-The draft controller: a decoder asks one `DraftController` (its policy's) and nothing else whether
-to draft.  ``start_generation()`` says whether a generation may draft at all (False: no draft, no
-taps: plain AR decoding); before each round ``decide()`` returns a `Decision` (draft or an AR step;
-keep the drafter's taps or drop them for the rest of the generation, which then drafts no more; the
-price and calibration a priced policy builds at, `TreePolicy.priced`; whether the round explores);
-after it ``observe(report)`` hears the `RoundReport`.  The tokens committed never depend on a
-decision: every tree is verified losslessly.  `EveryRound` (the default) drafts every round at the
-policy's own price, as the published loops do; treespec/pricing/control.py learns the machine.
+Around each round the decoder runs the round protocol (`treespec.steering`) with the policy's
+`DraftController` (``TreePolicy.draft_controller``): whether a generation may draft, each round's
+`Decision`, and the `RoundReport` after it, which the policy hears too (``observe_round``; hooks
+``begin_generation`` and ``begin_round`` before).  `EveryRound` drafts every round at the policy's own
+price; the priced rule is treespec/pricing/control.py's.  Every tree is verified losslessly, so no
+decision changes a committed token.
 
-A policy declaring ``samples_from_draft`` also implements ``TreePolicy.sample``: at T > 0 the
-decoder asks it for a tree whose children are *drawn* from the draft, given a seed it draws from
-the caller's generator each round, and passes the `Proposals` (what every node's children were
-drawn from) to the verifier; at T = 0 it builds with ``build`` as every policy does.
-
-A scorer that trace replay can store implements `RecordableScorer` on top of `ConditionalScorer`;
-replay (treespec/apps/replay/) knows it through that interface and the registry (kind ``"scorer"``)
-only.  Optional hooks (``Drafter.bind``, ``reset``, ``observe``) default to no-ops.  A single-sequence call
-takes one tree (`check_single_batch` asserts it); batched decoding (treespec/batch_decoding.py)
-gives every sequence its own drafter state through ``Drafter.fork`` and asks for all drafts at once
-with ``Drafter.draft_batch`` and for all trees with ``TreePolicy.build_batch``, whose defaults loop.
+A policy declaring ``samples_from_draft`` also draws trees at T > 0 (``TreePolicy.sample``, a seed from
+the caller's generator each round) and passes the `Proposals` to the verifier.  A scorer that trace
+replay can store implements `RecordableScorer`.  Optional hooks default to no-ops.  A batch gives every
+sequence its own drafter state (``Drafter.fork``) and asks for all drafts and trees at once
+(``Drafter.draft_batch``, ``TreePolicy.build_batch``, whose defaults loop).
 """
 
 from __future__ import annotations
@@ -270,7 +254,7 @@ class Drafter(ABC):
     def draft(self, ctx: DraftContext) -> DraftOutput:
         """One block forward from the committed context."""
 
-    def observe(self, accepted: torch.Tensor) -> None:
+    def observe_accepted(self, accepted: torch.Tensor) -> None:
         """Feedback: the accepted node tokens of the last round (root first)."""
 
     def fork(self) -> Drafter:
@@ -315,7 +299,7 @@ class TreePolicy(ABC):
     What is pure and what is state: ``build`` (and ``sample``, ``build_batch``) is a pure function
     of the draft and of the policy's fields; most policies have no other state.  A policy that
     learns declares ``learns`` and keeps what it learned in its fields, changed only through the
-    round hooks: ``start_generation`` (a new request), ``begin_round`` (a round starts),
+    round hooks: ``begin_generation`` (a new request), ``begin_round`` (a round starts),
     ``observe_round`` (a verified round), ``restore_learned`` (what an earlier run learned).  Given
     the same hooks in the same order it builds the same trees.  ``for_request`` says what is learned
     per request rather than per drafter.  Whether a round drafts, and at what price a priced policy
@@ -367,7 +351,7 @@ class TreePolicy(ABC):
         None keeps the policy's own).  Default: the policy itself (it prices nothing)."""
         return self
 
-    def start_generation(self) -> None:
+    def begin_generation(self) -> None:
         """Optional: a new generation (a new request) starts: the decoders call it before the first
         round (a batch once per `for_request` policy), replay before each prompt.  Default: nothing."""
 
@@ -466,7 +450,7 @@ class DraftController(ABC):
     def decide(self) -> Decision:
         """The next round's `Decision`."""
 
-    def observe(self, report: RoundReport) -> None:
+    def observe_round(self, report: RoundReport) -> None:
         """The round just verified, as measured.  Default: learns nothing."""
 
 

@@ -7,7 +7,7 @@ one generation (``policy`` None: a simulation that builds no trees): the live de
 (`treespec.apps.replay.evaluate`) and the controller simulator (`treespec.apps.replay.simulate`).
 
 * ``start()``: the controller's ``start_generation``: whether this generation may draft (read the
-  drafter's taps); when it may, the policy hears ``start_generation`` too.
+  drafter's taps); when it may, the policy hears ``begin_generation``.
 * ``decide()``: the round's `Decision`: `AR_ROUND` once the generation reads no taps (the controller
   is asked no more this generation), else the controller's, and the policy hears ``begin_round``.
 * ``report(report)``: the round's `RoundReport` to the controller's ``observe`` and, for a drafting
@@ -37,7 +37,7 @@ class Steering:
         """A generation starts: whether it may draft."""
         self.tapping = bool(self.controller.start_generation())
         if self.tapping and self.policy is not None:
-            self.policy.start_generation()
+            self.policy.begin_generation()
         return self.tapping
 
     def decide(self) -> Decision:
@@ -52,6 +52,6 @@ class Steering:
 
     def report(self, report: RoundReport) -> None:
         """The round as verified, to the controller and (a drafting generation's) policy."""
-        self.controller.observe(report)
+        self.controller.observe_round(report)
         if report.tapped and self.policy is not None:
             self.policy.observe_round(report)

@@ -2,46 +2,30 @@
 
 Contract
 --------
-``generate(model, prompt, *, drafter=None, policy="ddtree", max_new_tokens=..., ...)`` loads what it
-is given by path (local files only, never remote code), builds a `SpeculativeDecoder` and runs it.
-Keyword names follow Hugging Face ``generate``: ``max_new_tokens``, ``do_sample``, ``temperature``,
-``top_k``, ``top_p``, ``stop_token_ids``, plus ``seed`` for a reproducible ``torch.Generator`` and
-``threads`` for torch's CPU threads (checked as ``--threads`` is; default: as torch has them).  The run
-is assembled by a `treespec.apps.assembly.session.Session`, as every command's is.
+``generate(model, prompt, *, drafter=None, policy="ddtree", max_new_tokens=..., ...)`` loads what it is
+given (local files only, never remote code) and decodes through a `treespec.apps.assembly.session.Session`,
+as every command does.  Keywords follow Hugging Face ``generate`` (``max_new_tokens``, ``do_sample``,
+``temperature``, ``top_k``, ``top_p``, ``stop_token_ids``), plus ``seed`` (a reproducible generator) and
+``threads`` (checked as ``--threads`` is).
 
-* ``model``: a local model directory (or a GGUF file, with ``engine="llama.cpp"``), a transformers causal
-  LM, or a target (`treespec.target.Target`).
-* ``prompt``: a string (tokenized with the model directory's tokenizer, or ``tokenizer=``; with
-  ``chat=True`` wrapped in its chat template as one user turn, as ``treespec generate --chat``), or
-  token ids ([P] / [1, P] tensor or a list of ints).  A list of prompts (strings, tensors or lists
-  of ints) is decoded as one batch (`treespec.batch_decoding.BatchDecoder`: one target forward per
-  round for all of them) and gives a list of outputs, each equal to that prompt's own ``generate``
-  with the same arguments (``seed`` seeds each row's generator alike).
-* ``drafter``: None (autoregressive decoding), a `Drafter`, a registered drafter name (built with
-  ``drafter_kwargs``; ``"dflash"`` / ``"domino"`` alone: the checkpoints shipped for the embedded
-  default, for that model only), or a local DFlash / Domino checkpoint directory.
-* ``policy``: a `TreePolicy` or a registered name, built with ``budget`` (when given) and
-  ``policy_kwargs``; a cost-aware one (CaDDTree, the cost-aware DominoTree) named here prices its
-  trees as ``cost_model`` says: ``"live"`` (default) this machine's measured cost profile
-  (`treespec.pricing.profile`, cached) corrected by the round times of this generation, which are then
-  saved with the profile; ``"profile"`` the profile as measured; a `CostModel`, a JSON file or
-  ``preset:NAME`` that model (`treespec.apps.assembly.cost_source`).  Ignored for autoregressive decoding.
-* ``engine``: ``"torch"`` (default) runs the model's transformers modules; ``"llama.cpp"`` runs its
-  GGUF file (a ``.gguf`` path, or the folder holding one; the embedded default's folder keeps its
-  own) on llama.cpp through llama-cpp-python (`treespec.engines.llama_cpp`), the drafters staying
-  torch modules; with ``drafter=None`` that is the engine's own AR.
-* ``dtype``: ``"auto"`` (default) is the faster of bf16 and fp32 for this model on this CPU
-  (measured once and cached, `treespec.pricing.hardware`), bf16 on CUDA; ``"checkpoint"`` keeps the
-  stored dtype.
+* ``model``: a local model directory (a GGUF file with ``engine="llama.cpp"``), a transformers causal LM,
+  or a target (`treespec.target.Target`).  ``engine``: the registry's default (torch) or ``"llama.cpp"``;
+  ``exact``: the engine's path where trees equal its one-token steps bit for bit (None: the engine's
+  default); ``dtype``: ``"auto"`` (the faster of bf16 and fp32 here, measured once), ``"checkpoint"``, or one.
+* ``prompt``: a string (the model's tokenizer or ``tokenizer=``; ``chat=True`` wraps it as one user turn)
+  or token ids; a list of prompts is one batch (`treespec.batch_decoding.BatchDecoder`), each output equal
+  to that prompt's own ``generate`` with the same arguments.
+* ``drafter``: None (AR), a `Drafter`, a registered name (with ``drafter_kwargs``; ``"dflash"`` /
+  ``"domino"`` alone: the checkpoints shipped for the embedded default) or a checkpoint directory.
+* ``policy``: a `TreePolicy` or a registered name (with ``budget`` and ``policy_kwargs``); a cost-aware one
+  prices its trees as ``cost_model`` says: ``"live"`` (the machine's profile corrected while decoding),
+  ``"profile"``, a `CostModel`, a JSON file or ``preset:NAME`` (`treespec.apps.assembly.cost_source`).
 
-``do_sample=False`` (the default) decodes greedily, as in Hugging Face; ``do_sample=True`` samples at
-``temperature`` (default 1.0, > 0).  What the two would contradict is refused in one line, never
-dropped silently (Hugging Face only warns): a temperature > 0 without ``do_sample=True``, a top-k or
-top-p filter on greedy decoding, a temperature that is not a number >= 0.  ``sampling=SamplingParams(...)``
-gives them as one typed value instead; with it, the loose keywords must be left out
-(`SamplingParams.of`, the one rule, which the CLI's flags pass through too).  Without
-``stop_token_ids``, the tokenizer's or the config's EOS ids stop generation; pass ``stop_token_ids=[]``
-to run the full length.
+``do_sample=False`` (default) decodes greedily; ``do_sample=True`` samples at ``temperature`` (1.0 by
+default).  Contradictions are refused in one line (a temperature with ``do_sample=False``, a top-k/top-p
+filter on greedy decoding); ``sampling=SamplingParams(...)`` gives all of them as one value instead
+(`SamplingParams.of`).  Without ``stop_token_ids`` the tokenizer's or the config's EOS ids stop
+generation; ``stop_token_ids=[]`` runs the full length.
 """
 
 from __future__ import annotations
@@ -148,7 +132,7 @@ def generate(model: PathLike | Target | torch.nn.Module, prompt: str | torch.Ten
              drafter_kwargs: dict[str, Any] | None = None, policy_kwargs: dict[str, Any] | None = None,
              cost_model: str | CostModel | CostSource = "live", threads: int | None = None,
              sampling: SamplingParams | None = None, chat: bool = False,
-             engine: str = DEFAULT_ENGINE) -> GenerateOutput | list[GenerateOutput]:
+             engine: str = DEFAULT_ENGINE, exact: bool | None = None) -> GenerateOutput | list[GenerateOutput]:
     """Generate a continuation of ``prompt``, or of each prompt of a list (see the module docstring).
 
     ``sampling`` (a `SamplingParams`) gives temperature, top-k, top-p and position keying as one typed
@@ -163,7 +147,7 @@ def generate(model: PathLike | Target | torch.nn.Module, prompt: str | torch.Ten
     prompts = list(prompt) if batch else [prompt]
     method = _method(policy, budget, policy_kwargs or {}, drafter is not None)  # a bad budget: refused before loading
     given = load_drafter(drafter, model=model, **(drafter_kwargs or {}))
-    target = load_target(model, dtype=dtype, device=device, engine=engine)
+    target = load_target(model, dtype=dtype, device=device, engine=engine, exact=exact)
     tokenizer = _tokenizer(model, tokenizer, needed=any(isinstance(p, str) for p in prompts))
     session = Session(target, tokenizer, {_GIVEN: given} if given is not None else {}, costs=_costs(cost_model),
                       threads=control)

@@ -2,44 +2,26 @@
 
 Contract
 --------
-A tree node's score s is its path log-probability under the drafter, and δ = exp(s) is what the
-drafter promises: the chance the target accepts the node's whole path.  Cost rules add these
-promises up (Φ = Σ δ, the draft tokens a tree is expected to yield), so a drafter that promises
-more than the target accepts, or less, makes them build trees of the wrong size.  `Calibration`
-maps each promise to a calibrated one,
+A tree node's score s is its path log-probability under the drafter; δ = exp(s) is what the drafter
+promises (the chance the target accepts the node's whole path), and cost rules add promises up.
+`Calibration` maps each promise to a calibrated one,
 
     δ' = min(1, κ δ^β) = exp(min(0, log κ + β s)),
 
-a power law in the promise: κ (``scale``) is one factor on every promise, β (``power``) bends the
-map, β < 1 raising the small promises relative to the large ones (a drafter that under-promises
-when unsure and over-promises when sure) and β > 1 the reverse.  κ = β = 1 is the identity; β = 1
-alone is one factor for all (the earlier scalar κ).  The map is increasing in s, so it never
+κ (``scale``) one factor on every promise, β (``power``) bending the map (β < 1 raises the small
+promises against the large); κ = β = 1 is the identity.  The map is increasing in s, so it never
 changes which candidate a best-first build takes next, only how much each is worth.
 
-`fit_calibration(scores, accepted)` fits (κ, β) by maximum likelihood from recorded nodes: a node
-is accepted when it lies on the round's accepted path (`node_outcomes`), with probability δ' by
-the model.  The log-likelihood Σ y log δ' + (1 - y) log(1 - δ') is concave in (log κ, β) (the
-first term is the minimum of two linear functions, the second the concave log(1 - e^z) of a
-linear one), so a damped Newton ascent from the identity finds its maximum.  Nodes of one tree
-are not independent (siblings exclude each other), which leaves the estimate consistent: every
-node's marginal chance is what a cost rule sums.  Too little evidence (fewer than
-``MIN_NODES`` nodes, or none accepted, or none rejected) gives the identity.
+`fit_calibration(rounds)` fits (κ, β) by maximum likelihood from recorded nodes (accepted when on the
+round's accepted path, `node_outcomes`, with probability δ'): the log-likelihood is concave in
+(log κ, β), so a damped Newton ascent from the identity finds its maximum; too little evidence (fewer
+than ``MIN_NODES`` nodes, none accepted, or none rejected) gives the identity.
 
-`LiveCalibration(prior)` learns the map while decoding, as `treespec.pricing.live_cost.LiveCost` learns the
-machine: a policy whose ``calibration`` it is reads the current fit through ``deltas`` like any
-`Calibration`, and the decoding loop, after every drafted round, hands it the verified tree's node
-outcomes (``observe``).  It keeps the nodes of the last rounds (the fewest whole rounds that hold
-``window`` nodes) and, every ``refit_every`` observed rounds once it holds ``min_nodes`` nodes,
-replaces the map by `fit_calibration` of them; until then it calibrates as ``prior`` (the profile's
-fit, or the identity).  By default it re-fits κ alone and keeps the prior's β: the trees a cost
-rule builds are trimmed to their most promising nodes, a narrow range of promises that pins β
-poorly (measured: re-fitting both cost the cost-aware DominoTree about 3 % on mixed prompts against
-keeping the profile's calibration, whose β was fitted on full 16-node trees); ``fit_power``
-re-fits both.  A window where no node, or every node, was accepted has no maximum-likelihood κ
-(κ -> 0, or -> inf); it gets the smoothed ratio κ = (A + 1/2) / (Σ δ^β + 1/2) (A accepted nodes,
-Σ δ^β the drafter's promises under the kept power), so a drafter the target never follows is
-priced as one.  Each fit reads only the window, so the map follows a drafter whose accuracy
-changes with the text.
+`LiveCalibration(prior)` learns the map while decoding: the decoder hands it every drafted round's
+node outcomes; every ``refit_every`` rounds, once its window (the last rounds holding ``window``
+nodes) holds ``min_nodes``, it re-fits κ and keeps the prior's β (re-fitting both on trimmed trees
+pinned β poorly and cost the cost-aware DominoTree about 3 %; ``fit_power`` re-fits both).  A window
+where no node, or every node, was accepted gets the smoothed κ = (A + 1/2) / (Σ δ^β + 1/2).
 """
 
 from __future__ import annotations

@@ -2,73 +2,35 @@
 
 Contract
 --------
-`PricedController(cost, calibration, budget)` is a `treespec.interfaces.DraftController` for a policy
-that prices its trees (CaDDTree, the cost-aware DominoTree, the hardware-aware Sequoia).  It is the
-one place that decides whether a round drafts and at what price its tree is built.  It learns with
-the policy's cost model: every round verified alone goes to a `treespec.pricing.live_cost.LiveCost`
-(seconds of the verify for its tree size and context, of the draft and build), which is how the
-machine's prices -- and their changes -- are learned; a drafted round's nodes go to a
-`LiveCalibration`.  A fixed cost model learns nothing; the rule below still counts the tokens.
+`PricedController(cost, calibration, budget)` decides each round of a policy that prices its trees
+(CaDDTree, the cost-aware DominoTree, the hardware-aware Sequoia); this docstring is the one statement
+of its rule.  Rounds verified alone teach the policy's `LiveCost` their seconds; drafted rounds teach
+a `LiveCalibration` their nodes.  Seconds reach the rule through the curve's prices only, so a live
+run and a replay of its reports decide alike.
 
-**What it compares.**  Two options: AR steps, and drafting a tree priced by the current curve (the
-policy's cost rule then picks its size).  Drafting pays when the drafted rounds' *yield*
+*Yield*: drafting pays when Y = sum_i t_i C_v(1; c_i) / sum_i (C_d + C_v(n_i; c_i)) > 1 over the
+drafted rounds of the last ``forget_after`` (t tokens, n tree tokens, c context), with bounds Y -+ z s
+(s: the ratio estimator's error, at least Y ``min_spread`` / sqrt(m), and the curve's own
+`LiveCost.price_spread`).  Before any drafted round Y is the best case B = max_n (min(n, L) + 1)
+C_v(1) / (C_d + C_v(n + 1)), L the drafter's reach (`Drafter.reach`, told through ``bind``).
 
-    Y = sum_i t_i C_v(1; c_i) / sum_i (C_d + C_v(n_i; c_i))
+*Rule*, before each round: (1) B <= 1: nothing drafts, no generation reads taps.  (2) One option
+leads, trees at first; trees stop leading when Y's upper bound falls below 1, AR when the lower bound
+rises above 1 (judged from two drafted rounds on).  (3) An exploration measures what the leader
+would not -- a full-budget tree (`LiveCost.flat_curve`; at the live price where no full tree within
+the drafter's reach could pay) while AR leads and Y's upper bound exceeds 1; an AR step while trees
+lead and fewer than ``ar_rounds`` steps were seen; a flat tree every ``size_every`` drafted rounds --
+taken only while the exploring rounds' losses (seconds less the leader's for their tokens, taps
+kept for them included, `tap_cost`) stay within ``explore_share`` of all rounds' seconds.  (4) A
+generation reads taps while trees lead or an exploration is due at its start; once AR leads it drops
+them and decodes as AR: the round protocol (`treespec.steering`) asks no more, and those rounds are
+counted at the step's price, one in ``quiet_every`` teaching the live model.
 
-exceeds 1: the AR steps their tokens would have taken over what the rounds cost, both at the
-current curve (t_i tokens committed, n_i tree tokens, c_i the context; the rounds of the last
-``forget_after``).  Time enters through the curve only, so a busy machine's slow rounds, which slow
-an AR step as much, do not count against trees twice, and a change of regime the live model finds
-re-prices every kept round at once.  Its bounds are Y -+ z s, s the ratio estimator's standard
-error (at least Y ``min_spread`` / sqrt(m) over m rounds) combined with the live curve's own
-(`LiveCost.price_spread`: the time noise of each kind's rounds over their count).  With no drafted
-round yet, Y is the best case B = max over n <= budget of (min(n, L) + 1) C_v(1) / (C_d + C_v(n + 1))
-(as many nodes accepted as the drafter's reach L allows, `Drafter.reach` told through ``bind``;
-every node where it is unknown), with bounds (0, B).
-
-**The rule**, before each round:
-
-1. B <= 1 (even a tree whose every node is accepted cannot pay: a compute-bound engine): no round
-   drafts, no generation reads taps.
-2. One option *leads*; trees at the start (where B > 1).  The leader changes on confident evidence
-   only, judged after every round from two drafted rounds on: trees stop leading when Y's upper
-   bound falls below 1, AR when Y's lower bound rises above 1.  The leader runs every round unless an
-   exploration is due.
-3. An *exploration* measures what the leader alone would not: a tree priced flat
-   (`LiveCost.flat_curve`: the full budget, which also measures the curve's large end; at the live
-   price instead where even a full tree of accepted nodes up to the drafter's reach could not pay) while AR
-   leads and Y's upper bound is above 1 (or the trees' prices were only scaled from the AR step's
-   change of regime); an AR step while trees lead and the live model has observed fewer than
-   ``ar_rounds`` one-token steps (Y is priced in that step); a flat-priced tree every ``size_every``
-   drafted rounds while trees lead, or when their prices were only scaled from the AR step's change
-   (sizes the policy's own trees may never reach). An exploration is taken only when the exploring
-   rounds' losses so far plus its predicted loss stay within ``explore_share`` of the seconds of
-   every round observed. A round's *loss* is its seconds less what the leading option would have
-   taken for its tokens (negative for one that pays); an exploring tree's is predicted with one
-   token, and a generation kept tapped for it adds the taps' measured cost (`tap_cost`: the live
-   model's AR rounds with and without taps, apart) over as many rounds as the last generation had. Seconds here are
-   the curve's price of each round (C_d for a drafted one, plus C_v(n; ctx)) when it was observed:
-   time reaches the controller through the cost model only, so the same rounds decide the same way
-   in a live run and in its replay. One exploration is taken whatever the share: an AR step as soon
-   as the live model scaled the step from the trees' change of regime (until a round measures it, Y
-   would be priced in a guess).
-4. Taps: a generation reads the drafter's taps while trees lead or a tree exploration is due at its
-   start; a round where AR leads and none is due drops them, and the rest of the generation is
-   plain AR decoding (keeping taps costs a forward time on some engines).
-
-**Guarantees** (tested on recorded rounds and curves, treespec/apps/replay/simulate.py, on a
-deterministic clock): exploring rounds lose at most ``explore_share`` of the rounds' seconds (as the
-curve prices them; with a live curve, as measured up to its error), plus one round's misprediction;
-where B <= 1 no round drafts; on a stable machine the leader changes only when Y's bound excludes 1,
-so once m rounds make z s smaller than |Y - 1| every round goes to the better option; after a change
-of the machine's speed the prices are the new regime's within the live model's ``drift_rounds``
-rounds of the changed kind, and every kept round is re-priced then. Everything is deterministic in
-the rounds observed.
-
-Rounds verified in a batch (``report.batch_rows > 1``) count for nothing (their times are the
-batch's) but their nodes still teach a live calibration; replayed rounds (no stage times) count as
-live ones, the live curve left as it is. The published convention never compares with AR
-(``versus_ar=False``): every round drafts at the live price.
+Guarantees (tests/test_control.py, on recorded rounds and curves): explorations lose at most
+``explore_share`` of the seconds plus one round; where B <= 1 nothing drafts; on a stable machine the
+better option wins once the bounds exclude 1; after a change of speed the prices follow within the
+live model's ``drift_rounds``.  Batched rounds (``batch_rows > 1``) teach only the calibration.  The
+published convention (``versus_ar=False``) drafts every round at the live price.
 """
 
 from __future__ import annotations
@@ -317,7 +279,7 @@ class PricedController(DraftController):
     def _ar(self, *, taps: bool, explore: bool = False) -> Decision:
         return Decision(draft=False, taps=taps, explore=explore)
 
-    def observe(self, report: RoundReport) -> None:
+    def observe_round(self, report: RoundReport) -> None:
         asked, self._asked = self._asked, False
         if not asked and not report.drafted and report.batch_rows == 1 and self._quiet(report):
             return  # a round the round protocol decided without asking: its generation reads no taps

@@ -77,7 +77,7 @@ def method_policy(method: MethodSpec, drafter: Drafter | None, costs: CostSource
     ``profile()`` (this machine's `treespec.pricing.profile.CostProfile`) asked only when pricing needs it."""
     if method.autoregressive:
         return None, None
-    if not method.priced or "cost_model" in method.options:  # fixed-size, or given its model
+    if not method.cost_aware or "cost_model" in method.options:  # fixed-size, or given its model
         return build_policy(method), None
     cost, calibration = costs.price(lambda: profile().pricing(drafter))
     return build_policy(method, cost, calibration), cost

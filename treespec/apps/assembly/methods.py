@@ -80,7 +80,7 @@ class MethodSpec:
         return self.policy is None
 
     @property
-    def priced(self) -> bool:
+    def cost_aware(self) -> bool:
         """Whether the method's policy prices its trees (declares ``uses_cost_model``)."""
         return self.policy is not None and prices_trees(self.policy)
 
@@ -284,7 +284,7 @@ def build_policy(method: MethodSpec, cost_model: CostModel | None = None,
     kwargs = dict(method.options)
     if method.budget is not None:
         kwargs["budget"] = method.budget
-    if method.priced and "cost_model" not in kwargs:
+    if method.cost_aware and "cost_model" not in kwargs:
         kwargs["cost_model"] = cost_model
         calibration = None if calibration is None else to_calibration(calibration)
         if calibration is not None and not calibration.identity:

@@ -93,7 +93,7 @@ class Session:
     profile: CostProfile | None = None  # this machine's, measured (or read from the cache) on first need
     disturbed: int = 0  # measurements another process disturbed in this run (a run with any saves no costs)
     not_saved: str = ""  # why `close` wrote nothing (empty: it wrote, or had nothing to write)
-    priced: list[tuple[CostModel, Drafter]] = attrs.field(factory=list, init=False)  # every policy priced
+    live_curves: list[tuple[CostModel, Drafter]] = attrs.field(factory=list, init=False)  # the cost models priced by (saved at close)
     closed: bool = attrs.field(default=False, init=False)
 
     @classmethod
@@ -167,7 +167,7 @@ class Session:
         profile = functools.cache(lambda: self._profile_with(drafter))
         built, cost = method_policy(method, drafter, self.costs, profile)
         if cost is not None:
-            self.priced.append((cost, drafter))
+            self.live_curves.append((cost, drafter))
         restore_learned(built, drafter, profile)
         return drafter, built
 
@@ -198,7 +198,7 @@ class Session:
         if self.disturbed:
             self.not_saved = f"{self.disturbed} measurement(s) of this run were disturbed by another process"
             return None
-        updated, self.not_saved = persist_live(self.target, self.profile, self.priced)
+        updated, self.not_saved = persist_live(self.target, self.profile, self.live_curves)
         self.profile = updated or self.profile
         return updated
 

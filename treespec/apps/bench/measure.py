@@ -117,7 +117,7 @@ class Runner:
             out = self.generate(method.name, turn.ids, self.config.max_new_tokens, turn.temperature, turn.seed)
         load = meter.stop()
         s = out.stats
-        models, rounds = cost_schedule(s.rounds) if method.priced else ([], [])
+        models, rounds = cost_schedule(s.rounds) if method.cost_aware else ([], [])
         return BenchRecord(
             **method_fields(method), temperature=turn.temperature, dataset=turn.prompt.dataset,
             prompt_id=turn.prompt.id, turn=turn.turn, seed=turn.seed, tokens=out.tokens.tolist(), taus=s.taus,

@@ -181,9 +181,9 @@ class _Recorder(Drafter):
         for drafter in self.drafters.values():
             drafter.reset()
 
-    def observe(self, accepted: torch.Tensor) -> None:
+    def observe_accepted(self, accepted: torch.Tensor) -> None:
         for drafter in self.drafters.values():
-            drafter.observe(accepted)
+            drafter.observe_accepted(accepted)
 
     def draft(self, ctx: DraftContext) -> DraftOutput:
         out = None

@@ -2,44 +2,28 @@
 
 Contract
 --------
-`DrafterTrainer(recipe, out_dir=...)` trains ``recipe.trainable`` (a `treespec.training.TrainingRecipe`
-holding a drafter, a frozen target and a config) ``batch_sequences`` sequences per step:
+`DrafterTrainer(recipe, out_dir=...)` trains ``recipe.trainable`` (a `treespec.training.TrainingRecipe`),
+``batch_sequences`` sequences a step:
 
-* **Data.** A `TeacherCache` (`treespec.apps.training.teacher`), or (tokens, response_start) pairs
-  whose teacher record is computed live by a target forward (the same record, features rounded to
-  bf16 in both); sequences are visited in a permutation seeded by ``config.seed`` (step s takes
-  entries s k .. s k + k - 1 of it, k = ``batch_sequences``), and sequence j of step s draws from its
-  own generator (seeded by the seed, s and j), so a resumed run draws what an uninterrupted one drew.
-* **Data-parallel** (launched by ``torchrun``: `torch.distributed` initialised with gloo on CPUs, NCCL
-  on GPUs): ``recipe.trainable`` is wrapped in `DistributedDataParallel`; rank r of W takes entries
-  j = r k / W .. (r + 1) k / W - 1 of each step's batch, so the global batch and every sequence's
-  generator are those of one process (k must be a multiple of W).  The loss of a step is the mean
-  over its k sequences in any world size; rank 0 alone writes checkpoints, evaluations and the
-  curve, and a run resumes under another world size.
-* **Optimiser.** AdamW (``lr``, ``weight_decay``; PyTorch's fused kernel), the global gradient norm clipped at ``grad_clip``;
-  the learning rate warms up linearly over ``warmup_steps`` and then decays by a cosine to 10 % of
-  its peak at ``steps``; parameters the recipe names in ``lr_scales`` follow the schedule times
-  their multiple (`TrainingRecipe.lr_scales`: a grown drafter's added layers).  bf16 autocast with
-  float32 master weights where it pays (``autocast_bf16``; None: on CUDA, or where this CPU's bf16
-  matmul beats float32 for the target's shapes).
-* **Held-out τ** (with a held-out teacher cache, every ``eval_every`` steps and, for a warm start,
-  before the first step): each of ``recipe.eval_methods`` decoded greedily over the cached answers
-  (`treespec.apps.training.evaluate`), logged to ``eval.jsonl``; the weights that score best on the
-  first method are kept in ``best/``, and the run draws its τ curve beside it (``tau_curve.svg`` and
-  ``.png``, `treespec.apps.training.curve`).
-* **Checkpoints** (safetensors only), every ``save_every`` steps and at the end: the drafter in its
-  released layout (``drafter/``), the optimiser's moments under parameter names, and a JSON record
-  of the step, the config, the start (``init``: a warm start's path and sha256) and the best τ
-  (``trainer_state.json``).  `resume` restores all of it; a run directory started from other weights
-  or trained with another config is refused, except for the fields of `RESUMABLE`: a finished run
-  resumed with more ``steps`` goes on from its weights and moments, the schedule stretched to the
-  new length (the rate at the resumed step is the stretched schedule's there).
-* **A time box** (`TimeBox`, ``train(..., box=)``): the run's length is fitted to a wall-clock
-  budget.  After a few untimed steps and a timed probe, ``steps`` becomes what the rest of the budget
-  holds at the measured seconds per step and per evaluation (fitted again once, when the first
-  evaluation's cost is known); the warm-up and the cosine follow the fitted length as they follow a
-  resumed run's stretched one.  Whatever the estimate, the run stops and saves at the deadline.  Rank
-  0's clock decides for every rank.
+* **Data**: a `TeacherCache` or (tokens, response_start) pairs taught live (the same record); a seeded
+  permutation (step s takes entries s k .. s k + k - 1), each sequence drawing from a generator seeded by
+  the seed, s and its place, so a resumed run draws what an uninterrupted one drew.
+* **Data-parallel** under ``torchrun`` (gloo on CPUs, NCCL on GPUs, `DistributedDataParallel`): rank r of
+  W takes its share of each step's batch, so the global batch and every generator are one process's;
+  rank 0 alone writes, and a run resumes under another world size.
+* **Optimiser**: AdamW (fused), the global gradient norm clipped; linear warm-up then a cosine to 10 %
+  of the peak at ``steps``; ``lr_scales`` parameters at their multiple; bf16 autocast with float32
+  masters where it pays (``autocast_bf16``; None: on CUDA or where this CPU's bf16 is faster).
+* **Held-out τ** every ``eval_every`` steps (and before a warm start's first step): each of the
+  recipe's ``eval_methods`` decoded greedily over cached answers, logged to ``eval.jsonl``, the best
+  weights kept in ``best/`` (replaced whole), the τ curve drawn beside it.
+* **Checkpoints** every ``save_every`` steps and at the end, each a unit made current in one atomic
+  step (`treespec.apps.training.checkpoint`); `resume` takes the current one (or the newest that
+  checks), refusing a run of another start or config but for the fields of `RESUMABLE` (more ``steps``
+  stretch the schedule).
+* **A time box** (`TimeBox`): after untimed steps and a timed probe, ``steps`` becomes what the budget
+  holds (fitted again once the first evaluation is timed); the run stops and saves at the deadline,
+  rank 0's clock deciding for every rank.
 """
 
 from __future__ import annotations
