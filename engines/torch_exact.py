@@ -239,15 +239,16 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     # scores [B * Hkv, G * n, L]: query heads j * G .. j * G + G - 1 share key head j (transformers' repeat_kv)
     q = query.reshape(batch * kv_heads, group * rows, dim)
     k = key.reshape(batch * kv_heads, keys, dim)
-    padded_q = plan.score_rows.padded(group * rows) if group * rows <= plan.score_rows.sizes[-1] else None
-    if padded_q is None:
-        raise ValueError(f"{group * rows} query rows exceed the {plan.score_rows.sizes[-1]} the exact attention "
-                         "was probed at")
-    if padded_q > group * rows:
-        q = torch.cat([q, q.new_zeros(q.shape[0], padded_q - group * rows, dim)], dim=1)
     if keys < plan.min_keys:
         k = torch.cat([k, k.new_zeros(k.shape[0], plan.min_keys - keys, dim)], dim=1)
-    scores = (q @ k.transpose(1, 2))[:, :group * rows, :keys] * scale
+    parts = []
+    for start, size in plan.score_rows.chunks(group * rows):  # the query rows in calls of stable row counts
+        chunk = q[:, start:start + size]
+        real = chunk.shape[1]
+        if size > real:
+            chunk = torch.cat([chunk, chunk.new_zeros(chunk.shape[0], size - real, dim)], dim=1)
+        parts.append((chunk @ k.transpose(1, 2))[:, :real, :keys])
+    scores = torch.cat(parts, dim=1) * scale  # [B * Hkv, G * n, L]
     scores = scores.view(batch, kv_heads, group, rows, keys)
     # softmax of each row over its visible keys, gathered in position order, -inf after them
     order = torch.sort((~seen).to(torch.int8), dim=-1, stable=True).indices  # [B, n, L]: visible keys first

@@ -273,7 +273,7 @@ def stop_token(ar_tokens: list[list[int]]) -> int:
     return max({x for t in ar_tokens for x in t}, key=lambda token: (len(set(ends(token))), min(ends(token)), -token))
 
 
-@pytest.mark.parametrize("size", [1, 2, 5])
+@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 5])
 @pytest.mark.parametrize("arm", arms(), ids=arm_id)
 def test_every_row_equals_its_own_ar_and_single_run(target, arm, size):
     name, conditional = arm

@@ -413,7 +413,8 @@ def test_a_live_cost_run_replays_with_its_recorded_curves(small, method):
     policy = Capturing(build_policy(parsed, live, calibration))
     now = {"t": 0.0, "rounds": 0}
     decoder = SpeculativeDecoder(small.target, small.drafters[parsed.drafter], policy, clock=lambda: now["t"])
-    decoder.controller.settings = ControlSettings(size_every=3, explore_share=0.5)  # flat-priced rounds often
+    decoder.controller.settings = ControlSettings(size_every=3, explore_share=0.5,  # flat-priced rounds often
+                                                  quiet_every=1)  # every AR round re-prices the curve
     forward = small.target.forward_tree
 
     def timed(tree, *args, **kwargs):  # trees dear in forwards 6 to 14, cheap before and after

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,12 +64,12 @@ def _train_args(tmp_path, out: str, *extra: str) -> list[str]:
 
 def _torchrun(args: list[str]) -> None:
     import os
-    import shutil
     import subprocess
     import sys
 
+    # the CLI as a module of this interpreter: no console script on a PATH needed (a venv not activated)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               shutil.which("treespec"), *args]
+               "-m", "treespec.apps.cli", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TREESPEC_THREADS": "1", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -78,6 +79,7 @@ def _losses(run) -> list[float]:
     return [row["loss"] for row in json.loads((run / "trainer_state.json").read_text())["recent"]]
 
 
+@pytest.mark.slow
 def test_two_cpu_ranks_train_as_one_process_with_the_same_global_batch(tmp_path):
     """``torchrun --nproc-per-node 2 treespec train-drafter`` (gloo, DistributedDataParallel) takes one of
     each step's two sequences per rank: its loss curve is one process's with ``batch_sequences=2`` to
@@ -122,6 +124,7 @@ def test_train_drafter_fits_its_steps_to_minutes(tmp_path, capsys):
     assert f"time box of 0.05 min: {state['step']} of {state['config']['steps']} steps" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_time_box_over_two_ranks_takes_rank_0s_decisions(tmp_path):
     """Only rank 0 evaluates, so only its clock knows an evaluation's cost: the refit after the first
     evaluation and the deadline are its decisions on both ranks (a rank deciding alone would hang the

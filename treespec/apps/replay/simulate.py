@@ -211,13 +211,13 @@ def simulate(controller: DraftController, regime: Regime, *, generations: int = 
 
 class FixedChoice(DraftController):
     """A controller that always makes one of `FIXED_CHOICES`: ``"ar"`` (no generation drafts), ``"full"`` (the
-    whole budget every round: a flat price) or ``"priced"`` (the cost rule at ``price``, the true curve)."""
+    whole budget every round: a flat curve) or ``"priced"`` (the cost rule at ``curve``, the true one)."""
 
-    def __init__(self, choice: str, price: CostModel) -> None:
+    def __init__(self, choice: str, curve: CostModel) -> None:
         if choice not in FIXED_CHOICES:
             raise ValueError(f"choice must be one of {FIXED_CHOICES}, got {choice!r}")
-        flat = ConvexCost(price.draft_cost, (PROMPT_TOKENS,), ((1.0,),), ((price.verify_seconds(1, PROMPT_TOKENS),),))
-        self.choice, self._decision = choice, Decision(price=flat if choice == "full" else price)
+        flat = ConvexCost(curve.draft_cost, (PROMPT_TOKENS,), ((1.0,),), ((curve.verify_seconds(1, PROMPT_TOKENS),),))
+        self.choice, self._decision = choice, Decision(price=flat if choice == "full" else curve)
 
     def start_generation(self) -> bool:
         return self.choice != "ar"
