@@ -27,12 +27,12 @@ import attrs
 import torch
 
 from treespec.apps.assembly.loading import embedded_drafter_dir
-from treespec.apps.assembly.methods import build_policy, parse_method
+from treespec.apps.assembly.methods import parse_method
+from treespec.apps.assembly.session import Session
 from treespec.apps.kit.tiny import tiny_causal_lm
 from treespec.apps.replay import RECORD_PRESETS, ReplayDrafts, Trace, evaluate, record_trace
-from treespec.decoding import SpeculativeDecoder
-from treespec.pricing.conditions import ThreadControl
 from treespec.engines.torch import TargetModel
+from treespec.pricing.conditions import ThreadControl
 
 METHODS = ["dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "static-corrected@16", "ddtree@64"]
 DATASETS = ["gsm8k", "mt-bench", "alpaca"]
@@ -110,9 +110,9 @@ def load_drafter(kind: str, path: Path | None, model, tokenizer, random_fallback
 
 
 # ---------------------------------------------------------------------------- measuring
-def live_run(target, drafter, method, prompts, n: int) -> tuple[float, list[list[int]], list[list[int]]]:
+def live_run(session: Session, method, prompts, n: int) -> tuple[float, list[list[int]], list[list[int]]]:
     """(seconds, per-prompt taus, per-prompt tokens) of the live decoder over every prompt."""
-    decoder = SpeculativeDecoder(target, drafter, build_policy(method))
+    decoder = session.decoder(method)
     decoder.generate(prompts[0], max_new_tokens=min(n, 8))  # warm-up, not timed
     taus, tokens, seconds = [], [], 0.0
     for prompt in prompts:
@@ -145,7 +145,8 @@ def main() -> None:
         ThreadControl.start(args.threads)
     target, drafters, prompts, name = tiny_setup(args) if args.tiny else embedded_setup(args)
     config = attrs.evolve(RECORD_PRESETS[args.preset], max_new_tokens=args.max_new_tokens)
-    trace, record_s = timed(record_trace, target, drafters, prompts, config=config, target_name=name, progress=True)
+    session = Session(target, None, drafters, name)
+    trace, record_s = timed(record_trace, session, prompts, config=config, progress=True)
     path = args.trace or Path(tempfile.mkdtemp()) / "trace.safetensors"
     _, save_s = timed(trace.save, path)
     trace, load_s = timed(Trace.load, path)
@@ -157,7 +158,7 @@ def main() -> None:
     live_total = replay_total = 0.0
     for text in args.methods:
         method = parse_method(text)
-        live_s, live_taus, tokens = live_run(target, drafters[method.drafter], method, prompts, args.max_new_tokens)
+        live_s, live_taus, tokens = live_run(session, method, prompts, args.max_new_tokens)
         replayed = evaluate(trace, [method])[0]
         same = [t == trace.sequences[i][prompts[i].numel():].tolist() for i, t in enumerate(tokens)]
         print(report_row(text, live_s, replayed.seconds, live_taus, replayed, same), flush=True)

@@ -114,6 +114,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if not (args.published / "dominotree.py").is_file():
+        raise SystemExit(f"--published {args.published}: no clone of slin-zhq/Domino-Tree here (dominotree.py missing)")
     sys.path.insert(0, str(args.published))
     import domino_adapter
     import dominotree

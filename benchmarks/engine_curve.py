@@ -78,7 +78,7 @@ def main() -> None:
         del torch_target
     for path in [embedded_gguf(), *args.gguf]:
         target = load_target(path, engine="llama.cpp")
-        name = f"llama.cpp, {target.config.path.name}"
+        name = f"llama.cpp, {target.describe()}"
         print(line(name, curve(target, args.repeats)), flush=True)
         if args.taps:
             print(line(f"{name} + 4 taps", curve(target, args.repeats, TAPS)), flush=True)

@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.tokens < 1 or args.prompts < 1:
+        raise SystemExit(f"--tokens {args.tokens} --prompts {args.prompts}: give at least one of each")
     threads = ThreadControl.start(args.threads)
     count = threads.choice.threads
     print(f"threads: {threads.choice.describe()}", flush=True)

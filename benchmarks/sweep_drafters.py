@@ -119,6 +119,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/sweep"))
     args = parser.parse_args()
+    missing = [str(p) for p in [*args.teacher, *args.heldout] if not (p / "manifest.json").is_file()]
+    if missing:
+        raise SystemExit(f"no teacher cache at {', '.join(missing)} (make one with `treespec teacher-cache`)")
     ThreadControl.start(args.threads)
 
     from treespec.apps.assembly.loading import load_frozen_model

@@ -25,7 +25,7 @@ TRACE = "{tmp}/trace.safetensors"  # recorded once by bench_replay's tiny run, r
 SMALLEST: dict[str, list[str]] = {
     "bench_batch.py": ["--sizes", "1", "2", "--methods", "ar", "ddtree@4", "--prompts", "2", "--max-new-tokens", "4",
                        "--dtype", "float32", "--threads", "1"],
-    "bench_build.py": ["--vocabs", "1024", "--budgets", "16", "--rounds", "1", "--scorer-rounds", "1", "--nx-rounds",
+    "bench_build.py": ["--vocabs", "49152", "--budgets", "16", "--rounds", "1", "--scorer-rounds", "1", "--nx-rounds",
                        "1", "--nx-seconds", "0.1", "--threads", "1"],
     "bench_build_batch.py": ["--sizes", "2", "--budgets", "16", "--rounds", "1", "--threads", "1"],
     "bench_controller.py": ["--seeds", "1"],
@@ -72,7 +72,7 @@ def test_every_scripts_help_runs():
     code = ("import runpy, sys\n"
             "failed = []\n"
             "for path in sys.argv[1:]:\n"
-            "    sys.argv = [path, '--help']\n"
+            "    sys.argv, sys.path[0] = [path, '--help'], path.rsplit('/', 1)[0]  # as `python SCRIPT` sets them\n"
             "    try:\n"
             "        runpy.run_path(path, run_name='__main__')\n"
             "        failed.append((path, 'no exit'))\n"
@@ -102,7 +102,10 @@ def _run(script: str, args: list[str], tmp: Path, timeout: int = 900) -> subproc
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """The folder the trace scripts share, the trace recorded once by bench_replay's tiny run."""
+    import shutil
+
     tmp = tmp_path_factory.mktemp("benchmarks")
+    shutil.copy(ROOT / "docs" / "policies-compared.md", tmp / "compared.md")  # the page compare_policies rewrites
     done = _run("bench_replay.py", SMALLEST["bench_replay.py"], tmp)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp
