@@ -205,7 +205,7 @@ def test_report_is_reproducible_byte_for_byte(bench):
     assert {n: (out / n).read_bytes() for n in names} == before
     assert "| dominotree@4 | 4 |" in before["summary.md"].decode()
     lossless = before["lossless.md"].decode()
-    assert lossless.count("0 of 30 responses differ from AR's; 0 within the stated tolerance, 0 not.") == 2
+    assert lossless.count("all 30 outputs equal AR's token for token.") == 2
 
 
 def test_sharded_runs_merge_to_the_unsharded_records(bench, tmp_path):
@@ -432,7 +432,7 @@ def test_rejection_verifiers_at_t_above_0_are_not_compared_token_for_token(tmp_p
     assert bad == 0
     assert "3 responses of ddtree-sampled@4/recursive-rejection are not compared with AR's" in text
     t1 = text.split("### T = 1")[1]
-    assert "of 3 responses differ from AR's" in t1  # only ddtree@4 (match) is compared at T = 1
+    assert "all 3 outputs equal AR's token for token" in t1  # only ddtree@4 (match) is compared at T = 1
 
 
 @settings(max_examples=60, deadline=None)

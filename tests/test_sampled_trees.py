@@ -4,7 +4,7 @@ Each pair of a policy that samples from the draft and a verifier the decoder let
 tested with `treespec.apps.kit.exactness.check_exactness` (the law of the first two committed tokens
 against the target's, chi-square at alpha = 1e-3).  Sizes follow the power each test needs (power 0.9,
 `treespec.apps.kit.exactness.detectable_tv`): 1,000 rounds per pair and setting by default (a total
-variation of 0.08 detectable in this world), 20,000 in the slow tier (0.018).  Deliberately biased
+variation of 0.08 detectable in this world), 10,000 in the slow tier (0.026).  Deliberately biased
 verifiers fail the same test in the flat world with as few rounds as their bias allows: their total
 variation from the target's law is 0.12-0.22 there, detected at 600 rounds (0.068 detectable), but for
 ddtree-sampled's RemovedMassDenominator (about 0.04), which takes 3,000 (0.031).
@@ -26,6 +26,7 @@ from treespec.verifiers.traversal import TraversalVerifier
 SAMPLED = [name for name in registry.builtin("policy") if registry.resolve("policy", name).samples_from_draft]
 VERIFIERS = ["match", "recursive-rejection", "traversal"]
 ROUNDS = 1000  # per pair and setting in the default tier (module docstring)
+SLOW_ROUNDS = 10000  # in the slow tier: a total variation of 0.026 detectable
 SETTINGS = {"T=1.0": SamplingParams(1.0), "T=0.6": SamplingParams(0.6), "T=1.0,top-p=0.8": SamplingParams(1.0, top_p=0.8)}
 
 
@@ -71,9 +72,9 @@ def test_the_q_verifiers_are_exact_at_lower_temperature_and_with_top_p(world, po
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("policy", SAMPLED)
-def test_every_sampled_pair_is_exact_to_a_tv_of_two_percent(world, policy, verifier, setting):
+def test_every_sampled_pair_is_exact_to_a_tv_of_three_percent(world, policy, verifier, setting):
     report = check_exactness(_policy(policy), registry.create("verifier", verifier), SETTINGS[setting],
-                             samples=20000, world=world)
+                             samples=SLOW_ROUNDS, world=world)
     assert report.detectable_tv <= 0.03 and report.exact(), report
 
 

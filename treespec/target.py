@@ -213,7 +213,7 @@ class Engine(Protocol):
 def batch_class(target: Target) -> type[TargetBatch]:
     """The class of a batch of sequences on ``target``'s engine (`Engine.batch_class`; ``batch_class(t)(t)``
     makes one); a ValueError naming the engine when it decodes one sequence at a time."""
-    factory = getattr(type(target), "batch_class", None)
+    factory = type(target).batch_class
     if factory is None:
         raise ValueError(f"the {target.engine} engine decodes one sequence at a time: decode the prompts one by one, "
                          "or batch them on an engine that batches")

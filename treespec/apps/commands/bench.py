@@ -172,6 +172,13 @@ def _device(args: argparse.Namespace, shard: bench.Shard) -> str:
     return args.device
 
 
+def _batching_engines() -> list[str]:
+    """The registered engines that decode several sequences in one forward (`Engine.batch_class`)."""
+    from treespec.apps.assembly.loading import engine_class, engines
+
+    return [e for e in engines() if engine_class(e).batch_class is not None]
+
+
 def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.Shard) -> None:
     from treespec.apps.assembly.embedded import embedded_model_dir
 
@@ -184,7 +191,7 @@ def _measure(args: argparse.Namespace, config: bench.BenchConfig, shard: bench.S
     costs = CostSource.parse(args.cost_model)
     if config.batch_size > 1 and engine_class(args.engine).batch_class is None:
         raise ValueError(f"--batch-size {config.batch_size}: the {args.engine} engine decodes one sequence at a time "
-                         "here; use --batch-size 1, or the torch engine for batches")
+                         f"here; use --batch-size 1, or an engine that batches ({', '.join(_batching_engines())})")
     check_model_digest(args)
     if shard.rank == 0:
         bench.lock_out(args.out)  # one writer at a time, before anything loads
