@@ -31,14 +31,19 @@ def test_runtime_registration_wins(monkeypatch):
     assert registry.create("policy", "mine") == {}
 
 
-def test_entry_point_registration(monkeypatch):
-    from importlib.metadata import EntryPoint
-
-    ep = EntryPoint(name="third-party", value="collections:Counter", group="treespec.policies")
-    monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == "treespec.policies" else [])
+def test_entry_point_registration(monkeypatch, tmp_path):
+    """A distribution's entry point is found by name, and so is one installed while the process runs
+    (the registry reads the entry points again when a folder of the import path changes)."""
     from collections import Counter
 
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "third-party" not in registry.available("policy")
+    info = tmp_path / "thirdparty-1.0.dist-info"  # what pip writes for a package declaring the entry point
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[treespec.policies]\nthird-party = collections:Counter\n")
     assert registry.resolve("policy", "third-party") is Counter
+    assert "third-party" in registry.available("policy")
 
 
 def test_cli_list_and_example(capsys):
