@@ -405,7 +405,7 @@ def test_the_batch_decoder_refuses_bad_requests(target):
 
 
 # ---------------------------------------------------------------------------- the bench at batch size S
-@pytest.mark.parametrize("first_token", ["round", "prefill"])
+@pytest.mark.parametrize("first_token", ["round", pytest.param("prefill", marks=pytest.mark.slow)])
 def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path, first_token):
     from test_bench_runner import CONFIG, TIMES, make_harness, prompt_files
 

@@ -208,6 +208,7 @@ def test_report_is_reproducible_byte_for_byte(bench):
     assert lossless.count("all 30 outputs equal AR's token for token.") == 2
 
 
+@pytest.mark.slow
 def test_sharded_runs_merge_to_the_unsharded_records(bench, tmp_path):
     config, harness, out = bench
     for rank in (1, 0):  # finishing order does not matter

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.slow
 def test_the_end_to_end_decoding_check_runs_dry_and_finds_every_output_equal_to_ar():
     run = subprocess.run([sys.executable, "device_check.py", "--cpu-dry-run", "--skip", "stacked", "train"],
                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)

@@ -137,6 +137,7 @@ def test_every_package_folder_is_installed_under_treespec():
     assert sorted(folder(p) for p in tool["packages"]) == sorted(folders)
 
 
+@pytest.mark.slow  # builds a wheel
 def test_a_wheel_holds_treespec_alone(tmp_path):
     """What `pip install .` puts into site-packages: ``treespec`` and its dist-info, nothing else at top level."""
     import shutil

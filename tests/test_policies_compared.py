@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -14,6 +16,7 @@ from compare_policies import BEGIN, END, comparison_table  # noqa: E402
 RECORDS = ROOT / "docs" / "figures" / "compared" / "records.json"
 
 
+@pytest.mark.slow  # 12 s: the replay of every compared policy
 def test_the_comparison_table_is_derived_from_the_committed_records():
     records = json.loads(RECORDS.read_text())
     doc = (ROOT / "docs" / "policies-compared.md").read_text()

@@ -204,6 +204,7 @@ def test_replayed_rounds_are_the_live_rounds(small, method):
     assert (skipped > 0) == (method == "caddtree@48")
 
 
+@pytest.mark.slow
 def test_the_modelled_speed_bench_charges_rounds_by_the_cost_model(small, tmp_path):
     """benchmarks/bench_modelled_rules.py: AR is 1.000x by construction, every method gets a row, and C_d
     in AR steps needs a fitted curve (refused by name otherwise)."""

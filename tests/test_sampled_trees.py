@@ -7,7 +7,10 @@ against the target's, chi-square at alpha = 1e-3).  Sizes follow the power each 
 variation of 0.08 detectable in this world), 10,000 in the slow tier (0.026).  Deliberately biased
 verifiers fail the same test in the flat world with as few rounds as their bias allows: their total
 variation from the target's law is 0.12-0.22 there, detected at 600 rounds (0.068 detectable), but for
-ddtree-sampled's RemovedMassDenominator (about 0.04), which takes 3,000 (0.031).
+ddtree-sampled's RemovedMassDenominator (about 0.04), which takes 3,000 (0.031).  The default tier runs
+each biased verifier on one policy (where it is caught in the fewest seconds), the perturbed shape, the
+lower temperature and top-p on ddtree-sampled, and leaves the rest and the comparisons of mean acceptance
+to the slow tier.
 """
 
 from __future__ import annotations
@@ -28,6 +31,25 @@ VERIFIERS = ["match", "recursive-rejection", "traversal"]
 ROUNDS = 1000  # per pair and setting in the default tier (module docstring)
 SLOW_ROUNDS = 10000  # in the slow tier: a total variation of 0.026 detectable
 SETTINGS = {"T=1.0": SamplingParams(1.0), "T=0.6": SamplingParams(0.6), "T=1.0,top-p=0.8": SamplingParams(1.0, top_p=0.8)}
+CAUGHT_FASTEST_ON = {"KeepsRejectedInQ": "ddtree-sampled", "UnnormalisedResidual": "ddtree-sampled",
+                     "KeepsPathAcceptance": "ddtree-sampled", "RemovedMassDenominator": "dominotree-sampled"}
+
+
+def biased_pairs(*classes: type) -> list:
+    """(policy, biased verifier) pairs: each in the default tier on the policy that catches it fastest."""
+    return [pytest.param(policy, cls, id=f"{policy}-{cls.__name__}",
+                         marks=() if CAUGHT_FASTEST_ON[cls.__name__] == policy else pytest.mark.slow)
+            for cls in classes for policy in SAMPLED]
+
+
+def slow_pairs(shape: str) -> list:
+    """(policy, ``shape``) pairs: ddtree-sampled's in the default tier, the others in the slow tier."""
+    return [(p, shape) if p == "ddtree-sampled" else pytest.param(p, shape, marks=pytest.mark.slow) for p in SAMPLED]
+
+
+def slow_but(policy: str) -> list:
+    """Every sampled policy, all but ``policy`` in the slow tier."""
+    return [p if p == policy else pytest.param(p, marks=pytest.mark.slow) for p in SAMPLED]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +72,8 @@ def test_the_registry_offers_sampled_trees_of_both_kinds():
     assert {"ddtree-sampled", "dominotree-sampled"} <= set(SAMPLED)
 
 
-@pytest.mark.parametrize("shape", ["fixed", "perturbed"])
+@pytest.mark.parametrize(("policy", "shape"), [*((p, "fixed") for p in SAMPLED), *slow_pairs("perturbed")])
 @pytest.mark.parametrize("verifier", VERIFIERS)
-@pytest.mark.parametrize("policy", SAMPLED)
 def test_every_sampled_pair_commits_the_target_law(world, policy, verifier, shape):
     report = check_exactness(_policy(policy, shape=shape), registry.create("verifier", verifier), SETTINGS["T=1.0"],
                              samples=ROUNDS, world=world)
@@ -61,7 +82,7 @@ def test_every_sampled_pair_commits_the_target_law(world, policy, verifier, shap
 
 @pytest.mark.parametrize("setting", ["T=0.6", "T=1.0,top-p=0.8"])
 @pytest.mark.parametrize("verifier", ["recursive-rejection", "traversal"])
-@pytest.mark.parametrize("policy", SAMPLED)
+@pytest.mark.parametrize("policy", slow_but("ddtree-sampled"))
 def test_the_q_verifiers_are_exact_at_lower_temperature_and_with_top_p(world, policy, verifier, setting):
     report = check_exactness(_policy(policy), registry.create("verifier", verifier), SETTINGS[setting], samples=ROUNDS,
                              world=world)
@@ -102,8 +123,7 @@ def _rounds_to_catch(policy: str, biased: type) -> int:
     return 3000 if (policy, biased.__name__) == ("ddtree-sampled", "RemovedMassDenominator") else 600
 
 
-@pytest.mark.parametrize("biased", [KeepsRejectedInQ, UnnormalisedResidual])
-@pytest.mark.parametrize("policy", SAMPLED)
+@pytest.mark.parametrize(("policy", "biased"), biased_pairs(KeepsRejectedInQ, UnnormalisedResidual))
 def test_biased_variants_fail_the_same_test(flat, policy, biased):
     rounds = _rounds_to_catch(policy, biased)
     exact = check_exactness(_policy(policy, 8), RecursiveRejectionVerifier(), SETTINGS["T=1.0"], samples=rounds,
@@ -133,8 +153,7 @@ class KeepsPathAcceptance(TraversalVerifier):
         return h
 
 
-@pytest.mark.parametrize("biased", [RemovedMassDenominator, KeepsPathAcceptance])
-@pytest.mark.parametrize("policy", SAMPLED)
+@pytest.mark.parametrize(("policy", "biased"), biased_pairs(RemovedMassDenominator, KeepsPathAcceptance))
 def test_biased_traversal_variants_fail_the_same_test(flat, policy, biased):
     rounds = _rounds_to_catch(policy, biased)
     exact = check_exactness(_policy(policy, 8), TraversalVerifier(), SETTINGS["T=1.0"], samples=rounds, world=flat)
@@ -142,8 +161,8 @@ def test_biased_traversal_variants_fail_the_same_test(flat, policy, biased):
     assert exact.exact() and not report.exact(), (exact, report)
 
 
-@pytest.mark.parametrize("policy", [p if p == "ddtree-sampled" else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in SAMPLED])
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", SAMPLED)
 def test_traversal_accepts_more_than_recursive_rejection_on_the_same_trees(flat, policy):
     """Sequence-level acceptance keeps paths under a doubtful prefix: more tokens per round than token
     by token (measured 2.56 against 2.43 for ddtree-sampled@8 and 2.62 against 2.52 for
@@ -154,6 +173,7 @@ def test_traversal_accepts_more_than_recursive_rejection_on_the_same_trees(flat,
     assert traversal.mean_tau > rrs.mean_tau + 0.03, (rrs, traversal)
 
 
+@pytest.mark.slow
 def test_recursive_rejection_accepts_more_than_match_on_the_same_trees(world):
     """What the draft's q buys: the same sampled trees, more tokens accepted per round."""
     match = check_exactness(_policy("ddtree-sampled"), registry.create("verifier", "match"), SETTINGS["T=1.0"],
@@ -183,7 +203,7 @@ def test_a_seed_rebuilds_the_same_tree_on_both_backends(world, policy, shape):
     assert not all(pol.sample(world.draft, sampling=t1, seed=s)[0].equal(tree) for s in range(124, 130))
 
 
-@pytest.mark.parametrize("policy", SAMPLED)
+@pytest.mark.parametrize("policy", slow_but("ddtree-sampled"))
 def test_children_are_drawn_from_their_proposal(world, policy):
     """The root's first child follows q at the root (its proposal row), at T = 1."""
     pol, t1 = _policy(policy, 1), SamplingParams(1.0)

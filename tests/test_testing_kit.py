@@ -58,6 +58,7 @@ def test_width_capped():
 '''
 
 
+@pytest.mark.slow
 def test_an_outside_package_checks_its_policy_in_one_line(tmp_path):
     """A policy in a package outside the repository (about 20 lines on the public helpers) runs the kit
     from its own pytest."""
