@@ -34,3 +34,20 @@ def _unread_load(monkeypatch):
     from treespec.pricing import conditions
 
     monkeypatch.setattr(conditions, "read_cpu_times", lambda *args, **kwargs: None)
+
+
+@pytest.fixture
+def steady_timings(monkeypatch):
+    """For tests of what a profile's cache does with its figures: every verify runs its forwards as a
+    measured one does, then reads as 1 ms plus 5 % a token, so a figure that another worker's load
+    made implausible (not cached) or a spot check that finds the machine changed cannot decide them.
+    The figures' own checks are tests/test_plausible_costs.py's, on real timings."""
+    from treespec.pricing import profile
+
+    measured = profile.time_verify_sizes
+
+    def steady(target, sizes, ctx, repeats, generator):
+        measured(target, sizes, ctx, 1, generator)
+        return {n: 1e-3 * (1 + 0.05 * n) for n in sizes}
+
+    monkeypatch.setattr(profile, "time_verify_sizes", steady)

@@ -284,7 +284,7 @@ def tiny_profile_target() -> TargetModel:
     ([[1, 8, -5.0]], "verify seconds must be finite and positive"),
     ([[1, 8, float("nan")]], "verify seconds must be finite and positive"),
 ])
-def test_a_corrupt_cached_profile_is_set_aside_and_measured_again(tmp_path, caplog, verify, rule):
+def test_a_corrupt_cached_profile_is_set_aside_and_measured_again(tmp_path, caplog, verify, rule, steady_timings):
     target = tiny_profile_target()
     machine_profile(target, sizes=(1, 2), contexts=(8,), repeats=1, cache_dir=tmp_path)
     (path,) = tmp_path.glob("profile-*.json")
@@ -295,7 +295,7 @@ def test_a_corrupt_cached_profile_is_set_aside_and_measured_again(tmp_path, capl
     assert all(s > 0 for _, _, s in again.verify) and (tmp_path / (path.name + ".rejected")).is_file()
 
 
-def test_an_implausible_saved_curve_is_dropped_at_load_naming_the_rule(tmp_path, caplog):
+def test_an_implausible_saved_curve_is_dropped_at_load_naming_the_rule(tmp_path, caplog, steady_timings):
     """A live curve learned under load (trees at a quarter of the one-token step) is refused; the
     profile's own measured values, dips included, stand."""
     target = tiny_profile_target()

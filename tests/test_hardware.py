@@ -107,7 +107,7 @@ def _tiny_target() -> TargetModel:
     return TargetModel(tiny_model(dtype=torch.float32))
 
 
-def test_profile_is_cached_keyed_and_round_trips(tmp_path, caplog):
+def test_profile_is_cached_keyed_and_round_trips(tmp_path, caplog, steady_timings):
     target = _tiny_target()
     first = machine_profile(target, sizes=(1, 2, 5), contexts=(8, 16), repeats=1, cache_dir=tmp_path)
     assert len(first.verify) == 6 and target.length == 0
@@ -143,7 +143,7 @@ def test_the_profile_prices_every_size_as_measured_and_the_convex_fit_on_request
         profile.cost_model(shape="smooth")
 
 
-def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_path):
+def test_the_calibration_is_fitted_from_rounds_and_kept_with_the_profile(tmp_path, steady_timings):
     from treespec.pricing.calibration import Calibration
     from treespec.pricing.profile import save_profile
 

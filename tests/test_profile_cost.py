@@ -49,7 +49,7 @@ def test_verify_sizes_are_timed_in_turn_and_leave_the_cache():
     assert target.length == 20 and target.cache_length() == 20
 
 
-def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(tmp_path, monkeypatch):
+def test_what_a_live_run_learned_is_saved_with_the_profile_and_shown_beside_it(tmp_path, monkeypatch, steady_timings):
     """persist_live writes the live curve into this machine's profile cache; the next profile read
     prices with it, and profile-cost prints both curves with the rounds each point rests on."""
     import attrs
