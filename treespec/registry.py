@@ -107,7 +107,7 @@ def _import_path_state() -> tuple:
 
 def _entry_point_targets(kind: str) -> dict[str, Any]:
     """The entry points of ``kind``'s group, read again only when the import path changed (reading
-    them scans every installed distribution: about 15 ms here, once per lookup before)."""
+    them scans every installed distribution: about 15 ms with 143 of them)."""
     group, state = _GROUPS[kind], _import_path_state()
     cached = _FOUND.get(group)
     if cached is None or cached[0] != state:

@@ -47,8 +47,8 @@ __all__ = [
 CACHE_ENV = "TREESPEC_CACHE"
 _ROWS = (1, 17)  # an AR step and a budget-16 tree verify
 _STREAM_ELEMENTS = 24 * 2**20  # weights streamed per benchmark pass: 96 MB in fp32, beyond a CPU cache
-_COPY_ELEMENTS = 2**18  # the least weights in one streamed copy (a tiny target's shape made taller): else
-# thousands of calls time Python's per-call work, not memory (2.2 s a probe for a 64 x 32 shape)
+_COPY_ELEMENTS = 2**18  # the least weights in one streamed copy (a tiny target's shape made taller), lest
+# thousands of calls time Python's per-call work instead of memory
 _PRINTED: set[str] = set()  # choices already reported in this process
 _UNCACHED: dict[str, DtypeChoice] = {}  # choices measured under load in this process (not on disk), by cache file
 CHOICES = ("bfloat16", "float32")  # the dtypes the probe chooses between
