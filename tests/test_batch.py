@@ -26,6 +26,7 @@ from test_drafters_support import tiny_config
 from test_lossless import ORACLE, PAYING, arm_id, arms
 from test_policies import marginal_draft, toy_draft
 from test_target import random_tree, tiny_model
+from tiers import by_default
 
 import treespec
 from treespec import registry
@@ -273,7 +274,7 @@ def stop_token(ar_tokens: list[list[int]]) -> int:
     return max({x for t in ar_tokens for x in t}, key=lambda token: (len(set(ends(token))), min(ends(token)), -token))
 
 
-@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 5])
+@pytest.mark.parametrize("size", by_default([1, 2, 5], 5))
 @pytest.mark.parametrize("arm", arms(), ids=arm_id)
 def test_every_row_equals_its_own_ar_and_single_run(target, arm, size):
     name, conditional = arm
@@ -405,7 +406,7 @@ def test_the_batch_decoder_refuses_bad_requests(target):
 
 
 # ---------------------------------------------------------------------------- the bench at batch size S
-@pytest.mark.parametrize("first_token", ["round", pytest.param("prefill", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("first_token", by_default(["round", "prefill"], "round"))
 def test_a_batched_bench_run_gives_every_turn_the_unbatched_tokens(tmp_path, first_token):
     from test_bench_runner import CONFIG, TIMES, make_harness, prompt_files
 

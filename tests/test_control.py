@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import by_default
 
 from treespec.apps.replay.simulate import (
     Regime,
@@ -64,7 +65,7 @@ def test_exploring_rounds_lose_at_most_the_stated_share_of_the_time(name, seed, 
 
 
 @pytest.mark.parametrize("name", QUIET)
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seed", by_default(range(3), 0))
 def test_on_a_stable_machine_it_converges_to_the_best_option(name, seed):
     """The second half of the run goes to the best fixed option: within 2 % of its speed."""
     regime = REGIMES[name]

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tiers import by_default
 
 from treespec import registry
 
@@ -68,7 +69,7 @@ def test_ab_walkthrough_code_prints_the_tables_it_shows(monkeypatch, capsys):
     assert len(namespace["records"]) == 220
 
 
-@pytest.mark.parametrize("run", [pytest.param("ab", marks=pytest.mark.slow), "live"])  # ab: 26 s, live: 7 s
+@pytest.mark.parametrize("run", by_default(["ab", "live"], "live"))  # ab: 26 s, live: 7 s
 def test_bench_report_rederives_byte_for_byte(tmp_path, run):
     """The committed tables (the A/B walkthrough's, the shipped drafters' live run in embedded.md)
     are what `treespec bench report` derives from the committed JSONL."""

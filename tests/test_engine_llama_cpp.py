@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 from test_embedded import write_tiny_gguf
+from tiers import by_default
 
 from treespec.decoding import SpeculativeDecoder
 from treespec.interfaces import DraftContext
@@ -164,8 +165,8 @@ def test_a_gguf_that_is_not_a_causal_lm_is_named(tmp_path):
         load_target(path, engine="llama.cpp")
 
 
-@pytest.mark.parametrize(("policy", "verifier"), [
-    pytest.param("ddtree-sampled", "recursive-rejection", marks=pytest.mark.slow), ("chain", "rejection")])
+@pytest.mark.parametrize(("policy", "verifier"), by_default(
+    [("ddtree-sampled", "recursive-rejection"), ("chain", "rejection")], ("chain", "rejection")))
 def test_at_t_above_zero_the_engines_first_two_tokens_follow_its_own_law(engine, policy, verifier):
     """Sampled trees over the engine's logits: the first two tokens of many seeded generations against
     p(t1) p(t2 | t1) computed from the engine's own logits (temperature 1, top-k 4), by the kit's

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiers import by_default
 
 from treespec import registry
 from treespec.apps.kit.exactness import ToyWorld, check_exactness, chi_square_pvalue
@@ -42,16 +43,6 @@ def biased_pairs(*classes: type) -> list:
             for cls in classes for policy in SAMPLED]
 
 
-def slow_pairs(shape: str) -> list:
-    """(policy, ``shape``) pairs: ddtree-sampled's in the default tier, the others in the slow tier."""
-    return [(p, shape) if p == "ddtree-sampled" else pytest.param(p, shape, marks=pytest.mark.slow) for p in SAMPLED]
-
-
-def slow_but(policy: str) -> list:
-    """Every sampled policy, all but ``policy`` in the slow tier."""
-    return [p if p == policy else pytest.param(p, marks=pytest.mark.slow) for p in SAMPLED]
-
-
 @pytest.fixture(scope="module")
 def world():
     torch.set_num_threads(1)  # many tiny tensors: one thread is the fastest
@@ -72,7 +63,11 @@ def test_the_registry_offers_sampled_trees_of_both_kinds():
     assert {"ddtree-sampled", "dominotree-sampled"} <= set(SAMPLED)
 
 
-@pytest.mark.parametrize(("policy", "shape"), [*((p, "fixed") for p in SAMPLED), *slow_pairs("perturbed")])
+SHAPES = [(p, shape) for shape in ("fixed", "perturbed") for p in SAMPLED]
+DEFAULT_SHAPES = [*((p, "fixed") for p in SAMPLED), ("ddtree-sampled", "perturbed")]  # the rest in the slow tier
+
+
+@pytest.mark.parametrize(("policy", "shape"), by_default(SHAPES, *DEFAULT_SHAPES))
 @pytest.mark.parametrize("verifier", VERIFIERS)
 def test_every_sampled_pair_commits_the_target_law(world, policy, verifier, shape):
     report = check_exactness(_policy(policy, shape=shape), registry.create("verifier", verifier), SETTINGS["T=1.0"],
@@ -82,7 +77,7 @@ def test_every_sampled_pair_commits_the_target_law(world, policy, verifier, shap
 
 @pytest.mark.parametrize("setting", ["T=0.6", "T=1.0,top-p=0.8"])
 @pytest.mark.parametrize("verifier", ["recursive-rejection", "traversal"])
-@pytest.mark.parametrize("policy", slow_but("ddtree-sampled"))
+@pytest.mark.parametrize("policy", by_default(SAMPLED, "ddtree-sampled"))
 def test_the_q_verifiers_are_exact_at_lower_temperature_and_with_top_p(world, policy, verifier, setting):
     report = check_exactness(_policy(policy), registry.create("verifier", verifier), SETTINGS[setting], samples=ROUNDS,
                              world=world)
@@ -203,7 +198,7 @@ def test_a_seed_rebuilds_the_same_tree_on_both_backends(world, policy, shape):
     assert not all(pol.sample(world.draft, sampling=t1, seed=s)[0].equal(tree) for s in range(124, 130))
 
 
-@pytest.mark.parametrize("policy", slow_but("ddtree-sampled"))
+@pytest.mark.parametrize("policy", by_default(SAMPLED, "ddtree-sampled"))
 def test_children_are_drawn_from_their_proposal(world, policy):
     """The root's first child follows q at the root (its proposal row), at T = 1."""
     pol, t1 = _policy(policy, 1), SamplingParams(1.0)

@@ -6,16 +6,15 @@ import json
 
 import pytest
 import torch
+from tiers import by_default
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from treespec.apps.training.trainer import DrafterTrainer
 from treespec.drafters.training import BlockRecipe, TrainConfig, decay_weights, init_from_target, new_drafter
 
 
-def one_family_by_default(family: str) -> list:
-    """Both drafter families, ``family`` in the default tier and the other in the slow tier: the
-    longer tests alternate which family runs by default, so both are trained on every change."""
-    return [kind if kind == family else pytest.param(kind, marks=pytest.mark.slow) for kind in ("dflash", "domino")]
+# the longer tests alternate which drafter family the default tier runs, so both train on every change
+FAMILIES = ("dflash", "domino")
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +238,7 @@ def test_training_refuses_a_cache_for_another_target_taps_or_k(target, tmp_path)
         TeacherCache(tmp_path / "none")
 
 
-@pytest.mark.parametrize("kind", one_family_by_default("domino"))
+@pytest.mark.parametrize("kind", by_default(FAMILIES, "domino"))
 def test_training_from_the_cache_equals_training_live(target, tmp_path, kind):
     from treespec.apps.data.selfdistill import iter_sequences
     from treespec.apps.training.teacher import TeacherCache, TeacherSpec, build_teacher_cache
@@ -270,7 +269,7 @@ def test_a_reduced_vocabulary_covering_every_token_trains_like_the_full_head(tar
     assert [x["loss"] for x in a] == pytest.approx([x["loss"] for x in b], rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", one_family_by_default("dflash"))
+@pytest.mark.parametrize("kind", by_default(FAMILIES, "dflash"))
 def test_a_reduced_vocabulary_trains_and_drafts_only_its_tokens(target, tmp_path, kind):
     from treespec.apps.training.vocabulary import coverage, response_token_counts
     from treespec.training import draft_vocabulary
@@ -405,7 +404,7 @@ def _trained_start(target, out_dir, kind: str, steps: int):
     return data, vocab, cfg, first
 
 
-@pytest.mark.parametrize("kind", one_family_by_default("domino"))
+@pytest.mark.parametrize("kind", by_default(FAMILIES, "domino"))
 def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
     """``--init``: the saved weights and d2t are the start, the optimiser is fresh, a mismatch is refused."""
     from treespec.drafters.training import warm_start
@@ -438,7 +437,7 @@ def test_a_warm_start_continues_from_the_saved_drafter(target, tmp_path, kind):
         other.resume()
 
 
-@pytest.mark.parametrize("kind", one_family_by_default("dflash"))
+@pytest.mark.parametrize("kind", by_default(FAMILIES, "dflash"))
 def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(target, tmp_path, kind):
     """``--init`` of a one-layer drafter into a two-layer run: the saved layer first, unchanged; the added
     one the target's next-to-top layer with its output projections zeroed, so the start's loss is the
@@ -476,7 +475,7 @@ def test_a_warm_start_with_more_layers_grows_a_drafter_that_drafts_as_saved(targ
         warm_start(target, cfg, 1, tmp_path / "two")
 
 
-@pytest.mark.parametrize("kind", one_family_by_default("domino"))
+@pytest.mark.parametrize("kind", by_default(FAMILIES, "domino"))
 def test_grown_layers_learn_at_their_multiple_of_the_rate(target, tmp_path, kind):
     """``grown_lr_scale``: the layers a warm start adds take an Adam step that many times as large as at
     1x (a first Adam step is linear in the rate); the saved layers' step is the same either way."""
@@ -532,7 +531,7 @@ def test_a_run_saved_before_a_config_field_existed_resumes_at_its_default(target
         make(target, tmp_path, steps=4).resume()
 
 
-@pytest.mark.parametrize("kind", one_family_by_default("dflash"))
+@pytest.mark.parametrize("kind", by_default(FAMILIES, "dflash"))
 def test_a_warm_start_with_a_larger_head_keeps_the_weights_and_adds_the_most_frequent_tokens(target, tmp_path, kind):
     """``--init`` of a 24-token head into a 32-token run: every weight as saved, the saved tokens kept and
     the 8 most frequent others added; each saved token's logit is the saved drafter's; it trains on."""
@@ -635,7 +634,7 @@ def test_a_time_box_counts_evaluations_and_stops_at_its_deadline(target, tmp_pat
     assert again.resume() and again.step == 5  # a run the deadline stopped resumes where it stopped
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seed", by_default(range(3), 0))
 def test_the_sparse_soft_label_loss_equals_the_dense_one(target, tmp_path, seed):
     """`position_loss` reads K columns; the dense formula over all N draft ids gives the same loss."""
     from treespec.drafters.training import SoftLabels
