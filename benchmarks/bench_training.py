@@ -157,10 +157,10 @@ def against(args, target, cache, vocab) -> None:
 
 def main() -> None:
     args = parse_args()
-    for option, path in (("--data", args.data / "shard-00000.safetensors"), ("--cache", args.cache / "manifest.json")):
-        if not path.is_file():
-            raise SystemExit(f"{option} {path.parent}: no {'distill-data shards' if option == '--data' else 'teacher cache'}"
-                             " here")
+    for option, folder, file, what in (("--data", args.data, "shard-00000.safetensors", "distill-data shards"),
+                                       ("--cache", args.cache, "manifest.json", "teacher cache")):
+        if not (folder / file).is_file():
+            raise SystemExit(f"{option} {folder}: no {what} here")
     ThreadControl.start(args.threads)
 
     from treespec.apps.assembly.loading import load_frozen_model
